@@ -1,0 +1,103 @@
+"""nanolimit: rate-limit decisions made in native code.
+
+``import nanolimit`` gives the native twin (Cython, ``nanolimit._core``) when
+it is built, and the pure-Python twin (``nanolimit.reference``) otherwise or
+when ``NANOLIMIT_NO_EXTENSIONS`` is set. Both export the same names; type
+checkers always see the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from ._shared import (
+    Algorithm,
+    BatchResult,
+    Clock,
+    FakeClock,
+    LimiterState,
+    RateLimiter,
+    Storage,
+    SystemClock,
+    UnknownAlgorithmError,
+    ValidationError,
+)
+
+__version__ = "0.1.0"
+
+NO_EXTENSIONS = bool(os.environ.get("NANOLIMIT_NO_EXTENSIONS"))
+
+if TYPE_CHECKING:
+    from .reference import (
+        GCRA,
+        Decision,
+        FixedWindowCounter,
+        InMemoryStorage,
+        LeakyBucket,
+        SlidingWindowCounter,
+        SlidingWindowLog,
+        TokenBucket,
+    )
+
+    IMPLEMENTATION: str
+elif NO_EXTENSIONS:
+    from .reference import (
+        GCRA,
+        IMPLEMENTATION,
+        Decision,
+        FixedWindowCounter,
+        InMemoryStorage,
+        LeakyBucket,
+        SlidingWindowCounter,
+        SlidingWindowLog,
+        TokenBucket,
+    )
+else:
+    try:
+        from ._core import (
+            GCRA,
+            IMPLEMENTATION,
+            Decision,
+            FixedWindowCounter,
+            InMemoryStorage,
+            LeakyBucket,
+            SlidingWindowCounter,
+            SlidingWindowLog,
+            TokenBucket,
+        )
+    except ImportError:  # not built (sdist on an exotic interpreter): stay usable
+        from .reference import (
+            GCRA,
+            IMPLEMENTATION,
+            Decision,
+            FixedWindowCounter,
+            InMemoryStorage,
+            LeakyBucket,
+            SlidingWindowCounter,
+            SlidingWindowLog,
+            TokenBucket,
+        )
+
+__all__ = [
+    "GCRA",
+    "IMPLEMENTATION",
+    "Algorithm",
+    "BatchResult",
+    "Clock",
+    "Decision",
+    "FakeClock",
+    "FixedWindowCounter",
+    "InMemoryStorage",
+    "LeakyBucket",
+    "LimiterState",
+    "RateLimiter",
+    "SlidingWindowCounter",
+    "SlidingWindowLog",
+    "Storage",
+    "SystemClock",
+    "TokenBucket",
+    "UnknownAlgorithmError",
+    "ValidationError",
+    "__version__",
+]

@@ -1,0 +1,826 @@
+# cython: language_level=3, freethreading_compatible=True, binding=True, embedsignature=True
+# cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The native twin: Decision, the striped in-memory table and the six limiters.
+
+Twin of ``nanolimit.reference``; the kernels are in ``_kernels.pxd`` and the
+table in ``_table.pxd``. Hot paths hold the GIL (a decision is cheaper than
+releasing it) but only one stripe lock; ``allow_many`` releases the GIL for
+the whole batch. No Python object is touched while a stripe lock is held.
+"""
+
+cimport cython
+from cpython.array cimport array, clone
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
+from libc.math cimport floor, isfinite
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memcpy, memset
+
+from nanolimit._kernels cimport init_state, log_at, run_kernel
+from nanolimit._table cimport (
+    NS_ALGORITHM_MASK, ObjectList, Stripe, stripe_clear, stripe_delete,
+    stripe_evict, stripe_find, stripe_insert, entry_key,
+)
+from nanolimit._types cimport (
+    ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET, ALG_SLIDING_COUNTER,
+    ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_OK, NL_REENTRANT,
+    NL_TABLE_FULL, Entry, Params, Verdict, nl_lock_spin, nl_siphash13,
+    nl_trylock, nl_unlock, nl_wall_now,
+)
+
+import os
+import threading
+
+from nanolimit import reference as _reference
+from nanolimit._shared import (
+    MAX_KEY_BYTES,
+    MAX_TIME,
+    Algorithm,
+    BatchResult,
+    LimiterConfig,
+    LimiterState,
+    Storage,
+    SystemClock,
+    ValidationError,
+    check_cost,
+    check_cutoff,
+    check_key,
+    check_now,
+    render_headers,
+    storage_key,
+)
+
+cdef extern from "Python.h":
+    unsigned long PyThread_get_thread_ident() nogil
+
+IMPLEMENTATION = "native"
+
+# Per-process hash key: keys chosen offline cannot collide on purpose.
+cdef uint64_t SEED_K0
+cdef uint64_t SEED_K1
+_seed = os.urandom(16)
+SEED_K0 = int.from_bytes(_seed[:8], "little")
+SEED_K1 = int.from_bytes(_seed[8:], "little")
+del _seed
+
+cdef double MAX_TIME_C = MAX_TIME
+cdef int MAX_STRIPES = 1 << 16
+
+cdef dict ALGORITHM_IDS = {
+    Algorithm.TOKEN_BUCKET: ALG_TOKEN_BUCKET,
+    Algorithm.LEAKY_BUCKET: ALG_LEAKY_BUCKET,
+    Algorithm.FIXED_WINDOW: ALG_FIXED_WINDOW,
+    Algorithm.SLIDING_LOG: ALG_SLIDING_LOG,
+    Algorithm.SLIDING_COUNTER: ALG_SLIDING_COUNTER,
+    Algorithm.GCRA: ALG_GCRA,
+}
+
+cdef array _U8 = array("B")
+cdef array _I64 = array("q")
+cdef array _F64 = array("d")
+
+
+cdef inline uint64_t namespace_seed(uint32_t ns) noexcept nogil:
+    """Each namespace hashes with its own key, so equal strings under two
+    rules land in unrelated slots."""
+    return SEED_K0 ^ (<uint64_t>ns * <uint64_t>0x9E3779B97F4A7C15)
+
+
+cdef void raise_status(int status) except *:
+    if status == NL_NOMEM:
+        raise MemoryError("nanolimit: out of memory for rate-limit state")
+    if status == NL_TABLE_FULL:
+        raise MemoryError("nanolimit: a table stripe is full (16,777,214 keys)")
+    if status == NL_REENTRANT:
+        raise RuntimeError(
+            "InMemoryStorage re-entered from inside apply() on the same stripe; "
+            "a mutate function must not call back into its storage"
+        )
+    raise RuntimeError(f"nanolimit: internal status {status}")
+
+
+# ============================================================== validation
+
+cdef inline const char* key_bytes(object key, Py_ssize_t max_bytes, Py_ssize_t* size) except NULL:
+    """UTF-8 bytes of a valid key, borrowed from the str (cached there by
+    CPython); the error path defers to the shared ``check_key`` message."""
+    cdef const char* data = NULL
+    if isinstance(key, str):
+        try:
+            data = PyUnicode_AsUTF8AndSize(key, size)
+        except UnicodeEncodeError:
+            data = NULL
+        if data != NULL and 0 < size[0] <= max_bytes:
+            return data
+    check_key(key, max_bytes)
+    raise ValidationError(f"invalid key {key!r}")
+
+
+cdef inline int64_t cost_value(object cost, int64_t capacity) except -1:
+    cdef int overflow = 0
+    cdef long long value
+    if type(cost) is int:
+        value = PyLong_AsLongLongAndOverflow(cost, &overflow)
+        if overflow == 0 and 1 <= value <= capacity:
+            return value
+    return <int64_t>int(check_cost(cost, capacity))
+
+
+cdef inline double clock_value(object value) except? -1.0:
+    cdef double t
+    if type(value) is float:
+        t = value
+        if isfinite(t) and -MAX_TIME_C < t < MAX_TIME_C:
+            return t
+    return check_now(value)
+
+
+# ============================================================== Decision
+
+@cython.final
+@cython.freelist(64)
+cdef class Decision:
+    """The answer to one request (SPEC §2). Frozen: a Decision is a fact."""
+
+    cdef readonly bint allowed
+    cdef readonly int64_t limit
+    cdef readonly int64_t remaining
+    cdef readonly double retry_after
+    cdef readonly double reset_after
+    cdef readonly str rule
+    cdef readonly double window
+    cdef readonly double delay
+
+    def __init__(self, allowed, limit, remaining, retry_after, reset_after,
+                 rule="", window=0.0, delay=0.0):
+        self.allowed = bool(allowed)
+        self.limit = limit
+        self.remaining = remaining
+        self.retry_after = retry_after
+        self.reset_after = reset_after
+        self.rule = str(rule)
+        self.window = window
+        self.delay = delay
+
+    def _astuple(self):
+        return (self.allowed, self.limit, self.remaining, self.retry_after,
+                self.reset_after, self.rule, self.window, self.delay)
+
+    def __eq__(self, other):
+        if not hasattr(other, "_astuple") or not hasattr(other, "retry_after"):
+            return NotImplemented
+        return self._astuple() == other._astuple()
+
+    def __hash__(self):
+        return hash(self._astuple())
+
+    def __repr__(self):
+        return (
+            f"Decision(allowed={self.allowed!r}, limit={self.limit!r}, "
+            f"remaining={self.remaining!r}, retry_after={self.retry_after!r}, "
+            f"reset_after={self.reset_after!r}, rule={self.rule!r}, "
+            f"window={self.window!r}, delay={self.delay!r})"
+        )
+
+    def __reduce__(self):
+        return (Decision, self._astuple())
+
+    def headers(self, wall_now=None):
+        """HTTP headers for this decision; ``wall_now`` defaults to ``time.time()``."""
+        return render_headers(self.allowed, self.limit, self.remaining, self.retry_after,
+                              self.reset_after, self.rule, self.window, wall_now)
+
+
+cdef inline Decision make_decision(const Verdict* v, int64_t limit, str rule, double window):
+    cdef Decision d = Decision.__new__(Decision)
+    cdef double left = floor(v.remaining)
+    d.allowed = v.allowed
+    d.limit = limit
+    d.remaining = <int64_t>left if left > 0.0 else 0
+    d.retry_after = v.retry_after
+    d.reset_after = v.reset_after
+    d.rule = rule
+    d.window = window
+    d.delay = v.delay
+    return d
+
+
+# ============================================================== table ops
+
+cdef inline int table_decide(Stripe* s, uint64_t h, uint32_t ns, const char* key,
+                             uint32_t klen, double clock_now, int64_t cost,
+                             const Params* p, bint commit, Verdict* v) noexcept nogil:
+    """Find or create the key, bring it to ``now`` (never backwards), decide,
+    stamp. ``commit=False`` works on a copy and creates nothing."""
+    cdef uint32_t slot
+    cdef Py_ssize_t position = stripe_find(s, h, ns, key, klen, &slot)
+    cdef Entry* e
+    cdef Entry scratch
+    cdef double now
+    cdef int status = NL_OK
+    if position < 0:
+        if not commit:
+            init_state(&scratch, clock_now, p)
+            return run_kernel(&scratch, clock_now, cost, p, False, v)
+        e = stripe_insert(s, h, ns, key, klen, slot, &status)
+        if e == NULL:
+            return status
+        init_state(e, clock_now, p)
+    else:
+        e = &s.entries[position]
+    now = e.updated_at if e.updated_at > clock_now else clock_now
+    if commit:
+        status = run_kernel(e, now, cost, p, True, v)
+        e.updated_at = now
+        return status
+    scratch = e[0]
+    return run_kernel(&scratch, now, cost, p, False, v)
+
+
+cdef inline int lock_stripe(Stripe* s) noexcept:
+    """Take a stripe lock while holding the GIL: try once, and only if that
+    fails release the GIL to wait, so a holder that needs the GIL can finish."""
+    if nl_trylock(&s.lock):
+        return NL_OK
+    if s.owner == PyThread_get_thread_ident():
+        return NL_REENTRANT
+    with nogil:
+        nl_lock_spin(&s.lock)
+    return NL_OK
+
+
+cdef inline void release_objects(ObjectList* objects):
+    cdef size_t i
+    for i in range(objects.count):
+        Py_DECREF(<object><PyObject*>objects.items[i])
+    free(objects.items)
+    objects.items = NULL
+    objects.count = 0
+    objects.capacity = 0
+
+
+# ============================================================== storage
+
+@cython.final
+cdef class InMemoryStorage:
+    """Per-key state in a striped open-addressing table in C memory.
+
+    Keys are copied as UTF-8 and hashed with SipHash-1-3 under a per-process
+    random key. Each stripe has its own lock and its own table, so threads on
+    different stripes never wait for each other. ``stripes`` must be a power
+    of two; ``max_key_bytes`` bounds what a caller can make us store.
+    """
+
+    cdef Stripe* stripes
+    cdef void* stripes_block
+    cdef uint32_t stripe_mask
+    cdef uint64_t hash_mask
+    cdef readonly Py_ssize_t max_key_bytes
+    cdef dict _namespace_ids
+    cdef list _namespace_names
+    cdef object _namespace_lock
+
+    def __cinit__(self, *, stripes=64, max_key_bytes=MAX_KEY_BYTES, _hash_mask=None):
+        cdef uintptr_t address
+        if isinstance(stripes, bool) or not isinstance(stripes, int) or not 1 <= stripes <= MAX_STRIPES \
+                or stripes & (stripes - 1):
+            raise ValidationError(f"stripes must be a power of two in [1, {MAX_STRIPES}], got {stripes!r}")
+        if isinstance(max_key_bytes, bool) or not isinstance(max_key_bytes, int) \
+                or not 1 <= max_key_bytes <= 1 << 20:
+            raise ValidationError(f"max_key_bytes must be an int in [1, 1048576], got {max_key_bytes!r}")
+        self.max_key_bytes = max_key_bytes
+        self.stripe_mask = stripes - 1
+        # Test hook: a mask that forces collisions, to exercise long probe runs.
+        self.hash_mask = 0xFFFFFFFFFFFFFFFF if _hash_mask is None else _hash_mask
+        self.stripes_block = calloc(<size_t>stripes + 1, sizeof(Stripe))
+        if self.stripes_block == NULL:
+            raise MemoryError()
+        address = <uintptr_t>self.stripes_block
+        address = (address + 63) & ~(<uintptr_t>63)
+        self.stripes = <Stripe*>address
+        self._namespace_ids = {}
+        self._namespace_names = [None]
+        self._namespace_lock = threading.Lock()
+
+    def __dealloc__(self):
+        cdef ObjectList objects
+        cdef uint32_t i
+        if self.stripes == NULL:
+            return
+        memset(&objects, 0, sizeof(ObjectList))
+        for i in range(self.stripe_mask + 1):
+            stripe_clear(&self.stripes[i], &objects)
+        free(self.stripes_block)
+        self.stripes = NULL
+        release_objects(&objects)
+
+    # -- namespaces ---------------------------------------------------------
+    cdef uint32_t namespace(self, object algorithm, str rule) except 0:
+        """The id of (algorithm, rule): limiters of one rule share state, so a
+        hot-reloaded rule keeps its keys; the algorithm is in the low bits."""
+        name = (algorithm.value, rule)
+        with self._namespace_lock:
+            ns = self._namespace_ids.get(name)
+            if ns is None:
+                ns = (len(self._namespace_names) << 3) | ALGORITHM_IDS[algorithm]
+                if ns > 0xFFFFFFFF:
+                    raise MemoryError("too many rules on one storage")
+                self._namespace_ids[name] = ns
+                self._namespace_names.append(name)
+        return ns
+
+    cdef inline Stripe* stripe_for(self, uint64_t h) noexcept nogil:
+        return &self.stripes[(h >> 40) & self.stripe_mask]
+
+    # -- the decision path --------------------------------------------------
+    cdef inline int decide(self, uint32_t ns, uint64_t seed, const char* key, Py_ssize_t klen,
+                           double now, int64_t cost, const Params* p, bint commit,
+                           Verdict* v) noexcept:
+        cdef uint64_t h = nl_siphash13(seed, SEED_K1, key, <size_t>klen) & self.hash_mask
+        cdef Stripe* s = self.stripe_for(h)
+        cdef int status = lock_stripe(s)
+        if status != NL_OK:
+            return status
+        status = table_decide(s, h, ns, key, <uint32_t>klen, now, cost, p, commit, v)
+        nl_unlock(&s.lock)
+        return status
+
+    cdef int decide_batch(self, uint32_t ns, uint64_t seed, Py_ssize_t n, const char** keys,
+                          const Py_ssize_t* sizes, const int64_t* costs, double now,
+                          const Params* p, uint8_t* allowed, int64_t* remaining,
+                          double* retry_after, double* reset_after, double* delay,
+                          Py_ssize_t* done) noexcept nogil:
+        cdef unsigned long me = PyThread_get_thread_ident()
+        cdef Py_ssize_t i = 0
+        cdef uint64_t h
+        cdef Stripe* s
+        cdef Verdict v
+        cdef double left
+        cdef int status = NL_OK
+        for i in range(n):
+            h = nl_siphash13(seed, SEED_K1, keys[i], <size_t>sizes[i]) & self.hash_mask
+            s = self.stripe_for(h)
+            if not nl_trylock(&s.lock):
+                if s.owner == me:
+                    status = NL_REENTRANT
+                    break
+                nl_lock_spin(&s.lock)
+            status = table_decide(s, h, ns, keys[i], <uint32_t>sizes[i], now, costs[i], p, True, &v)
+            nl_unlock(&s.lock)
+            if status != NL_OK:
+                break
+            allowed[i] = v.allowed
+            left = floor(v.remaining)
+            remaining[i] = <int64_t>left if left > 0.0 else 0
+            retry_after[i] = v.retry_after
+            reset_after[i] = v.reset_after
+            delay[i] = v.delay
+        done[0] = i if status != NL_OK else n
+        return status
+
+    cdef int forget(self, uint32_t ns, uint64_t seed, const char* key, Py_ssize_t klen) except -1:
+        cdef uint64_t h = nl_siphash13(seed, SEED_K1, key, <size_t>klen) & self.hash_mask
+        cdef Stripe* s = self.stripe_for(h)
+        cdef uint32_t slot
+        cdef Py_ssize_t position
+        cdef void* obj = NULL
+        cdef int status = lock_stripe(s)
+        if status != NL_OK:
+            raise_status(status)
+        position = stripe_find(s, h, ns, key, <uint32_t>klen, &slot)
+        if position >= 0:
+            obj = stripe_delete(s, slot, <uint32_t>position)
+        nl_unlock(&s.lock)
+        if obj != NULL:
+            Py_DECREF(<object><PyObject*>obj)
+        return 0
+
+    cdef object snapshot(self, uint32_t ns, uint64_t seed, const char* key, Py_ssize_t klen,
+                         object algorithm):
+        """A LimiterState copy of one key, built after the lock is released."""
+        cdef uint64_t h = nl_siphash13(seed, SEED_K1, key, <size_t>klen) & self.hash_mask
+        cdef Stripe* s = self.stripe_for(h)
+        cdef uint32_t slot, i
+        cdef Py_ssize_t position
+        cdef Entry copy
+        cdef double* log = NULL
+        cdef int status = lock_stripe(s)
+        if status != NL_OK:
+            raise_status(status)
+        position = stripe_find(s, h, ns, key, <uint32_t>klen, &slot)
+        if position >= 0:
+            copy = s.entries[position]
+            if (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG and copy.state.log.length:
+                log = <double*>malloc(copy.state.log.length * sizeof(double))
+                if log == NULL:
+                    status = NL_NOMEM
+                else:
+                    for i in range(copy.state.log.length):
+                        log[i] = log_at(&copy.state.log, i)
+        nl_unlock(&s.lock)
+        if status != NL_OK:
+            raise_status(status)
+        if position < 0:
+            return None
+        alg = ns & NS_ALGORITHM_MASK
+        if alg == ALG_TOKEN_BUCKET or alg == ALG_LEAKY_BUCKET:
+            return LimiterState(algorithm, copy.updated_at, level=copy.state.bucket.level)
+        if alg == ALG_GCRA:
+            return LimiterState(algorithm, copy.updated_at, tat=copy.state.gcra.tat)
+        if alg == ALG_FIXED_WINDOW:
+            return LimiterState(algorithm, copy.updated_at, window_index=copy.state.window.index,
+                                count=copy.state.window.count)
+        if alg == ALG_SLIDING_COUNTER:
+            return LimiterState(algorithm, copy.updated_at, window_index=copy.state.window.index,
+                                count=copy.state.window.count, previous=copy.state.window.previous)
+        try:
+            entries = tuple([log[i] for i in range(copy.state.log.length)])
+        finally:
+            free(log)
+        return LimiterState(algorithm, copy.updated_at, log=entries)
+
+    # -- the Storage protocol ------------------------------------------------
+    def apply(self, key, now, mutate):
+        """Run ``mutate(state | None) -> (state, result)`` atomically for ``key``.
+
+        The slow, general seam (SPEC §5) for algorithms written in Python: the
+        stripe lock is held while ``mutate`` runs, so it must not call back
+        into this storage. A returned state of ``None`` forgets the key.
+        """
+        cdef Py_ssize_t klen
+        cdef const char* data = key_bytes(key, self.max_key_bytes, &klen)
+        cdef double t = clock_value(now)
+        cdef uint64_t h = nl_siphash13(SEED_K0, SEED_K1, data, <size_t>klen) & self.hash_mask
+        cdef Stripe* s = self.stripe_for(h)
+        cdef uint32_t slot
+        cdef Py_ssize_t position
+        cdef Entry* e
+        cdef void* old = NULL
+        cdef int status = NL_OK
+        if not callable(mutate):
+            raise ValidationError("mutate must be callable")
+        status = lock_stripe(s)
+        if status != NL_OK:
+            raise_status(status)
+        s.owner = PyThread_get_thread_ident()
+        try:
+            position = stripe_find(s, h, ALG_APPLY, data, <uint32_t>klen, &slot)
+            state = None if position < 0 else <object><PyObject*>s.entries[position].state.obj
+            new_state, result = mutate(state)
+        except BaseException:
+            s.owner = 0
+            nl_unlock(&s.lock)
+            raise
+        # Python may have run: the stripe cannot have changed (re-entry is refused).
+        if new_state is None:
+            if position >= 0:
+                old = stripe_delete(s, slot, <uint32_t>position)
+        elif position >= 0:
+            e = &s.entries[position]
+            old = e.state.obj
+            Py_INCREF(new_state)
+            e.state.obj = <void*><PyObject*>new_state
+            if t > e.updated_at:
+                e.updated_at = t
+        else:
+            e = stripe_insert(s, h, ALG_APPLY, data, <uint32_t>klen, slot, &status)
+            if e != NULL:
+                Py_INCREF(new_state)
+                e.state.obj = <void*><PyObject*>new_state
+                e.updated_at = t
+        s.owner = 0
+        nl_unlock(&s.lock)
+        if old != NULL:
+            Py_DECREF(<object><PyObject*>old)
+        if status != NL_OK:
+            raise_status(status)
+        return result
+
+    def evict_idle(self, cutoff):
+        """Forget keys whose last decision was before ``cutoff``; returns how many.
+
+        One stripe at a time, so deciders wait at most one stripe's scan.
+        """
+        cdef double limit = check_cutoff(cutoff)
+        cdef Py_ssize_t removed = 0
+        cdef uint32_t i
+        cdef Stripe* s
+        cdef ObjectList objects
+        cdef int status
+        memset(&objects, 0, sizeof(ObjectList))
+        for i in range(self.stripe_mask + 1):
+            s = &self.stripes[i]
+            status = lock_stripe(s)
+            if status != NL_OK:
+                release_objects(&objects)
+                raise_status(status)
+            removed += stripe_evict(s, limit, &objects)
+            nl_unlock(&s.lock)
+        release_objects(&objects)
+        return removed
+
+    def __len__(self):
+        cdef Py_ssize_t total = 0
+        cdef uint32_t i
+        cdef Stripe* s
+        for i in range(self.stripe_mask + 1):
+            s = &self.stripes[i]
+            if lock_stripe(s) != NL_OK:
+                raise_status(NL_REENTRANT)
+            total += s.count
+            nl_unlock(&s.lock)
+        return total
+
+    def keys(self):
+        """Every key held, as storage keys (see ``storage_key``)."""
+        cdef list out = []
+        cdef uint32_t i, j
+        cdef Stripe* s
+        cdef char* buffer
+        cdef uint32_t* meta
+        cdef size_t used, total, n
+        cdef int status
+        for i in range(self.stripe_mask + 1):
+            s = &self.stripes[i]
+            status = lock_stripe(s)
+            if status != NL_OK:
+                raise_status(status)
+            n = s.count
+            total = 0
+            for j in range(n):
+                total += s.entries[j].key_len
+            buffer = <char*>malloc(total + 1)
+            meta = <uint32_t*>malloc((2 * n + 1) * sizeof(uint32_t))
+            if buffer == NULL or meta == NULL:
+                nl_unlock(&s.lock)
+                free(buffer)
+                free(meta)
+                raise MemoryError()
+            used = 0
+            for j in range(n):
+                memcpy(buffer + used, entry_key(&s.entries[j]), s.entries[j].key_len)
+                meta[2 * j] = s.entries[j].key_len
+                meta[2 * j + 1] = s.entries[j].ns
+                used += s.entries[j].key_len
+            nl_unlock(&s.lock)
+            try:
+                used = 0
+                for j in range(n):
+                    key = PyUnicode_DecodeUTF8(buffer + used, meta[2 * j], NULL)
+                    used += meta[2 * j]
+                    ns = meta[2 * j + 1]
+                    if ns == ALG_APPLY:
+                        out.append(key)
+                    else:
+                        algorithm, rule = self._namespace_names[ns >> 3]
+                        out.append(storage_key(Algorithm(algorithm), rule, key))
+            finally:
+                free(buffer)
+                free(meta)
+        return out
+
+    @property
+    def stripes(self):
+        return self.stripe_mask + 1
+
+    def __repr__(self):
+        return f"<native InMemoryStorage keys={len(self)} stripes={self.stripe_mask + 1}>"
+
+
+# ============================================================== limiters
+
+cdef class _Limiter:
+    """Shared machinery of the six limiters; subclasses name the algorithm."""
+
+    cdef Params p
+    cdef InMemoryStorage store          # None when the storage is not native
+    cdef object _storage
+    cdef object _clock
+    cdef object _config
+    cdef object _fallback               # reference limiter over a foreign storage
+    cdef bint system_clock
+    cdef uint32_t ns
+    cdef uint64_t seed
+    cdef str _rule
+    cdef Py_ssize_t max_key_bytes
+
+    algorithm = None
+
+    def __init__(self, limit, window_seconds, storage=None, clock=None, rule="", *, burst=None):
+        algorithm = type(self).algorithm
+        cfg = LimiterConfig.build(algorithm, limit, window_seconds, burst, rule)
+        if clock is None:
+            clock = SystemClock()
+        elif not callable(getattr(clock, "now", None)):
+            raise ValidationError(f"clock must have a now() method, got {type(clock).__name__}")
+        if storage is None:
+            storage = InMemoryStorage()
+        elif not isinstance(storage, Storage):
+            raise ValidationError(f"storage must implement Storage, got {type(storage).__name__}")
+        self._config = cfg
+        self._storage = storage
+        self._clock = clock
+        self._rule = cfg.rule
+        self.system_clock = type(clock) is SystemClock
+        self.p.algorithm = ALGORITHM_IDS[algorithm]
+        self.p.capacity = cfg.capacity
+        self.p.capacity_f = <double>cfg.capacity
+        self.p.rate = cfg.rate
+        self.p.window = cfg.window_seconds
+        self.p.interval_us = cfg.gcra_interval_us
+        self.p.tolerance_us = cfg.gcra_tolerance_us
+        if isinstance(storage, InMemoryStorage):
+            self.store = <InMemoryStorage>storage
+            self.ns = self.store.namespace(algorithm, self._rule)
+            self.seed = namespace_seed(self.ns)
+            self.max_key_bytes = self.store.max_key_bytes
+        else:
+            self.store = None
+            self._fallback = _reference.LIMITERS[algorithm](
+                limit, window_seconds, storage, clock, rule, burst=burst
+            )
+            self.max_key_bytes = getattr(storage, "max_key_bytes", MAX_KEY_BYTES)
+
+    # -- properties ------------------------------------------------------------
+    @property
+    def limit(self):
+        return self._config.limit
+
+    @property
+    def capacity(self):
+        return self._config.capacity
+
+    @property
+    def window_seconds(self):
+        return self._config.window_seconds
+
+    @property
+    def burst(self):
+        return self._config.burst
+
+    @property
+    def rule(self):
+        return self._rule
+
+    @property
+    def storage(self):
+        return self._storage
+
+    @property
+    def clock(self):
+        return self._clock
+
+    # -- decisions -----------------------------------------------------------
+    cdef inline double read_clock(self) except? -1.0:
+        if self.system_clock:
+            return nl_wall_now()
+        return clock_value(self._clock.now())
+
+    cdef Decision decide(self, object key, object cost, bint commit):
+        cdef Verdict v
+        cdef Py_ssize_t klen
+        cdef const char* data
+        cdef int64_t units
+        cdef double now
+        cdef int status
+        if self.store is None:
+            return self.foreign(key, cost, commit)
+        data = key_bytes(key, self.max_key_bytes, &klen)
+        units = cost_value(cost, self.p.capacity)
+        now = self.read_clock()
+        status = self.store.decide(self.ns, self.seed, data, klen, now, units, &self.p, commit, &v)
+        if status != NL_OK:
+            raise_status(status)
+        return make_decision(&v, self.p.capacity, self._rule, self.p.window)
+
+    cdef Decision foreign(self, object key, object cost, bint commit):
+        d = self._fallback.allow(key, cost) if commit else self._fallback.peek(key, cost)
+        return Decision(d.allowed, d.limit, d.remaining, d.retry_after, d.reset_after,
+                        d.rule, d.window, d.delay)
+
+    def allow(self, key, cost=1):
+        """Decide one request and spend its cost if it passes."""
+        return self.decide(key, cost, True)
+
+    def peek(self, key, cost=1):
+        """What ``allow`` would answer now, spending nothing and storing nothing."""
+        return self.decide(key, cost, False)
+
+    def allow_many(self, keys, costs=None):
+        """Decide a batch in order with the GIL released; every key and cost is
+        checked before any is spent. Returns a :class:`BatchResult` of arrays."""
+        cdef list key_list = keys if type(keys) is list else list(keys)
+        cdef list cost_list = None
+        cdef char* block
+        cdef Py_ssize_t n = len(key_list)
+        cdef Py_ssize_t i, done = 0
+        cdef const char** data
+        cdef Py_ssize_t* sizes
+        cdef int64_t* units
+        cdef array allowed, remaining, retry, reset, delay
+        cdef double now
+        cdef int status
+        if self.store is None:
+            r = self._fallback.allow_many(key_list, costs)
+            return BatchResult(Decision, r.limit, r.rule, r.window, r.allowed, r.remaining,
+                               r.retry_after, r.reset_after, r.delay)
+        if costs is not None:
+            cost_list = costs if type(costs) is list else list(costs)
+            if len(cost_list) != n:
+                raise ValidationError(f"{n} keys but {len(cost_list)} costs")
+        block = <char*>malloc(<size_t>(n if n else 1) * (sizeof(char*) + sizeof(Py_ssize_t) + sizeof(int64_t)))
+        if block == NULL:
+            raise MemoryError()
+        data = <const char**>block
+        sizes = <Py_ssize_t*>(block + n * sizeof(char*))
+        units = <int64_t*>(block + n * (sizeof(char*) + sizeof(Py_ssize_t)))
+        try:
+            for i in range(n):
+                data[i] = key_bytes(key_list[i], self.max_key_bytes, &sizes[i])
+                units[i] = 1 if costs is None else cost_value(cost_list[i], self.p.capacity)
+            now = self.read_clock()
+            allowed = clone(_U8, n, False)
+            remaining = clone(_I64, n, False)
+            retry = clone(_F64, n, False)
+            reset = clone(_F64, n, False)
+            delay = clone(_F64, n, False)
+            with nogil:
+                status = self.store.decide_batch(
+                    self.ns, self.seed, n, data, sizes, units, now, &self.p,
+                    allowed.data.as_uchars, <int64_t*>remaining.data.as_longlongs, retry.data.as_doubles,
+                    reset.data.as_doubles, delay.data.as_doubles, &done)
+        finally:
+            free(block)
+        if status != NL_OK:
+            raise_status(status)
+        return BatchResult(Decision, self.p.capacity, self._rule, self.p.window,
+                           allowed, remaining, retry, reset, delay)
+
+    def reset(self, key):
+        """Forget ``key``: its next request sees a full budget."""
+        cdef Py_ssize_t klen
+        cdef const char* data
+        if self.store is None:
+            self._fallback.reset(key)
+            return
+        data = key_bytes(key, self.max_key_bytes, &klen)
+        self.store.forget(self.ns, self.seed, data, klen)
+
+    def state(self, key):
+        """A snapshot of ``key``'s state, or ``None`` if the storage holds none."""
+        cdef Py_ssize_t klen
+        cdef const char* data
+        if self.store is None:
+            return self._fallback.state(key)
+        data = key_bytes(key, self.max_key_bytes, &klen)
+        return self.store.snapshot(self.ns, self.seed, data, klen, type(self).algorithm)
+
+    def __repr__(self):
+        cfg = self._config
+        burst = "" if cfg.burst is None else f", burst={cfg.burst}"
+        return f"{type(self).__name__}({cfg.limit}, {cfg.window_seconds!r}, rule={cfg.rule!r}{burst})"
+
+
+cdef class TokenBucket(_Limiter):
+    """Refills ``limit`` tokens per window up to ``burst`` (default ``limit``)."""
+
+    algorithm = Algorithm.TOKEN_BUCKET
+
+
+cdef class LeakyBucket(_Limiter):
+    """A shaper: admitted work queues and drains at the rate; ``delay`` says how long to wait."""
+
+    algorithm = Algorithm.LEAKY_BUCKET
+
+
+cdef class FixedWindowCounter(_Limiter):
+    """``limit`` per aligned window; cheap, but lets 2x through across a boundary."""
+
+    algorithm = Algorithm.FIXED_WINDOW
+
+
+cdef class SlidingWindowLog(_Limiter):
+    """Exact: at most ``limit`` units in any trailing window, O(limit) memory per key."""
+
+    algorithm = Algorithm.SLIDING_LOG
+
+
+cdef class SlidingWindowCounter(_Limiter):
+    """Approximates the sliding log with two counters per key."""
+
+    algorithm = Algorithm.SLIDING_COUNTER
+
+
+cdef class GCRA(_Limiter):
+    """Generic cell rate algorithm: one integer per key, smooth spacing, burst tolerance."""
+
+    algorithm = Algorithm.GCRA
+
+
+LIMITERS = {
+    cls.algorithm: cls
+    for cls in (TokenBucket, LeakyBucket, FixedWindowCounter, SlidingWindowLog,
+                SlidingWindowCounter, GCRA)
+}

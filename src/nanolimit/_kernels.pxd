@@ -1,0 +1,272 @@
+# cython: language_level=3
+# The six decision kernels: SPEC §4 written literally, in the same order of
+# floating-point operations as ``reference.py`` (its ``_<algorithm>``
+# functions). ``now`` is already ``max(clock, updated_at)``; the caller stamps
+# ``updated_at`` afterwards. Kernels never raise and never touch Python objects.
+
+from libc.math cimport floor
+from libc.stdint cimport int64_t, uint32_t
+from libc.stdlib cimport free, malloc
+
+from nanolimit._types cimport (
+    ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET, ALG_SLIDING_COUNTER,
+    ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_OK, Entry, GcraState,
+    LogState, Params, Verdict, WindowState, nl_floordiv,
+)
+
+
+cdef inline void init_state(Entry* e, double now, const Params* p) noexcept nogil:
+    """State of a key nobody has seen yet (matches ``reference._new_state``)."""
+    cdef int alg = p.algorithm
+    e.updated_at = now
+    if alg == ALG_TOKEN_BUCKET:
+        e.state.bucket.level = p.capacity_f
+    elif alg == ALG_LEAKY_BUCKET:
+        e.state.bucket.level = 0.0
+    elif alg == ALG_GCRA:
+        e.state.gcra.tat = <int64_t>floor(now * 1000000.0)
+    elif alg == ALG_SLIDING_LOG:
+        e.state.log.ring = NULL
+        e.state.log.head = 0
+        e.state.log.length = 0
+        e.state.log.ring_size = 0
+        e.state.log._unused = 0
+    else:
+        e.state.window.index = <int64_t>floor(now / p.window)
+        e.state.window.count = 0
+        e.state.window.previous = 0
+
+
+# ---------------------------------------------------------------- buckets
+
+cdef inline void token_bucket(Entry* e, double now, int64_t cost, const Params* p,
+                              Verdict* v) noexcept nogil:
+    cdef double capacity = p.capacity_f
+    cdef double rate = p.rate
+    cdef double elapsed = now - e.updated_at
+    cdef double level = e.state.bucket.level + elapsed * rate
+    if level > capacity:
+        level = capacity
+    v.retry_after = 0.0
+    v.delay = 0.0
+    v.allowed = level >= <double>cost
+    if v.allowed:
+        level = level - <double>cost
+    else:
+        v.retry_after = (<double>cost - level) / rate
+    e.state.bucket.level = level
+    v.remaining = level
+    v.reset_after = (capacity - level) / rate
+
+
+cdef inline void leaky_bucket(Entry* e, double now, int64_t cost, const Params* p,
+                              Verdict* v) noexcept nogil:
+    cdef double capacity = p.capacity_f
+    cdef double rate = p.rate
+    cdef double elapsed = now - e.updated_at
+    cdef double level = e.state.bucket.level - elapsed * rate
+    cdef double room
+    if level < 0.0:
+        level = 0.0
+    room = capacity - level
+    v.delay = 0.0
+    v.retry_after = 0.0
+    v.allowed = <double>cost <= room
+    if v.allowed:
+        v.delay = level / rate
+        level = level + <double>cost
+        v.remaining = capacity - level
+    else:
+        v.remaining = room
+        v.retry_after = (<double>cost - room) / rate
+    e.state.bucket.level = level
+    v.reset_after = level / rate
+
+
+# ---------------------------------------------------------------- windows
+
+cdef inline void fixed_window(Entry* e, double now, int64_t cost, const Params* p,
+                              Verdict* v) noexcept nogil:
+    cdef WindowState* w = &e.state.window
+    cdef double window = p.window
+    cdef int64_t index = <int64_t>floor(now / window)
+    cdef double start
+    if index != w.index:
+        w.index = index
+        w.count = 0
+    start = <double>w.index * window
+    v.retry_after = 0.0
+    v.delay = 0.0
+    v.allowed = w.count + cost <= p.capacity
+    if v.allowed:
+        w.count += cost
+    else:
+        v.retry_after = start + window - now
+    v.reset_after = start + window - now if w.count > 0 else 0.0
+    v.remaining = <double>(p.capacity - w.count)
+
+
+cdef inline double log_at(const LogState* lg, uint32_t i) noexcept nogil:
+    """The i-th oldest timestamp."""
+    cdef uint32_t j = lg.head + i
+    if j >= lg.ring_size:
+        j -= lg.ring_size
+    return lg.ring[j]
+
+
+cdef inline void log_drop_oldest(LogState* lg) noexcept nogil:
+    lg.head += 1
+    if lg.head == lg.ring_size:
+        lg.head = 0
+    lg.length -= 1
+
+
+cdef inline int log_reserve(LogState* lg, int64_t needed, int64_t capacity) noexcept nogil:
+    """Grow the ring (doubling, at most ``capacity``) so ``needed`` entries fit."""
+    cdef int64_t size = lg.ring_size
+    cdef double* ring
+    cdef uint32_t i
+    if needed <= size:
+        return NL_OK
+    size = 8 if size == 0 else size * 2
+    if size < needed:
+        size = needed
+    if size > capacity:
+        size = capacity
+    ring = <double*>malloc(<size_t>size * sizeof(double))
+    if ring == NULL:
+        return NL_NOMEM
+    for i in range(lg.length):
+        ring[i] = log_at(lg, i)
+    free(lg.ring)
+    lg.ring = ring
+    lg.head = 0
+    lg.ring_size = <uint32_t>size
+    return NL_OK
+
+
+cdef inline int sliding_log(Entry* e, double now, int64_t cost, const Params* p,
+                            bint commit, Verdict* v) noexcept nogil:
+    """``commit=False`` (peek) may run on a copy of the entry: it only moves
+    the copy's head, never writes the shared ring."""
+    cdef LogState* lg = &e.state.log
+    cdef int64_t capacity = p.capacity
+    cdef double window = p.window
+    cdef double cutoff
+    cdef uint32_t tail
+    cdef int64_t i
+    while lg.length > capacity:          # capacity lowered by a hot reload
+        log_drop_oldest(lg)
+    cutoff = now - window
+    while lg.length > 0 and lg.ring[lg.head] <= cutoff:
+        log_drop_oldest(lg)
+    v.retry_after = 0.0
+    v.delay = 0.0
+    v.allowed = lg.length + cost <= capacity
+    if v.allowed:
+        if commit:
+            if log_reserve(lg, lg.length + cost, capacity) != NL_OK:
+                return NL_NOMEM
+            tail = lg.head + lg.length
+            if tail >= lg.ring_size:
+                tail -= lg.ring_size
+            for i in range(cost):
+                lg.ring[tail] = now
+                tail += 1
+                if tail == lg.ring_size:
+                    tail = 0
+            lg.length += <uint32_t>cost
+            v.remaining = <double>(capacity - lg.length)
+        else:
+            v.remaining = <double>(capacity - lg.length - cost)
+        v.reset_after = now + window - now
+    else:
+        v.remaining = 0.0
+        v.retry_after = log_at(lg, <uint32_t>(lg.length + cost - capacity - 1)) + window - now
+        if lg.length > 0:
+            v.reset_after = log_at(lg, lg.length - 1) + window - now
+        else:
+            v.reset_after = 0.0
+    return NL_OK
+
+
+cdef inline void sliding_counter(Entry* e, double now, int64_t cost, const Params* p,
+                                 Verdict* v) noexcept nogil:
+    cdef WindowState* w = &e.state.window
+    cdef double window = p.window
+    cdef double capacity = p.capacity_f
+    cdef int64_t index = <int64_t>floor(now / window)
+    cdef int64_t count, previous, room
+    cdef double start, weight, estimate
+    if index != w.index:
+        w.previous = w.count if index == w.index + 1 else 0
+        w.count = 0
+        w.index = index
+    count = w.count
+    previous = w.previous
+    start = <double>w.index * window
+    weight = 1.0 - (now - start) / window
+    estimate = <double>previous * weight + <double>count
+    v.retry_after = 0.0
+    v.delay = 0.0
+    v.allowed = estimate + <double>cost <= capacity
+    if v.allowed:
+        count += cost
+        w.count = count
+        v.remaining = capacity - estimate - <double>cost
+    else:
+        v.remaining = capacity - estimate
+        room = p.capacity - count - cost
+        if previous <= 0 or room < 0:
+            v.retry_after = start + window - now
+        else:
+            v.retry_after = start + window * (1.0 - <double>room / <double>previous) - now
+    if count > 0:
+        v.reset_after = start + 2.0 * window - now
+    elif previous > 0:
+        v.reset_after = start + window - now
+    else:
+        v.reset_after = 0.0
+
+
+# ---------------------------------------------------------------- GCRA
+
+cdef inline void gcra(Entry* e, double now, int64_t cost, const Params* p,
+                      Verdict* v) noexcept nogil:
+    cdef GcraState* g = &e.state.gcra
+    cdef int64_t interval = p.interval_us
+    cdef int64_t tolerance = p.tolerance_us
+    cdef int64_t now_us = <int64_t>floor(now * 1000000.0)
+    cdef int64_t backlog = g.tat - now_us
+    if backlog < 0:
+        backlog = 0
+    v.retry_after = 0.0
+    v.delay = 0.0
+    v.allowed = backlog + interval * cost <= tolerance
+    if v.allowed:
+        backlog = backlog + interval * cost
+        g.tat = now_us + backlog
+    else:
+        v.retry_after = <double>(backlog + interval * cost - tolerance) / 1000000.0
+    v.remaining = <double>nl_floordiv(tolerance - backlog, interval)
+    v.reset_after = <double>backlog / 1000000.0
+
+
+# ---------------------------------------------------------------- dispatch
+
+cdef inline int run_kernel(Entry* e, double now, int64_t cost, const Params* p,
+                           bint commit, Verdict* v) noexcept nogil:
+    cdef int alg = p.algorithm
+    if alg == ALG_TOKEN_BUCKET:
+        token_bucket(e, now, cost, p, v)
+    elif alg == ALG_GCRA:
+        gcra(e, now, cost, p, v)
+    elif alg == ALG_FIXED_WINDOW:
+        fixed_window(e, now, cost, p, v)
+    elif alg == ALG_SLIDING_COUNTER:
+        sliding_counter(e, now, cost, p, v)
+    elif alg == ALG_LEAKY_BUCKET:
+        leaky_bucket(e, now, cost, p, v)
+    else:
+        return sliding_log(e, now, cost, p, commit, v)
+    return NL_OK

@@ -1,0 +1,456 @@
+"""Pieces both twins share: errors, the algorithm names, clocks, protocols,
+validation and header rendering.
+
+Nothing here is on the per-decision hot path of the native twin; the native
+core re-implements the checks it needs in C and uses these only to build
+error messages and to configure itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ._decision_py import Decision
+
+__all__ = [
+    "MAX_COST",
+    "MAX_KEY_BYTES",
+    "MAX_LIMIT",
+    "MAX_LOG_CAPACITY",
+    "MAX_TIME",
+    "MIN_WINDOW",
+    "MAX_WINDOW",
+    "Algorithm",
+    "BatchResult",
+    "Clock",
+    "FakeClock",
+    "LimiterConfig",
+    "LimiterState",
+    "RateLimiter",
+    "Storage",
+    "SystemClock",
+    "UnknownAlgorithmError",
+    "ValidationError",
+    "check_cutoff",
+    "check_now",
+    "render_headers",
+    "storage_key",
+]
+
+# Bounds keep every value the kernels compute exact in IEEE double and int64,
+# which is what lets the C kernels, this reference and Lua agree bit for bit.
+MAX_LIMIT = 1 << 40
+MAX_COST = MAX_LIMIT
+MIN_WINDOW = 1e-6
+MAX_WINDOW = 1e9
+# GCRA counts integer microseconds; they must stay below 2**53.
+MAX_TIME = float(1 << 53) / 1_000_000.0 / 2.0
+MAX_KEY_BYTES = 1024
+# The sliding log stores one double per unit: 16M units is 128 MiB per key.
+MAX_LOG_CAPACITY = 1 << 24
+
+
+class ValidationError(ValueError):
+    """Bad input: raised before any state is touched."""
+
+
+class UnknownAlgorithmError(ValidationError):
+    """An algorithm name that is not one of :class:`Algorithm`."""
+
+
+class Algorithm(str, enum.Enum):
+    """The six decision kernels, by the names rules and config files use."""
+
+    TOKEN_BUCKET = "token_bucket"
+    LEAKY_BUCKET = "leaky_bucket"
+    FIXED_WINDOW = "fixed_window"
+    SLIDING_LOG = "sliding_log"
+    SLIDING_COUNTER = "sliding_counter"
+    GCRA = "gcra"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, name: Algorithm | str) -> Algorithm:
+        """Accept an :class:`Algorithm` or its string name; anything else is an error."""
+        if isinstance(name, Algorithm):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            known = ", ".join(a.value for a in cls)
+            raise UnknownAlgorithmError(
+                f"unknown algorithm {name!r}; expected one of: {known}"
+            ) from None
+
+
+# Algorithms whose capacity is the burst rather than the limit (SPEC §1).
+BURST_ALGORITHMS = frozenset({Algorithm.TOKEN_BUCKET, Algorithm.GCRA})
+
+
+# --------------------------------------------------------------------------
+# Clocks
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """Anything with ``now() -> float`` seconds."""
+
+    def now(self) -> float: ...
+
+
+class SystemClock:
+    """Wall-clock seconds (``time.time()``).
+
+    Wall time rather than a monotonic clock, because the reset header is a Unix
+    time and a shared store compares instances by it; a backward step never
+    hands out budget because every key keeps its own monotonic time. The native
+    twin recognises this class and reads the same clock in C.
+    """
+
+    __slots__ = ()
+
+    def now(self) -> float:
+        return time.time()
+
+    def __repr__(self) -> str:
+        return "SystemClock()"
+
+
+class FakeClock:
+    """A clock that moves only when told to: for tests, replays and demos."""
+
+    __slots__ = ("_now",)
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = float(start)
+
+    def now(self) -> float:
+        return self._now
+
+    def set(self, t: float) -> None:
+        self._now = float(t)
+
+    def advance(self, dt: float) -> None:
+        self._now += float(dt)
+
+    def __repr__(self) -> str:
+        return f"FakeClock({self._now!r})"
+
+
+def check_now(now: object) -> float:
+    """Return ``now`` as a float, or raise if a clock produced nonsense.
+
+    A non-finite time would turn into NaN budgets; an absurdly large one would
+    overflow the integer window index and GCRA's microseconds.
+    """
+    if isinstance(now, bool) or not isinstance(now, (int, float)):
+        raise ValidationError(f"clock returned {type(now).__name__}, expected float seconds")
+    value = float(now)
+    if not math.isfinite(value):
+        raise ValidationError(f"clock returned a non-finite time: {value!r}")
+    if not -MAX_TIME < value < MAX_TIME:
+        raise ValidationError(f"clock returned {value!r}, outside ±{MAX_TIME:.0f} s")
+    return value
+
+
+def check_cutoff(cutoff: object) -> float:
+    """An eviction cutoff: any number but NaN (``inf`` forgets every key)."""
+    if isinstance(cutoff, bool) or not isinstance(cutoff, (int, float)):
+        raise ValidationError(f"cutoff must be a number of seconds, got {type(cutoff).__name__}")
+    value = float(cutoff)
+    if math.isnan(value):
+        raise ValidationError("cutoff must not be NaN")
+    return value
+
+
+# --------------------------------------------------------------------------
+# Configuration
+
+
+def _check_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(f"{name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValidationError(f"{name} must be >= 1, got {value}")
+    if value > MAX_LIMIT:
+        raise ValidationError(f"{name} must be <= {MAX_LIMIT}, got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterConfig:
+    """A validated limiter configuration, with every derived constant the
+    kernels need computed once, in the order the SPEC writes them."""
+
+    algorithm: Algorithm
+    limit: int
+    window_seconds: float
+    burst: int | None
+    rule: str
+    capacity: int
+    rate: float
+    gcra_interval_us: int
+    gcra_tolerance_us: int
+
+    @classmethod
+    def build(
+        cls,
+        algorithm: Algorithm | str,
+        limit: object,
+        window_seconds: object,
+        burst: object = None,
+        rule: object = "",
+    ) -> LimiterConfig:
+        algo = Algorithm.parse(algorithm)
+        lim = _check_count("limit", limit)
+        if isinstance(window_seconds, bool) or not isinstance(window_seconds, (int, float)):
+            raise ValidationError(
+                f"window_seconds must be a number, got {type(window_seconds).__name__}"
+            )
+        window = float(window_seconds)
+        if not math.isfinite(window) or window <= 0:
+            raise ValidationError(f"window_seconds must be finite and > 0, got {window!r}")
+        if not MIN_WINDOW <= window <= MAX_WINDOW:
+            raise ValidationError(
+                f"window_seconds must be within [{MIN_WINDOW}, {MAX_WINDOW:.0f}], got {window!r}"
+            )
+        if burst is not None:
+            burst = _check_count("burst", burst)
+            if algo not in BURST_ALGORITHMS:
+                raise ValidationError(
+                    f"burst applies to token_bucket and gcra only, not {algo.value}"
+                )
+        if not isinstance(rule, str):
+            raise ValidationError(f"rule must be a str, got {type(rule).__name__}")
+        capacity = burst if (burst is not None and algo in BURST_ALGORITHMS) else lim
+        assert isinstance(capacity, int)
+        rate = lim / window
+        interval = max(1, math.floor(window * 1000000.0 / lim + 0.5))
+        tolerance = interval * capacity
+        if algo is Algorithm.SLIDING_LOG and capacity > MAX_LOG_CAPACITY:
+            raise ValidationError(
+                f"sliding_log keeps one timestamp per unit; limit {capacity} is over {MAX_LOG_CAPACITY}"
+            )
+        if algo is Algorithm.GCRA and tolerance >= 1 << 53:
+            raise ValidationError(
+                "gcra burst tolerance exceeds 2**53 microseconds; shorten the window or the burst"
+            )
+        return cls(algo, lim, window, burst, rule, capacity, rate, interval, tolerance)
+
+
+def storage_key(algorithm: Algorithm, rule: str, key: str) -> str:
+    """The name a limiter's state has in a storage: algorithm and rule are part
+    of it, so two rules never share state and an algorithm change never reads
+    another algorithm's state. The rule's length makes the split unambiguous."""
+    return f"{algorithm.value}:{len(rule)}:{rule}:{key}"
+
+
+def check_cost(cost: object, capacity: int) -> int:
+    """SPEC §3: an int in [1, capacity]."""
+    if isinstance(cost, bool) or not isinstance(cost, int):
+        raise ValidationError(f"cost must be an int, got {type(cost).__name__}")
+    if cost <= 0:
+        raise ValidationError(f"cost must be >= 1, got {cost}")
+    if cost > capacity:
+        raise ValidationError(
+            f"cost {cost} exceeds the capacity {capacity}: it could never pass"
+        )
+    return cost
+
+
+def check_key(key: object, max_key_bytes: int) -> bytes:
+    """SPEC §3 plus hostile-key hygiene: a non-empty str that encodes to UTF-8
+    within ``max_key_bytes``. Returns the encoded bytes."""
+    if not isinstance(key, str):
+        raise ValidationError(f"key must be a str, got {type(key).__name__}")
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError("key is not valid Unicode (lone surrogate)") from None
+    if not raw:
+        raise ValidationError("key must not be empty")
+    if len(raw) > max_key_bytes:
+        raise ValidationError(
+            f"key is {len(raw)} bytes of UTF-8, over the limit of {max_key_bytes}"
+        )
+    return raw
+
+
+# --------------------------------------------------------------------------
+# State snapshots and batch results
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterState:
+    """A snapshot of one key's state, for debugging, tests and migrations.
+
+    Only the fields of its algorithm are set; ``updated_at`` is the key's own
+    monotonic time (SPEC §4).
+    """
+
+    algorithm: Algorithm
+    updated_at: float
+    level: float | None = None
+    window_index: int | None = None
+    count: int | None = None
+    previous: int | None = None
+    tat: int | None = None
+    log: tuple[float, ...] | None = None
+
+
+class BatchResult(Sequence["Decision"]):
+    """The answer to ``allow_many``: flat arrays, one slot per request.
+
+    Keeping arrays instead of N Decision objects is what makes a batch cheap;
+    ``result[i]`` builds the full Decision only when someone asks for it.
+    """
+
+    __slots__ = (
+        "_decision",
+        "allowed",
+        "delay",
+        "limit",
+        "remaining",
+        "reset_after",
+        "retry_after",
+        "rule",
+        "window",
+    )
+
+    allowed: array[int]
+    remaining: array[int]
+    retry_after: array[float]
+    reset_after: array[float]
+    delay: array[float]
+
+    def __init__(
+        self,
+        decision_type: Callable[..., Decision],
+        limit: int,
+        rule: str,
+        window: float,
+        allowed: array[int],
+        remaining: array[int],
+        retry_after: array[float],
+        reset_after: array[float],
+        delay: array[float],
+    ) -> None:
+        self._decision = decision_type
+        self.limit = limit
+        self.rule = rule
+        self.window = window
+        self.allowed = allowed
+        self.remaining = remaining
+        self.retry_after = retry_after
+        self.reset_after = reset_after
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return len(self.allowed)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        i = index.__index__()
+        return self._decision(
+            bool(self.allowed[i]),
+            self.limit,
+            self.remaining[i],
+            self.retry_after[i],
+            self.reset_after[i],
+            self.rule,
+            self.window,
+            self.delay[i],
+        )
+
+    def __iter__(self) -> Iterator[Decision]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @property
+    def allowed_count(self) -> int:
+        """How many requests of the batch were admitted."""
+        return sum(self.allowed)
+
+    def __repr__(self) -> str:
+        return f"<BatchResult n={len(self)} allowed={self.allowed_count} rule={self.rule!r}>"
+
+
+# --------------------------------------------------------------------------
+# Headers
+
+
+def render_headers(
+    allowed: bool,
+    limit: int,
+    remaining: int,
+    retry_after: float,
+    reset_after: float,
+    rule: str,
+    window: float,
+    wall_now: float | None = None,
+) -> dict[str, str]:
+    """SPEC §2: the GitHub-style trio, the IETF draft-10 pair, and Retry-After."""
+    if wall_now is None:
+        wall_now = time.time()
+    left = max(0, remaining)
+    headers = {
+        "X-RateLimit-Limit": str(limit),
+        "X-RateLimit-Remaining": str(left),
+        "X-RateLimit-Reset": str(math.ceil(wall_now + reset_after)),
+        "RateLimit-Policy": f'"{rule}";q={limit};w={max(1, math.ceil(window))}',
+        "RateLimit": f'"{rule}";r={left};t={math.ceil(reset_after)}',
+    }
+    if not allowed:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+    return headers
+
+
+# --------------------------------------------------------------------------
+# Protocols
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """Per-key state with one contract: read, decide and write are one atomic
+    step per key (SPEC §5)."""
+
+    def apply(self, key: str, now: float, mutate: Callable[[Any], tuple[Any, Any]]) -> Any: ...
+
+    def evict_idle(self, cutoff: float) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
+@runtime_checkable
+class RateLimiter(Protocol):
+    """What every limiter answers, whichever twin and algorithm."""
+
+    @property
+    def limit(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def window_seconds(self) -> float: ...
+
+    @property
+    def rule(self) -> str: ...
+
+    def allow(self, key: str, cost: int = 1) -> Any: ...
+
+    def peek(self, key: str, cost: int = 1) -> Any: ...
+
+    def reset(self, key: str) -> None: ...
+
+    def allow_many(self, keys: Sequence[str], costs: Sequence[int] | None = None) -> BatchResult: ...

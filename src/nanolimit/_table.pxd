@@ -1,0 +1,285 @@
+# cython: language_level=3
+# One stripe of the striped hash table: a dense array of 64-byte entries plus
+# an open-addressing index of uint32 slots (linear probing, backward-shift
+# deletion, so there are no tombstones). A slot holds an 8-bit fingerprint of
+# the hash and the entry's position + 1; 0 is empty. Every function here runs
+# under the stripe's lock, never raises and never touches a Python object.
+
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.string cimport memcmp, memcpy, memset
+
+from nanolimit._types cimport (
+    ALG_APPLY, ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK,
+    NL_TABLE_FULL, Entry,
+)
+
+
+ctypedef struct Stripe:
+    uint8_t lock
+    uint8_t _pad0[7]
+    uint32_t* index
+    Entry* entries
+    uint32_t index_mask             # index size - 1 (index is NULL until first insert)
+    uint32_t count                  # live entries, dense in entries[0:count]
+    uint32_t capacity               # entries allocated
+    uint32_t _pad1
+    unsigned long owner             # thread running Python under this lock (apply)
+    uint8_t _pad2[16]               # 64 bytes: stripes never share a cache line
+
+ctypedef struct ObjectList:         # Python objects to release after unlocking
+    void** items
+    size_t count
+    size_t capacity
+
+
+cdef enum:
+    SLOT_POSITION_MASK = 0xFFFFFF
+    MAX_STRIPE_ENTRIES = 0xFFFFFE
+    MIN_INDEX_SIZE = 16
+    NS_ALGORITHM_MASK = 7           # a namespace id carries its algorithm in the low bits
+
+
+cdef inline uint32_t slot_value(uint64_t h, uint32_t position) noexcept nogil:
+    return ((<uint32_t>(h >> 32) & 0xFF) << 24) | (position + 1)
+
+
+cdef inline uint32_t home_slot(uint64_t h, uint32_t mask) noexcept nogil:
+    return <uint32_t>h & mask
+
+
+cdef inline const char* entry_key(const Entry* e) noexcept nogil:
+    if e.key_len <= INLINE_KEY_BYTES:
+        return e.key.short_key
+    return e.key.long_key
+
+
+cdef inline Py_ssize_t stripe_find(const Stripe* s, uint64_t h, uint32_t ns,
+                                   const char* key, uint32_t klen,
+                                   uint32_t* slot_out) noexcept nogil:
+    """Position of the key's entry, or -1. ``slot_out`` gets the key's index
+    slot, or the empty slot that ended the probe (where it would go)."""
+    cdef uint32_t mask = s.index_mask
+    cdef uint32_t fingerprint = <uint32_t>(h >> 32) & 0xFF
+    cdef uint32_t i, v
+    cdef const Entry* e
+    if s.index == NULL:
+        slot_out[0] = 0
+        return -1
+    i = home_slot(h, mask)
+    while True:
+        v = s.index[i]
+        if v == 0:
+            slot_out[0] = i
+            return -1
+        if (v >> 24) == fingerprint:
+            e = &s.entries[(v & SLOT_POSITION_MASK) - 1]
+            if (e.hash == h and e.ns == ns and e.key_len == klen
+                    and memcmp(entry_key(e), key, klen) == 0):
+                slot_out[0] = i
+                return (v & SLOT_POSITION_MASK) - 1
+        i = (i + 1) & mask
+
+
+cdef inline uint32_t index_size_for(uint32_t count) noexcept nogil:
+    """The smallest power of two that keeps the load at or below 3/4."""
+    cdef uint64_t size = MIN_INDEX_SIZE
+    while <uint64_t>count * 4 > size * 3:
+        size *= 2
+    return <uint32_t>size
+
+
+cdef inline void index_fill(Stripe* s) noexcept nogil:
+    cdef uint32_t mask = s.index_mask
+    cdef uint32_t j, i
+    cdef uint64_t h
+    for j in range(s.count):
+        h = s.entries[j].hash
+        i = home_slot(h, mask)
+        while s.index[i] != 0:
+            i = (i + 1) & mask
+        s.index[i] = slot_value(h, j)
+
+
+cdef inline int stripe_rebuild_index(Stripe* s, uint32_t size) noexcept nogil:
+    """Rebuild the index at ``size`` slots. On allocation failure the old index
+    is rebuilt in place when it is big enough, so the stripe stays consistent."""
+    cdef uint32_t* fresh = <uint32_t*>calloc(size, sizeof(uint32_t))
+    if fresh == NULL:
+        if s.index != NULL and index_size_for(s.count) <= s.index_mask + 1:
+            memset(s.index, 0, (<size_t>s.index_mask + 1) * sizeof(uint32_t))
+            index_fill(s)
+        return NL_NOMEM
+    free(s.index)
+    s.index = fresh
+    s.index_mask = size - 1
+    index_fill(s)
+    return NL_OK
+
+
+cdef inline Entry* stripe_insert(Stripe* s, uint64_t h, uint32_t ns, const char* key,
+                                 uint32_t klen, uint32_t slot, int* status) noexcept nogil:
+    """Append a new entry for a key known to be absent; ``slot`` is the empty
+    slot ``stripe_find`` returned. The caller initialises the state."""
+    cdef uint32_t position = s.count
+    cdef uint32_t grown
+    cdef Entry* entries
+    cdef Entry* e
+    cdef char* long_key = NULL
+    if s.count >= MAX_STRIPE_ENTRIES:
+        status[0] = NL_TABLE_FULL
+        return NULL
+    if s.index == NULL or (<uint64_t>s.count + 1) * 4 > (<uint64_t>s.index_mask + 1) * 3:
+        if stripe_rebuild_index(s, index_size_for(s.count + 1)) != NL_OK:
+            status[0] = NL_NOMEM
+            return NULL
+        stripe_find(s, h, ns, key, klen, &slot)
+    if s.count == s.capacity:
+        grown = 8 if s.capacity < 8 else s.capacity + s.capacity // 2
+        if grown > MAX_STRIPE_ENTRIES:
+            grown = MAX_STRIPE_ENTRIES
+        entries = <Entry*>realloc(s.entries, <size_t>grown * sizeof(Entry))
+        if entries == NULL:
+            status[0] = NL_NOMEM
+            return NULL
+        s.entries = entries
+        s.capacity = grown
+    if klen > INLINE_KEY_BYTES:
+        long_key = <char*>malloc(klen)
+        if long_key == NULL:
+            status[0] = NL_NOMEM
+            return NULL
+        memcpy(long_key, key, klen)
+    e = &s.entries[position]
+    memset(e, 0, sizeof(Entry))
+    e.hash = h
+    e.ns = ns
+    e.key_len = klen
+    if long_key != NULL:
+        e.key.long_key = long_key
+    else:
+        memcpy(e.key.short_key, key, klen)
+    s.index[slot] = slot_value(h, position)
+    s.count += 1
+    status[0] = NL_OK
+    return e
+
+
+cdef inline void* entry_release(Entry* e) noexcept nogil:
+    """Free what the entry owns in C; hand back its Python object, if any."""
+    cdef void* obj = NULL
+    if e.key_len > INLINE_KEY_BYTES:
+        free(e.key.long_key)
+        e.key.long_key = NULL
+    if (e.ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
+        free(e.state.log.ring)
+        e.state.log.ring = NULL
+    elif e.ns == ALG_APPLY:
+        obj = e.state.obj
+        e.state.obj = NULL
+    return obj
+
+
+cdef inline void index_remove_slot(Stripe* s, uint32_t hole) noexcept nogil:
+    """Backward-shift deletion: pull later members of the probe run into the
+    hole so every remaining key stays reachable from its home slot."""
+    cdef uint32_t mask = s.index_mask
+    cdef uint32_t j = hole
+    cdef uint32_t v, home
+    while True:
+        j = (j + 1) & mask
+        v = s.index[j]
+        if v == 0:
+            break
+        home = home_slot(s.entries[(v & SLOT_POSITION_MASK) - 1].hash, mask)
+        if (j > hole and (home <= hole or home > j)) or (j < hole and home <= hole and home > j):
+            s.index[hole] = v
+            hole = j
+    s.index[hole] = 0
+
+
+cdef inline void* stripe_delete(Stripe* s, uint32_t slot, uint32_t position) noexcept nogil:
+    """Remove the entry at ``position`` (found at index ``slot``); the last
+    entry moves into its place. Returns the entry's Python object, if any."""
+    cdef void* obj = entry_release(&s.entries[position])
+    cdef uint32_t last = s.count - 1
+    cdef uint32_t mask = s.index_mask
+    cdef uint32_t i
+    cdef uint64_t h
+    index_remove_slot(s, slot)
+    if position != last:
+        s.entries[position] = s.entries[last]
+        h = s.entries[position].hash
+        i = home_slot(h, mask)
+        while (s.index[i] & SLOT_POSITION_MASK) != last + 1:
+            i = (i + 1) & mask
+        s.index[i] = slot_value(h, position)
+    s.count = last
+    return obj
+
+
+cdef inline int objects_push(ObjectList* out, void* obj) noexcept nogil:
+    cdef size_t grown
+    cdef void** items
+    if out.count == out.capacity:
+        grown = 16 if out.capacity == 0 else out.capacity * 2
+        items = <void**>realloc(out.items, grown * sizeof(void*))
+        if items == NULL:
+            return NL_NOMEM
+        out.items = items
+        out.capacity = grown
+    out.items[out.count] = obj
+    out.count += 1
+    return NL_OK
+
+
+cdef inline void stripe_shrink(Stripe* s) noexcept nogil:
+    """Give memory back after mass eviction; a failed shrink changes nothing."""
+    cdef uint32_t target
+    cdef Entry* entries
+    if s.capacity > 64 and s.count < s.capacity // 4:
+        target = s.count + s.count // 2
+        if target < 8:
+            target = 8
+        entries = <Entry*>realloc(s.entries, <size_t>target * sizeof(Entry))
+        if entries != NULL:
+            s.entries = entries
+            s.capacity = target
+
+
+cdef inline Py_ssize_t stripe_evict(Stripe* s, double cutoff, ObjectList* out) noexcept nogil:
+    """Drop entries last touched before ``cutoff``; compacts and reindexes."""
+    cdef uint32_t i, kept = 0
+    cdef Py_ssize_t removed = 0
+    cdef Entry* e
+    for i in range(s.count):
+        e = &s.entries[i]
+        if e.updated_at < cutoff and (e.ns != ALG_APPLY or objects_push(out, e.state.obj) == NL_OK):
+            entry_release(e)
+            removed += 1
+        else:
+            if kept != i:
+                s.entries[kept] = s.entries[i]
+            kept += 1
+    if removed:
+        s.count = kept
+        stripe_shrink(s)
+        stripe_rebuild_index(s, index_size_for(s.count))
+    return removed
+
+
+cdef inline void stripe_clear(Stripe* s, ObjectList* out) noexcept nogil:
+    """Free everything; Python objects go to ``out`` (or leak if it cannot grow)."""
+    cdef uint32_t i
+    cdef void* obj
+    for i in range(s.count):
+        obj = entry_release(&s.entries[i])
+        if obj != NULL:
+            objects_push(out, obj)
+    free(s.entries)
+    free(s.index)
+    s.entries = NULL
+    s.index = NULL
+    s.count = 0
+    s.capacity = 0
+    s.index_mask = 0

@@ -1,0 +1,93 @@
+# cython: language_level=3
+# Fixed-layout C types shared by every native module: per-key state, the
+# table entry, the limiter parameters and a kernel's verdict.
+
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+
+
+cdef extern from "_native.h" nogil:
+    uint64_t nl_siphash13(uint64_t k0, uint64_t k1, const char* data, size_t n)
+    bint nl_trylock(uint8_t* lock)
+    void nl_lock_spin(uint8_t* lock)
+    void nl_unlock(uint8_t* lock)
+    double nl_wall_now()
+    int64_t nl_floordiv(int64_t a, int64_t b)
+    void nl_prefetch(const void* p)
+
+
+# Algorithm ids; 0 is the generic ``apply`` namespace (a Python object per key).
+cdef enum:
+    ALG_APPLY = 0
+    ALG_TOKEN_BUCKET = 1
+    ALG_LEAKY_BUCKET = 2
+    ALG_FIXED_WINDOW = 3
+    ALG_SLIDING_LOG = 4
+    ALG_SLIDING_COUNTER = 5
+    ALG_GCRA = 6
+
+# Status codes: kernels and the table never raise; wrappers turn these into
+# exceptions after the stripe lock is released.
+cdef enum:
+    NL_OK = 0
+    NL_NOMEM = -1
+    NL_TABLE_FULL = -2
+    NL_REENTRANT = -3
+
+# Keys up to this many UTF-8 bytes live inside the entry; longer ones on the heap.
+cdef enum:
+    INLINE_KEY_BYTES = 16
+
+
+ctypedef struct BucketState:        # token bucket, leaky bucket
+    double level
+
+ctypedef struct WindowState:        # fixed window, sliding window counter
+    int64_t index
+    int64_t count
+    int64_t previous
+
+ctypedef struct GcraState:
+    int64_t tat                     # theoretical arrival time, integer µs
+
+ctypedef struct LogState:           # sliding log: ring buffer, oldest at head
+    double* ring
+    uint32_t head
+    uint32_t length
+    uint32_t ring_size
+    uint32_t _unused
+
+ctypedef union KeyState:
+    BucketState bucket
+    WindowState window
+    GcraState gcra
+    LogState log
+    void* obj                       # ALG_APPLY: an owned PyObject*
+
+ctypedef union KeyBytes:
+    char short_key[16]
+    char* long_key
+
+# 64 bytes: one cache line per key.
+ctypedef struct Entry:
+    uint64_t hash
+    double updated_at               # the key's own monotonic time (SPEC §4)
+    uint32_t key_len
+    uint32_t ns                     # namespace: (algorithm, rule) of the owner
+    KeyBytes key
+    KeyState state
+
+ctypedef struct Params:
+    int algorithm
+    int64_t capacity
+    double capacity_f
+    double rate
+    double window
+    int64_t interval_us             # GCRA emission interval T
+    int64_t tolerance_us            # GCRA tau = T * capacity
+
+ctypedef struct Verdict:
+    bint allowed
+    double remaining                # before max(0, floor(.))
+    double retry_after
+    double reset_after
+    double delay

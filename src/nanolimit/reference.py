@@ -1,0 +1,588 @@
+"""The pure-Python twin: the oracle for the native core, and the fallback when
+the extension is not built.
+
+Every kernel here is SPEC §4 written literally, in the same order of floating
+point operations as ``_kernels.pxd``; the equivalence tests hold the two to
+1e-9 s and to identical ``allowed``/``remaining``. Readability beats speed in
+this module: change a formula here and in the C kernel together, or not at all.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from array import array
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from ._decision_py import Decision
+from ._shared import (
+    MAX_KEY_BYTES,
+    Algorithm,
+    BatchResult,
+    Clock,
+    FakeClock,
+    LimiterConfig,
+    LimiterState,
+    RateLimiter,
+    Storage,
+    SystemClock,
+    UnknownAlgorithmError,
+    ValidationError,
+    check_cost,
+    check_cutoff,
+    check_key,
+    check_now,
+    storage_key,
+)
+
+__all__ = [
+    "GCRA",
+    "Algorithm",
+    "BatchResult",
+    "Clock",
+    "Decision",
+    "FakeClock",
+    "FixedWindowCounter",
+    "InMemoryStorage",
+    "LeakyBucket",
+    "LimiterState",
+    "RateLimiter",
+    "SlidingWindowCounter",
+    "SlidingWindowLog",
+    "Storage",
+    "SystemClock",
+    "TokenBucket",
+    "UnknownAlgorithmError",
+    "ValidationError",
+]
+
+IMPLEMENTATION = "reference"
+MAX_STRIPES = 1 << 16
+
+
+class _KeyState:
+    """One key's state. ``a``/``b``/``c`` hold the algorithm's numbers (see
+    ``_snapshot`` for which is which); ``log`` is the sliding log."""
+
+    __slots__ = ("a", "b", "c", "log", "updated_at")
+
+    def __init__(self, updated_at: float, a: Any = 0, b: int = 0, c: int = 0) -> None:
+        self.updated_at = updated_at
+        self.a = a
+        self.b = b
+        self.c = c
+        self.log: deque[float] | None = None
+
+    def copy(self) -> _KeyState:
+        twin = _KeyState(self.updated_at, self.a, self.b, self.c)
+        if self.log is not None:
+            twin.log = deque(self.log)
+        return twin
+
+    def __reduce__(self) -> Any:
+        return (_restore_state, (self.updated_at, self.a, self.b, self.c, self.log))
+
+
+def _restore_state(updated_at: float, a: Any, b: int, c: int, log: Any) -> _KeyState:
+    state = _KeyState(updated_at, a, b, c)
+    state.log = None if log is None else deque(log)
+    return state
+
+
+# (allowed, remaining before floor, retry_after, reset_after, delay)
+Verdict = tuple[bool, float, float, float, float]
+
+
+def _new_state(cfg: LimiterConfig, now: float) -> _KeyState:
+    algo = cfg.algorithm
+    if algo is Algorithm.TOKEN_BUCKET:
+        return _KeyState(now, float(cfg.capacity))
+    if algo is Algorithm.LEAKY_BUCKET:
+        return _KeyState(now, 0.0)
+    if algo is Algorithm.GCRA:
+        return _KeyState(now, math.floor(now * 1000000.0))
+    if algo is Algorithm.SLIDING_LOG:
+        state = _KeyState(now)
+        state.log = deque()
+        return state
+    # fixed window and sliding counter: window index, count, previous
+    return _KeyState(now, math.floor(now / cfg.window_seconds), 0, 0)
+
+
+# --------------------------------------------------------------------------
+# Kernels: SPEC §4, literally. ``now`` is already max(clock, updated_at).
+
+
+def _token_bucket(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Verdict:
+    capacity = float(cfg.capacity)
+    rate = cfg.rate
+    elapsed = now - s.updated_at
+    level = s.a + elapsed * rate
+    if level > capacity:
+        level = capacity
+    retry_after = 0.0
+    allowed = level >= cost
+    if allowed:
+        level = level - cost
+    else:
+        retry_after = (cost - level) / rate
+    s.a = level
+    return allowed, level, retry_after, (capacity - level) / rate, 0.0
+
+
+def _leaky_bucket(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Verdict:
+    capacity = float(cfg.capacity)
+    rate = cfg.rate
+    elapsed = now - s.updated_at
+    level = s.a - elapsed * rate
+    if level < 0.0:
+        level = 0.0
+    room = capacity - level
+    delay = 0.0
+    retry_after = 0.0
+    allowed = cost <= room
+    if allowed:
+        delay = level / rate
+        level = level + cost
+        remaining = capacity - level
+    else:
+        remaining = room
+        retry_after = (cost - room) / rate
+    s.a = level
+    return allowed, remaining, retry_after, level / rate, delay
+
+
+def _fixed_window(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Verdict:
+    window = cfg.window_seconds
+    capacity = cfg.capacity
+    index = math.floor(now / window)
+    if index != s.a:
+        s.a = index
+        s.b = 0
+    start = float(s.a) * window
+    retry_after = 0.0
+    allowed = s.b + cost <= capacity
+    if allowed:
+        s.b += cost
+    else:
+        retry_after = start + window - now
+    reset_after = start + window - now if s.b > 0 else 0.0
+    return allowed, float(capacity - s.b), retry_after, reset_after, 0.0
+
+
+def _sliding_log(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Verdict:
+    window = cfg.window_seconds
+    capacity = cfg.capacity
+    log = s.log
+    assert log is not None
+    while len(log) > capacity:  # capacity lowered by a hot reload: keep the newest
+        log.popleft()
+    cutoff = now - window
+    while log and log[0] <= cutoff:
+        log.popleft()
+    retry_after = 0.0
+    allowed = len(log) + cost <= capacity
+    if allowed:
+        log.extend([now] * cost)
+        remaining = float(capacity - len(log))
+    else:
+        remaining = 0.0
+        retry_after = log[len(log) + cost - capacity - 1] + window - now
+    reset_after = log[-1] + window - now if log else 0.0
+    return allowed, remaining, retry_after, reset_after, 0.0
+
+
+def _sliding_counter(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Verdict:
+    window = cfg.window_seconds
+    capacity = cfg.capacity
+    index = math.floor(now / window)
+    if index != s.a:
+        s.c = s.b if index == s.a + 1 else 0
+        s.b = 0
+        s.a = index
+    count = s.b
+    previous = s.c
+    start = float(s.a) * window
+    weight = 1.0 - (now - start) / window
+    estimate = float(previous) * weight + float(count)
+    retry_after = 0.0
+    allowed = estimate + float(cost) <= float(capacity)
+    if allowed:
+        count += cost
+        s.b = count
+        remaining = float(capacity) - estimate - float(cost)
+    else:
+        remaining = float(capacity) - estimate
+        room = capacity - count - cost
+        if previous <= 0 or room < 0:
+            retry_after = start + window - now
+        else:
+            retry_after = start + window * (1.0 - float(room) / float(previous)) - now
+    if count > 0:
+        reset_after = start + 2.0 * window - now
+    elif previous > 0:
+        reset_after = start + window - now
+    else:
+        reset_after = 0.0
+    return allowed, remaining, retry_after, reset_after, 0.0
+
+
+def _gcra(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Verdict:
+    interval = cfg.gcra_interval_us
+    tolerance = cfg.gcra_tolerance_us
+    now_us = math.floor(now * 1000000.0)
+    backlog = max(0, s.a - now_us)
+    retry_after = 0.0
+    allowed = backlog + interval * cost <= tolerance
+    if allowed:
+        backlog = backlog + interval * cost
+        s.a = now_us + backlog
+    else:
+        retry_after = (backlog + interval * cost - tolerance) / 1000000.0
+    remaining = (tolerance - backlog) // interval
+    return allowed, float(remaining), retry_after, backlog / 1000000.0, 0.0
+
+
+_KERNELS: dict[Algorithm, Callable[[_KeyState, float, int, LimiterConfig], Verdict]] = {
+    Algorithm.TOKEN_BUCKET: _token_bucket,
+    Algorithm.LEAKY_BUCKET: _leaky_bucket,
+    Algorithm.FIXED_WINDOW: _fixed_window,
+    Algorithm.SLIDING_LOG: _sliding_log,
+    Algorithm.SLIDING_COUNTER: _sliding_counter,
+    Algorithm.GCRA: _gcra,
+}
+
+
+def _decide(
+    state: _KeyState | None, clock_now: float, cost: int, cfg: LimiterConfig
+) -> tuple[_KeyState, Verdict]:
+    """Bring the key to ``now`` (never backwards), run the kernel, stamp it."""
+    if state is None:
+        state = _new_state(cfg, clock_now)
+    now = max(clock_now, state.updated_at)
+    verdict = _KERNELS[cfg.algorithm](state, now, cost, cfg)
+    state.updated_at = now
+    return state, verdict
+
+
+def _snapshot(cfg: LimiterConfig, s: _KeyState) -> LimiterState:
+    algo = cfg.algorithm
+    if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
+        return LimiterState(algo, s.updated_at, level=float(s.a))
+    if algo is Algorithm.GCRA:
+        return LimiterState(algo, s.updated_at, tat=int(s.a))
+    if algo is Algorithm.SLIDING_LOG:
+        return LimiterState(algo, s.updated_at, log=tuple(s.log or ()))
+    if algo is Algorithm.FIXED_WINDOW:
+        return LimiterState(algo, s.updated_at, window_index=int(s.a), count=s.b)
+    return LimiterState(algo, s.updated_at, window_index=int(s.a), count=s.b, previous=s.c)
+
+
+# --------------------------------------------------------------------------
+# Storage
+
+
+class InMemoryStorage:
+    """A dict per stripe, a lock per stripe: the reference for the native table.
+
+    Limiter state lives under ``(algorithm, rule, key)``; ``apply`` state under
+    the bare key, so a user's own algorithm never reads a built-in's state.
+    """
+
+    def __init__(self, *, stripes: int = 64, max_key_bytes: int = MAX_KEY_BYTES) -> None:
+        if (
+            isinstance(stripes, bool)
+            or not isinstance(stripes, int)
+            or not 1 <= stripes <= MAX_STRIPES
+            or stripes & (stripes - 1)
+        ):
+            raise ValidationError(f"stripes must be a power of two in [1, {MAX_STRIPES}], got {stripes!r}")
+        if isinstance(max_key_bytes, bool) or not isinstance(max_key_bytes, int) or not 1 <= max_key_bytes <= 1 << 20:
+            raise ValidationError(f"max_key_bytes must be an int in [1, 1048576], got {max_key_bytes!r}")
+        self._locks = [threading.Lock() for _ in range(stripes)]
+        self._maps: list[dict[tuple[Any, ...], list[Any]]] = [{} for _ in range(stripes)]
+        self.max_key_bytes = max_key_bytes
+
+    def _slot(self, full_key: tuple[Any, ...]) -> tuple[threading.Lock, dict[tuple[Any, ...], list[Any]]]:
+        i = hash(full_key) % len(self._maps)
+        return self._locks[i], self._maps[i]
+
+    def apply(self, key: str, now: float, mutate: Callable[[Any], tuple[Any, Any]]) -> Any:
+        """Run ``mutate(state | None) -> (state, result)`` atomically for ``key``.
+
+        A returned state of ``None`` forgets the key. ``updated_at`` (used by
+        ``evict_idle``) never moves backwards.
+        """
+        check_key(key, self.max_key_bytes)
+        now = check_now(now)
+        full_key = (None, key)
+        lock, table = self._slot(full_key)
+        with lock:
+            entry = table.get(full_key)
+            new_state, result = mutate(None if entry is None else entry[1])
+            if new_state is None:
+                table.pop(full_key, None)
+            else:
+                stamp = now if entry is None else max(now, entry[0])
+                table[full_key] = [stamp, new_state]
+        return result
+
+    def _run(
+        self, ns: tuple[str, str], key: str, now: float, cost: int, cfg: LimiterConfig, commit: bool
+    ) -> Verdict:
+        full_key = (ns, key)
+        lock, table = self._slot(full_key)
+        with lock:
+            entry = table.get(full_key)
+            state = None if entry is None else entry[1]
+            if not commit and state is not None:
+                state = state.copy()
+            state, verdict = _decide(state, now, cost, cfg)
+            if commit:
+                table[full_key] = [state.updated_at, state]
+        return verdict
+
+    def _forget(self, ns: tuple[str, str], key: str) -> None:
+        full_key = (ns, key)
+        lock, table = self._slot(full_key)
+        with lock:
+            table.pop(full_key, None)
+
+    def _state(self, ns: tuple[str, str], key: str) -> _KeyState | None:
+        full_key = (ns, key)
+        lock, table = self._slot(full_key)
+        with lock:
+            entry = table.get(full_key)
+            return None if entry is None else entry[1].copy()
+
+    def evict_idle(self, cutoff: float) -> int:
+        """Forget keys whose last decision was before ``cutoff``; returns how many."""
+        cutoff = check_cutoff(cutoff)
+        removed = 0
+        for lock, table in zip(self._locks, self._maps):
+            with lock:
+                stale = [k for k, entry in table.items() if entry[0] < cutoff]
+                for k in stale:
+                    del table[k]
+                removed += len(stale)
+        return removed
+
+    def keys(self) -> list[str]:
+        """Every key held, as storage keys (see :func:`storage_key`)."""
+        out: list[str] = []
+        for lock, table in zip(self._locks, self._maps):
+            with lock:
+                names = list(table)
+            for ns, key in names:
+                out.append(key if ns is None else storage_key(Algorithm(ns[0]), ns[1], key))
+        return out
+
+    def __len__(self) -> int:
+        total = 0
+        for lock, table in zip(self._locks, self._maps):
+            with lock:
+                total += len(table)
+        return total
+
+    def __repr__(self) -> str:
+        return f"<reference InMemoryStorage keys={len(self)} stripes={len(self._maps)}>"
+
+
+# --------------------------------------------------------------------------
+# Limiters
+
+
+class _Limiter:
+    algorithm: ClassVar[Algorithm]
+
+    def __init__(
+        self,
+        limit: int,
+        window_seconds: float,
+        storage: Storage | None = None,
+        clock: Clock | None = None,
+        rule: str = "",
+        *,
+        burst: int | None = None,
+    ) -> None:
+        self._cfg = LimiterConfig.build(self.algorithm, limit, window_seconds, burst, rule)
+        if clock is None:
+            clock = SystemClock()
+        elif not callable(getattr(clock, "now", None)):
+            raise ValidationError(f"clock must have a now() method, got {type(clock).__name__}")
+        if storage is None:
+            storage = InMemoryStorage()
+        elif not isinstance(storage, Storage):
+            raise ValidationError(f"storage must implement Storage, got {type(storage).__name__}")
+        self._storage = storage
+        self._clock = clock
+        self._ns = (self.algorithm.value, self._cfg.rule)
+        self._max_key_bytes: int = getattr(storage, "max_key_bytes", MAX_KEY_BYTES)
+
+    # -- properties --------------------------------------------------------
+    @property
+    def limit(self) -> int:
+        return self._cfg.limit
+
+    @property
+    def capacity(self) -> int:
+        return self._cfg.capacity
+
+    @property
+    def window_seconds(self) -> float:
+        return self._cfg.window_seconds
+
+    @property
+    def burst(self) -> int | None:
+        return self._cfg.burst
+
+    @property
+    def rule(self) -> str:
+        return self._cfg.rule
+
+    @property
+    def storage(self) -> Storage:
+        return self._storage
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    # -- decisions -----------------------------------------------------------
+    def allow(self, key: str, cost: int = 1) -> Decision:
+        """Decide one request and spend its cost if it passes."""
+        return self._decision(self._verdict(key, cost, True))
+
+    def peek(self, key: str, cost: int = 1) -> Decision:
+        """What ``allow`` would answer now, spending nothing and storing nothing."""
+        return self._decision(self._verdict(key, cost, False))
+
+    def allow_many(self, keys: Sequence[str], costs: Sequence[int] | None = None) -> BatchResult:
+        """Decide a batch in order; every key and cost is checked before any is spent."""
+        keys = list(keys)
+        costs = [1] * len(keys) if costs is None else list(costs)
+        if len(costs) != len(keys):
+            raise ValidationError(f"{len(keys)} keys but {len(costs)} costs")
+        for key, cost in zip(keys, costs):
+            check_key(key, self._max_key_bytes)
+            check_cost(cost, self._cfg.capacity)
+        n = len(keys)
+        allowed = array("B", bytes(n))
+        remaining = array("q", bytes(8 * n))
+        retry = array("d", bytes(8 * n))
+        reset = array("d", bytes(8 * n))
+        delay = array("d", bytes(8 * n))
+        for i, (key, cost) in enumerate(zip(keys, costs)):
+            ok, left, retry_after, reset_after, wait = self._verdict(key, cost, True)
+            allowed[i] = ok
+            remaining[i] = max(0, math.floor(left))
+            retry[i] = retry_after
+            reset[i] = reset_after
+            delay[i] = wait
+        cfg = self._cfg
+        return BatchResult(
+            Decision, cfg.capacity, cfg.rule, cfg.window_seconds, allowed, remaining, retry, reset, delay
+        )
+
+    def reset(self, key: str) -> None:
+        """Forget ``key``: its next request sees a full budget."""
+        check_key(key, self._max_key_bytes)
+        storage = self._storage
+        if isinstance(storage, InMemoryStorage):
+            storage._forget(self._ns, key)
+        else:
+            storage.apply(self._storage_key(key), check_now(self._clock.now()), lambda _s: (None, None))
+
+    def state(self, key: str) -> LimiterState | None:
+        """A snapshot of ``key``'s state, or ``None`` if the storage holds none."""
+        check_key(key, self._max_key_bytes)
+        storage = self._storage
+        if isinstance(storage, InMemoryStorage):
+            raw = storage._state(self._ns, key)
+        else:
+            found: list[_KeyState | None] = [None]
+
+            def look(s: Any) -> tuple[Any, None]:
+                found[0] = None if s is None else s.copy()
+                return s, None
+
+            storage.apply(self._storage_key(key), check_now(self._clock.now()), look)
+            raw = found[0]
+        return None if raw is None else _snapshot(self._cfg, raw)
+
+    # -- internals -------------------------------------------------------------
+    def _storage_key(self, key: str) -> str:
+        return storage_key(self.algorithm, self._cfg.rule, key)
+
+    def _verdict(self, key: str, cost: int, commit: bool) -> Verdict:
+        check_key(key, self._max_key_bytes)
+        check_cost(cost, self._cfg.capacity)
+        now = check_now(self._clock.now())
+        storage = self._storage
+        cfg = self._cfg
+        if isinstance(storage, InMemoryStorage):
+            return storage._run(self._ns, key, now, cost, cfg, commit)
+        # Any other Storage: the generic (slow) seam of SPEC §5.
+        verdict: list[Verdict] = []
+
+        def mutate(state: Any) -> tuple[Any, None]:
+            work = state if (commit or state is None) else state.copy()
+            work, v = _decide(work, now, cost, cfg)
+            verdict.append(v)
+            return (work if commit else state), None
+
+        storage.apply(self._storage_key(key), now, mutate)
+        return verdict[0]
+
+    def _decision(self, v: Verdict) -> Decision:
+        cfg = self._cfg
+        return Decision(v[0], cfg.capacity, max(0, math.floor(v[1])), v[2], v[3], cfg.rule, cfg.window_seconds, v[4])
+
+    def __repr__(self) -> str:
+        cfg = self._cfg
+        burst = "" if cfg.burst is None else f", burst={cfg.burst}"
+        return f"{type(self).__name__}({cfg.limit}, {cfg.window_seconds!r}, rule={cfg.rule!r}{burst})"
+
+
+class TokenBucket(_Limiter):
+    """Refills ``limit`` tokens per window up to ``burst`` (default ``limit``)."""
+
+    algorithm = Algorithm.TOKEN_BUCKET
+
+
+class LeakyBucket(_Limiter):
+    """A shaper: admitted work queues and drains at the rate; ``delay`` says how long to wait."""
+
+    algorithm = Algorithm.LEAKY_BUCKET
+
+
+class FixedWindowCounter(_Limiter):
+    """``limit`` per aligned window; cheap, but lets 2× through across a boundary."""
+
+    algorithm = Algorithm.FIXED_WINDOW
+
+
+class SlidingWindowLog(_Limiter):
+    """Exact: at most ``limit`` units in any trailing window, O(limit) memory per key."""
+
+    algorithm = Algorithm.SLIDING_LOG
+
+
+class SlidingWindowCounter(_Limiter):
+    """Approximates the sliding log with two counters per key."""
+
+    algorithm = Algorithm.SLIDING_COUNTER
+
+
+class GCRA(_Limiter):
+    """Generic cell rate algorithm: one integer per key, smooth spacing, burst tolerance."""
+
+    algorithm = Algorithm.GCRA
+
+
+LIMITERS: dict[Algorithm, type[_Limiter]] = {
+    cls.algorithm: cls
+    for cls in (TokenBucket, LeakyBucket, FixedWindowCounter, SlidingWindowLog, SlidingWindowCounter, GCRA)
+}
