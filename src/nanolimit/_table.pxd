@@ -1,4 +1,4 @@
-# cython: language_level=3
+# cython: language_level=3, cdivision=True, boundscheck=False, wraparound=False
 # One stripe of the striped hash table: a dense array of 64-byte entries plus
 # an open-addressing index of uint32 slots (linear probing, backward-shift
 # deletion, so there are no tombstones). A slot holds an 8-bit fingerprint of
@@ -11,7 +11,8 @@ from libc.string cimport memcmp, memcpy, memset
 
 from nanolimit._types cimport (
     ALG_APPLY, ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK,
-    NL_TABLE_FULL, Entry,
+    NL_TABLE_FULL, Entry, nl_key_equal, nl_load_pointer_relaxed,
+    nl_load_u32_relaxed, nl_prefetch,
 )
 
 
@@ -75,10 +76,29 @@ cdef inline Py_ssize_t stripe_find(const Stripe* s, uint64_t h, uint32_t ns,
         if (v >> 24) == fingerprint:
             e = &s.entries[(v & SLOT_POSITION_MASK) - 1]
             if (e.hash == h and e.ns == ns and e.key_len == klen
-                    and memcmp(entry_key(e), key, klen) == 0):
+                    and nl_key_equal(entry_key(e), key, klen)):
                 slot_out[0] = i
                 return (v & SLOT_POSITION_MASK) - 1
         i = (i + 1) & mask
+
+
+cdef inline void prefetch_slot(const Stripe* s, uint64_t h) noexcept nogil:
+    """Start loading the key's home index slot (unlocked read: a hint only)."""
+    cdef const uint32_t* index = <const uint32_t*>nl_load_pointer_relaxed(<const void* const*>&s.index)
+    if index != NULL:
+        nl_prefetch(&index[home_slot(h, nl_load_u32_relaxed(&s.index_mask))])
+
+
+cdef inline void prefetch_entry(const Stripe* s, uint64_t h) noexcept nogil:
+    """Start loading the entry the home slot points at (unlocked read: a hint
+    only; prefetching a stale address cannot fault)."""
+    cdef const uint32_t* index = <const uint32_t*>nl_load_pointer_relaxed(<const void* const*>&s.index)
+    cdef const Entry* entries = <const Entry*>nl_load_pointer_relaxed(<const void* const*>&s.entries)
+    cdef uint32_t v
+    if index != NULL and entries != NULL:
+        v = nl_load_u32_relaxed(&index[home_slot(h, nl_load_u32_relaxed(&s.index_mask))])
+        if v != 0:
+            nl_prefetch(&entries[(v & SLOT_POSITION_MASK) - 1])
 
 
 cdef inline uint32_t index_size_for(uint32_t count) noexcept nogil:

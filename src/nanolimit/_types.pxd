@@ -1,4 +1,4 @@
-# cython: language_level=3
+# cython: language_level=3, cdivision=True, boundscheck=False, wraparound=False
 # Fixed-layout C types shared by every native module: per-key state, the
 # table entry, the limiter parameters and a kernel's verdict.
 
@@ -6,13 +6,17 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
 
 cdef extern from "_native.h" nogil:
-    uint64_t nl_siphash13(uint64_t k0, uint64_t k1, const char* data, size_t n)
+    uint64_t nl_hash(uint64_t seed, uint64_t s1, uint64_t s2, const char* data, size_t n)
+    uint64_t nl_mum(uint64_t a, uint64_t b)
     bint nl_trylock(uint8_t* lock)
     void nl_lock_spin(uint8_t* lock)
     void nl_unlock(uint8_t* lock)
     double nl_wall_now()
     int64_t nl_floordiv(int64_t a, int64_t b)
     void nl_prefetch(const void* p)
+    bint nl_key_equal(const char* a, const char* b, uint32_t n)
+    const void* nl_load_pointer_relaxed(const void* const* p)
+    uint32_t nl_load_u32_relaxed(const uint32_t* p)
 
 
 # Algorithm ids; 0 is the generic ``apply`` namespace (a Python object per key).

@@ -10,6 +10,7 @@ this module: change a formula here and in the C kernel together, or not at all.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from array import array
 from collections import deque
@@ -378,6 +379,24 @@ class InMemoryStorage:
             for ns, key in names:
                 out.append(key if ns is None else storage_key(Algorithm(ns[0]), ns[1], key))
         return out
+
+    def memory_bytes(self) -> int:
+        """Bytes held for state, as far as ``sys.getsizeof`` can tell."""
+        total = 0
+        for lock, table in zip(self._locks, self._maps):
+            with lock:
+                total += sys.getsizeof(table)
+                for full_key, entry in table.items():
+                    total += sys.getsizeof(full_key) + sys.getsizeof(full_key[1]) + sys.getsizeof(entry)
+                    state = entry[1]
+                    total += sys.getsizeof(state)
+                    if isinstance(state, _KeyState) and state.log is not None:
+                        total += sys.getsizeof(state.log)
+        return total
+
+    @property
+    def stripes(self) -> int:
+        return len(self._maps)
 
     def __len__(self) -> int:
         total = 0
