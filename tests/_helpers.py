@@ -1,0 +1,72 @@
+"""Small helpers shared by the test modules (not a twin: plain Python)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+FIELDS = (
+    "allowed",
+    "limit",
+    "remaining",
+    "retry_after",
+    "reset_after",
+    "rule",
+    "window",
+    "delay",
+)
+
+
+def fields(decision: Any) -> tuple[Any, ...]:
+    """A Decision as a plain tuple, so twins' Decisions compare by value."""
+    return tuple(getattr(decision, name) for name in FIELDS)
+
+
+def batch_fields(result: Any) -> list[tuple[Any, ...]]:
+    return [fields(d) for d in result]
+
+
+class DictStorage:
+    """A user-written Storage: a dict behind one lock, nothing else.
+
+    It implements only the protocol of SPEC §5, so a limiter given it must
+    go through the generic ``apply`` seam.
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[str, tuple[float, Any]] = {}
+        self._lock = threading.Lock()
+        self.calls = 0
+
+    def apply(self, key: str, now: float, mutate: Callable[[Any], tuple[Any, Any]]) -> Any:
+        with self._lock:
+            self.calls += 1
+            old = self._data.get(key)
+            state, result = mutate(None if old is None else old[1])
+            if state is None:
+                self._data.pop(key, None)
+            else:
+                stamp = now if old is None else max(now, old[0])
+                self._data[key] = (stamp, state)
+            return result
+
+    def evict_idle(self, cutoff: float) -> int:
+        with self._lock:
+            stale = [k for k, (stamp, _) in self._data.items() if stamp < cutoff]
+            for k in stale:
+                del self._data[k]
+            return len(stale)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)
+
+
+class SettableClock:
+    """A clock that returns whatever it is told to, nonsense included."""
+
+    def __init__(self, value: Any = 0.0) -> None:
+        self.value = value
+
+    def now(self) -> Any:
+        return self.value

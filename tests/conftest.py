@@ -1,0 +1,143 @@
+"""Shared fixtures: every test runs against both twins.
+
+One session fixture, ``backend``, parametrized over the native core
+(``nanolimit._core``) and the pure-Python reference (``nanolimit.reference``);
+every other fixture derives from it, and tests never import a twin directly
+(``test_equivalence`` and ``test_import`` are the deliberate exceptions).
+
+The native parameter is skipped only when asked to: ``--no-c-extensions`` or
+``NANOLIMIT_NO_EXTENSIONS`` set. Otherwise a failing ``import nanolimit._core``
+is an *error* of every native test, so CI can never silently test the Python
+twin twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import types
+
+import pytest
+
+# Imports of nanolimit stay inside the fixtures: ``--no-c-extensions`` must be
+# turned into NANOLIMIT_NO_EXTENSIONS before ``nanolimit/__init__.py`` runs.
+
+TWIN_NAMES = (
+    "TokenBucket",
+    "LeakyBucket",
+    "FixedWindowCounter",
+    "SlidingWindowLog",
+    "SlidingWindowCounter",
+    "GCRA",
+    "InMemoryStorage",
+    "Decision",
+    "IMPLEMENTATION",
+)
+
+SHARED_NAMES = (
+    "Algorithm",
+    "BatchResult",
+    "Clock",
+    "FakeClock",
+    "LimiterConfig",
+    "LimiterState",
+    "RateLimiter",
+    "Storage",
+    "SystemClock",
+    "UnknownAlgorithmError",
+    "ValidationError",
+    "MAX_KEY_BYTES",
+    "storage_key",
+)
+
+# algorithm name -> limiter class name, in SPEC §4 order
+ALGORITHM_CLASSES = {
+    "token_bucket": "TokenBucket",
+    "leaky_bucket": "LeakyBucket",
+    "fixed_window": "FixedWindowCounter",
+    "sliding_log": "SlidingWindowLog",
+    "sliding_counter": "SlidingWindowCounter",
+    "gcra": "GCRA",
+}
+ALGORITHMS = tuple(ALGORITHM_CLASSES)
+BURST_ALGORITHMS = ("token_bucket", "gcra")
+NO_EXTENSIONS_ENV = "NANOLIMIT_NO_EXTENSIONS"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--no-c-extensions",
+        action="store_true",
+        default=False,
+        help="skip the native twin (nanolimit._core) and test the pure-Python twin only",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "native: the test needs the compiled twin, nanolimit._core"
+    )
+    if config.getoption("--no-c-extensions"):
+        # Run the identical suite pure: `import nanolimit` must pick the reference too.
+        os.environ[NO_EXTENSIONS_ENV] = "1"
+
+
+def native_skip_reason(config: pytest.Config) -> str | None:
+    """Why the native twin is not under test, or None when it must be."""
+    if config.getoption("--no-c-extensions"):
+        return "native twin deselected by --no-c-extensions"
+    if os.environ.get(NO_EXTENSIONS_ENV):
+        return f"native twin deselected by {NO_EXTENSIONS_ENV}={os.environ[NO_EXTENSIONS_ENV]!r}"
+    return None
+
+
+@pytest.fixture(
+    scope="session",
+    params=[
+        pytest.param("native", marks=pytest.mark.native, id="native"),
+        pytest.param("reference", id="reference"),
+    ],
+)
+def backend(request: pytest.FixtureRequest) -> types.SimpleNamespace:
+    """All names of one twin, plus the shared pure classes, and ``name``."""
+    name = request.param
+    if name == "native":
+        reason = native_skip_reason(request.config)
+        if reason is not None:
+            pytest.skip(reason)
+        # Deliberately unguarded: an ImportError here is a test ERROR, not a skip.
+        module = importlib.import_module("nanolimit._core")
+    else:
+        module = importlib.import_module("nanolimit.reference")
+    shared = importlib.import_module("nanolimit._shared")
+    ns = types.SimpleNamespace(name=name, module=module)
+    for attr in TWIN_NAMES:
+        setattr(ns, attr, getattr(module, attr))
+    for attr in SHARED_NAMES:
+        setattr(ns, attr, getattr(shared, attr))
+    ns.limiters = {algo: getattr(module, cls) for algo, cls in ALGORITHM_CLASSES.items()}
+    return ns
+
+
+@pytest.fixture(params=ALGORITHMS, ids=ALGORITHMS)
+def algorithm(request: pytest.FixtureRequest) -> str:
+    """One of the six algorithm names."""
+    return request.param
+
+
+@pytest.fixture
+def limiter_cls(backend: types.SimpleNamespace, algorithm: str) -> type:
+    """The limiter class of ``algorithm`` in the twin under test."""
+    return backend.limiters[algorithm]
+
+
+@pytest.fixture
+def clock(backend: types.SimpleNamespace):
+    """A fresh FakeClock at t = 0."""
+    return backend.FakeClock(0.0)
+
+
+@pytest.fixture
+def storage(backend: types.SimpleNamespace):
+    """A fresh InMemoryStorage of the twin under test."""
+    return backend.InMemoryStorage()
