@@ -28,7 +28,7 @@ LIMITER_ARGS = {
 STORAGE_ARGS = {"stripes": 4, "max_key_bytes": 100}
 DECISION_ARGS = {
     "allowed": True, "limit": 5, "remaining": 4, "retry_after": 0.0, "reset_after": 1.0,
-    "rule": "r", "window": 60.0, "delay": 0.0,
+    "rule": "r", "window": 60.0, "delay": 0.0, "degraded": False,
 }
 
 

@@ -16,7 +16,7 @@ from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.math cimport floor, isfinite
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memmove, memset
 
 from nanolimit._kernels cimport init_state, log_at, run_kernel
 from nanolimit._table cimport (
@@ -39,7 +39,9 @@ from nanolimit._shared import (
     MAX_KEY_BYTES,
     MAX_TIME,
     Algorithm,
+    DUPLICATE_COMPOUND,
     BatchResult,
+    CompoundDecision,
     LimiterConfig,
     LimiterState,
     Storage,
@@ -49,6 +51,7 @@ from nanolimit._shared import (
     check_cutoff,
     check_key,
     check_now,
+    compound_items,
     render_headers,
     storage_key,
 )
@@ -153,7 +156,11 @@ cdef inline double clock_value(object value) except? -1.0:
 @cython.final
 @cython.freelist(64)
 cdef class Decision:
-    """The answer to one request (SPEC §2). Frozen: a Decision is a fact."""
+    """The answer to one request (SPEC §2). Frozen: a Decision is a fact.
+
+    ``degraded`` is true when the store could not be asked and the storage's
+    failure policy answered instead (fail-open or fail-closed).
+    """
 
     cdef readonly bint allowed
     cdef readonly int64_t limit
@@ -163,9 +170,10 @@ cdef class Decision:
     cdef readonly str rule
     cdef readonly double window
     cdef readonly double delay
+    cdef readonly bint degraded
 
     def __init__(self, allowed, limit, remaining, retry_after, reset_after,
-                 rule="", window=0.0, delay=0.0):
+                 rule="", window=0.0, delay=0.0, degraded=False):
         self.allowed = bool(allowed)
         self.limit = limit
         self.remaining = remaining
@@ -174,10 +182,11 @@ cdef class Decision:
         self.rule = str(rule)
         self.window = window
         self.delay = delay
+        self.degraded = bool(degraded)
 
     def _astuple(self):
         return (self.allowed, self.limit, self.remaining, self.retry_after,
-                self.reset_after, self.rule, self.window, self.delay)
+                self.reset_after, self.rule, self.window, self.delay, self.degraded)
 
     def __eq__(self, other):
         if not hasattr(other, "_astuple") or not hasattr(other, "retry_after"):
@@ -192,7 +201,7 @@ cdef class Decision:
             f"Decision(allowed={self.allowed!r}, limit={self.limit!r}, "
             f"remaining={self.remaining!r}, retry_after={self.retry_after!r}, "
             f"reset_after={self.reset_after!r}, rule={self.rule!r}, "
-            f"window={self.window!r}, delay={self.delay!r})"
+            f"window={self.window!r}, delay={self.delay!r}, degraded={self.degraded!r})"
         )
 
     def __reduce__(self):
@@ -215,6 +224,7 @@ cdef inline Decision make_decision(const Verdict* v, int64_t limit, str rule, do
     d.rule = rule
     d.window = window
     d.delay = v.delay
+    d.degraded = False
     return d
 
 
@@ -472,6 +482,110 @@ cdef class InMemoryStorage:
             free(log)
         return LimiterState(algorithm, copy.updated_at, log=entries)
 
+    # -- compound limits ------------------------------------------------------
+    def allow_all(self, requests):
+        """Decide a request bound by several limiters of this storage at once,
+        all-or-nothing (SPEC §6 compound limits): every stripe involved is
+        locked in index order, each limit is decided without spending, and
+        only if all allow is each one charged. A denial by the last limit
+        never charges the first.
+
+        ``requests`` is a sequence of ``(limiter, key)`` or ``(limiter, key, cost)``.
+        """
+        cdef list items = compound_items(requests)
+        cdef Py_ssize_t n = len(items)
+        cdef Py_ssize_t i, j, locked = 0, stripes_used = 0
+        cdef list limiters = []
+        cdef _Limiter limiter
+        cdef char* block
+        cdef const char** data
+        cdef Py_ssize_t* sizes
+        cdef int64_t* units
+        cdef uint64_t* hashes
+        cdef double* nows
+        cdef const Params** params
+        cdef uint32_t* namespaces
+        cdef uint32_t* stripe_ids
+        cdef Verdict* verdicts
+        cdef uint32_t stripe_id
+        cdef bint all_allowed = True
+        cdef int status = NL_OK
+        cdef size_t row = (sizeof(char*) + sizeof(Py_ssize_t) + sizeof(int64_t) + sizeof(uint64_t)
+                           + sizeof(double) + sizeof(Params*) + 2 * sizeof(uint32_t) + sizeof(Verdict))
+        block = <char*>malloc(<size_t>n * row)
+        if block == NULL:
+            raise MemoryError()
+        verdicts = <Verdict*>block
+        data = <const char**>(verdicts + n)
+        sizes = <Py_ssize_t*>(data + n)
+        units = <int64_t*>(sizes + n)
+        hashes = <uint64_t*>(units + n)
+        nows = <double*>(hashes + n)
+        params = <const Params**>(nows + n)
+        namespaces = <uint32_t*>(params + n)
+        stripe_ids = namespaces + n
+        try:
+            for i in range(n):
+                candidate, key, cost = items[i]
+                if not isinstance(candidate, _Limiter) or (<_Limiter>candidate).store is not self:
+                    raise ValidationError("every limiter of a compound request must use this storage")
+                limiter = <_Limiter>candidate
+                limiters.append(limiter)
+                data[i] = key_bytes(key, self.max_key_bytes, &sizes[i])
+                units[i] = cost_value(cost, limiter.p.capacity)
+                hashes[i] = nl_hash(limiter.seed, SEED_S1, SEED_S2, data[i], <size_t>sizes[i]) & self.hash_mask
+                params[i] = &limiter.p
+                namespaces[i] = limiter.ns
+                for j in range(i):
+                    if (namespaces[j] == namespaces[i] and sizes[j] == sizes[i]
+                            and memcmp(data[j], data[i], <size_t>sizes[i]) == 0):
+                        raise ValidationError(DUPLICATE_COMPOUND)
+            for i in range(n):
+                nows[i] = (<_Limiter>limiters[i]).read_clock()
+            # the stripes, sorted and unique: one global lock order, no deadlock
+            for i in range(n):
+                stripe_id = <uint32_t>((hashes[i] >> 40) & self.stripe_mask)
+                j = stripes_used
+                while j > 0 and stripe_ids[j - 1] > stripe_id:
+                    j -= 1
+                if j > 0 and stripe_ids[j - 1] == stripe_id:
+                    continue
+                memmove(&stripe_ids[j + 1], &stripe_ids[j], (stripes_used - j) * sizeof(uint32_t))
+                stripe_ids[j] = stripe_id
+                stripes_used += 1
+            for j in range(stripes_used):
+                status = lock_stripe(&self.stripes[stripe_ids[j]])
+                if status != NL_OK:
+                    break
+                locked += 1
+            if status == NL_OK:
+                for i in range(n):
+                    status = table_decide(self.stripe_for(hashes[i]), hashes[i], namespaces[i], data[i],
+                                          <uint32_t>sizes[i], nows[i], units[i], params[i], False,
+                                          &verdicts[i])
+                    if status != NL_OK:
+                        break
+                    all_allowed = all_allowed and verdicts[i].allowed
+                if status == NL_OK and all_allowed:
+                    for i in range(n):
+                        status = table_decide(self.stripe_for(hashes[i]), hashes[i], namespaces[i], data[i],
+                                              <uint32_t>sizes[i], nows[i], units[i], params[i], True,
+                                              &verdicts[i])
+                        if status != NL_OK:
+                            break
+            while locked > 0:
+                locked -= 1
+                nl_unlock(&self.stripes[stripe_ids[locked]].lock)
+            if status != NL_OK:
+                raise_status(status)
+            decisions = []
+            for i in range(n):
+                limiter = <_Limiter>limiters[i]
+                decisions.append(make_decision(&verdicts[i], limiter.p.capacity, limiter._rule, limiter.p.window))
+        finally:
+            free(block)
+        return CompoundDecision(decisions)
+
     # -- the Storage protocol ------------------------------------------------
     def apply(self, key, now, mutate):
         """Run ``mutate(state | None) -> (state, result)`` atomically for ``key``.
@@ -691,6 +805,8 @@ cdef class _Limiter:
             self.seed = namespace_seed(self.ns)
             self.max_key_bytes = self.store.max_key_bytes
         else:
+            # Any other storage (Redis runs the kernels in Lua; a user's runs
+            # them through apply): the reference limiter is the glue.
             self.store = None
             self._fallback = _reference.LIMITERS[algorithm](
                 limit, window_seconds, storage, clock, rule, burst=burst
@@ -752,7 +868,7 @@ cdef class _Limiter:
     cdef Decision foreign(self, object key, object cost, bint commit):
         d = self._fallback.allow(key, cost) if commit else self._fallback.peek(key, cost)
         return Decision(d.allowed, d.limit, d.remaining, d.retry_after, d.reset_after,
-                        d.rule, d.window, d.delay)
+                        d.rule, d.window, d.delay, d.degraded)
 
     def allow(self, key, cost=1):
         """Decide one request and spend its cost if it passes."""
@@ -780,7 +896,7 @@ cdef class _Limiter:
         if self.store is None:
             r = self._fallback.allow_many(key_list, costs)
             return BatchResult(Decision, r.limit, r.rule, r.window, r.allowed, r.remaining,
-                               r.retry_after, r.reset_after, r.delay)
+                               r.retry_after, r.reset_after, r.delay, r.degraded)
         if costs is not None:
             cost_list = costs if type(costs) is list else list(costs)
             if len(cost_list) != n:

@@ -15,11 +15,16 @@ _FIELDS = (
     "rule",
     "window",
     "delay",
+    "degraded",
 )
 
 
 class Decision:
-    """The answer to one request (SPEC §2). Frozen: a Decision is a fact."""
+    """The answer to one request (SPEC §2). Frozen: a Decision is a fact.
+
+    ``degraded`` is true when the store could not be asked and the storage's
+    failure policy answered instead (fail-open or fail-closed).
+    """
 
     __slots__ = _FIELDS
 
@@ -31,6 +36,7 @@ class Decision:
     rule: str
     window: float
     delay: float
+    degraded: bool
 
     def __init__(
         self,
@@ -42,6 +48,7 @@ class Decision:
         rule: str = "",
         window: float = 0.0,
         delay: float = 0.0,
+        degraded: bool = False,
     ) -> None:
         setter = object.__setattr__
         setter(self, "allowed", bool(allowed))
@@ -52,6 +59,7 @@ class Decision:
         setter(self, "rule", str(rule))
         setter(self, "window", float(window))
         setter(self, "delay", float(delay))
+        setter(self, "degraded", bool(degraded))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Decision is frozen; cannot set {name!r}")
@@ -75,7 +83,7 @@ class Decision:
             f"Decision(allowed={self.allowed!r}, limit={self.limit!r}, "
             f"remaining={self.remaining!r}, retry_after={self.retry_after!r}, "
             f"reset_after={self.reset_after!r}, rule={self.rule!r}, "
-            f"window={self.window!r}, delay={self.delay!r})"
+            f"window={self.window!r}, delay={self.delay!r}, degraded={self.degraded!r})"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

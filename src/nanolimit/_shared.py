@@ -30,6 +30,9 @@ __all__ = [
     "Algorithm",
     "BatchResult",
     "Clock",
+    "CompoundDecision",
+    "KernelStorage",
+    "KernelVerdict",
     "FakeClock",
     "LimiterConfig",
     "LimiterState",
@@ -40,6 +43,7 @@ __all__ = [
     "ValidationError",
     "check_cutoff",
     "check_now",
+    "compound_items",
     "render_headers",
     "storage_key",
 ]
@@ -317,6 +321,7 @@ class BatchResult(Sequence["Decision"]):
     __slots__ = (
         "_decision",
         "allowed",
+        "degraded",
         "delay",
         "limit",
         "remaining",
@@ -343,8 +348,10 @@ class BatchResult(Sequence["Decision"]):
         retry_after: array[float],
         reset_after: array[float],
         delay: array[float],
+        degraded: bool = False,
     ) -> None:
         self._decision = decision_type
+        self.degraded = degraded
         self.limit = limit
         self.rule = rule
         self.window = window
@@ -370,6 +377,7 @@ class BatchResult(Sequence["Decision"]):
             self.rule,
             self.window,
             self.delay[i],
+            self.degraded,
         )
 
     def __iter__(self) -> Iterator[Decision]:
@@ -429,6 +437,132 @@ class Storage(Protocol):
     def evict_idle(self, cutoff: float) -> int: ...
 
     def __len__(self) -> int: ...
+
+
+# What a kernel answers: (allowed, remaining before floor, retry_after,
+# reset_after, delay, degraded).
+KernelVerdict = tuple[bool, float, float, float, float, bool]
+
+
+@runtime_checkable
+class KernelStorage(Storage, Protocol):
+    """A storage that runs the built-in kernels itself, next to its data (a
+    Lua script in Redis), so limiters never hand it a Python closure.
+
+    ``now`` is the limiter's clock reading, or ``None`` when the limiter uses
+    the default :class:`SystemClock` and the storage should use its own clock
+    (Redis: the server's ``TIME``, one clock for every gateway instance).
+    """
+
+    def run_kernel(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> KernelVerdict: ...
+
+    def run_kernel_many(
+        self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
+    ) -> list[KernelVerdict]: ...
+
+    def run_kernel_all(
+        self, items: Sequence[tuple[LimiterConfig, str, int]], now: float | None
+    ) -> list[KernelVerdict]:
+        """All-or-nothing: every item is committed only if every item allows."""
+        ...
+
+    def forget(self, config: LimiterConfig, key: str) -> None: ...
+
+    def snapshot(self, config: LimiterConfig, key: str, now: float | None) -> LimiterState | None: ...
+
+
+class CompoundDecision:
+    """The answer to a request bound by several limits at once.
+
+    It passed only if every limit allowed, and then every limit was charged;
+    if any denied, none was (``decisions`` then hold what each would have
+    answered). The summary fields are the tightest: the smallest remaining
+    (with its limit and rule) and the longest retry_after and reset_after.
+    """
+
+    __slots__ = ("allowed", "decisions", "denied_by", "_tightest")
+
+    def __init__(self, decisions: Sequence[Decision]) -> None:
+        if not decisions:
+            raise ValidationError("a compound decision needs at least one decision")
+        self.decisions = tuple(decisions)
+        self.allowed = all(d.allowed for d in self.decisions)
+        denied = [d for d in self.decisions if not d.allowed]
+        self.denied_by: str | None = None
+        if denied:
+            self.denied_by = max(denied, key=lambda d: d.retry_after).rule
+        self._tightest = min(self.decisions, key=lambda d: (d.allowed, d.remaining))
+
+    @property
+    def limit(self) -> int:
+        return self._tightest.limit
+
+    @property
+    def remaining(self) -> int:
+        return self._tightest.remaining
+
+    @property
+    def rule(self) -> str:
+        return self.denied_by if self.denied_by is not None else self._tightest.rule
+
+    @property
+    def window(self) -> float:
+        return self._tightest.window
+
+    @property
+    def retry_after(self) -> float:
+        return max(d.retry_after for d in self.decisions)
+
+    @property
+    def reset_after(self) -> float:
+        return max(d.reset_after for d in self.decisions)
+
+    @property
+    def delay(self) -> float:
+        return max(d.delay for d in self.decisions)
+
+    @property
+    def degraded(self) -> bool:
+        return any(d.degraded for d in self.decisions)
+
+    def headers(self, wall_now: float | None = None) -> dict[str, str]:
+        """SPEC §2 headers for the binding limit."""
+        tight = self._tightest
+        return render_headers(
+            self.allowed,
+            tight.limit,
+            tight.remaining,
+            self.retry_after,
+            self.reset_after,
+            self.rule,
+            tight.window,
+            wall_now,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<CompoundDecision allowed={self.allowed} denied_by={self.denied_by!r} "
+            f"remaining={self.remaining} retry_after={self.retry_after!r}>"
+        )
+
+
+def compound_items(requests: Any) -> list[tuple[Any, str, int]]:
+    """Normalise ``[(limiter, key), (limiter, key, cost), ...]``."""
+    items: list[tuple[Any, str, int]] = []
+    for request in requests:
+        if not isinstance(request, tuple) or len(request) not in (2, 3):
+            raise ValidationError("each compound request is (limiter, key) or (limiter, key, cost)")
+        limiter, key = request[0], request[1]
+        cost = request[2] if len(request) == 3 else 1
+        items.append((limiter, key, cost))
+    if not items:
+        raise ValidationError("a compound request needs at least one limiter")
+    return items
+
+
+DUPLICATE_COMPOUND = "the same rule and key appear twice in one compound request"
 
 
 @runtime_checkable

@@ -24,6 +24,7 @@ from ._shared import (
     BatchResult,
     Clock,
     FakeClock,
+    KernelVerdict,
     LimiterConfig,
     LimiterState,
     RateLimiter,
@@ -31,8 +32,12 @@ from ._shared import (
     SystemClock,
     UnknownAlgorithmError,
     ValidationError,
+    DUPLICATE_COMPOUND,
+    CompoundDecision,
+    KernelStorage,
     check_cost,
     check_cutoff,
+    compound_items,
     check_key,
     check_now,
     storage_key,
@@ -43,10 +48,12 @@ __all__ = [
     "Algorithm",
     "BatchResult",
     "Clock",
+    "CompoundDecision",
     "Decision",
     "FakeClock",
     "FixedWindowCounter",
     "InMemoryStorage",
+    "KernelStorage",
     "LeakyBucket",
     "LimiterState",
     "RateLimiter",
@@ -345,6 +352,43 @@ class InMemoryStorage:
                 table[full_key] = [state.updated_at, state]
         return verdict
 
+    def allow_all(self, requests: Sequence[tuple[Any, ...]]) -> CompoundDecision:
+        """Decide a request bound by several limiters of this storage at once:
+        all-or-nothing (SPEC §6 compound limits). Every involved stripe is
+        locked, in index order, for the whole decision."""
+        items = compound_items(requests)
+        plan = []
+        for limiter, key, cost in items:
+            if not isinstance(limiter, _Limiter) or limiter._storage is not self:
+                raise ValidationError("every limiter of a compound request must use this storage")
+            check_key(key, self.max_key_bytes)
+            check_cost(cost, limiter._cfg.capacity)
+            plan.append((limiter, (limiter._ns, key), cost))
+        if len({full_key for _, full_key, _ in plan}) != len(plan):
+            raise ValidationError(DUPLICATE_COMPOUND)
+        nows = [check_now(limiter._clock.now()) for limiter, _, _ in plan]
+        stripes = sorted({hash(full_key) % len(self._maps) for _, full_key, _ in plan})
+        for i in stripes:
+            self._locks[i].acquire()
+        try:
+            verdicts = []
+            for (limiter, full_key, cost), now in zip(plan, nows):
+                entry = self._maps[hash(full_key) % len(self._maps)].get(full_key)
+                state = None if entry is None else entry[1].copy()
+                verdicts.append(_decide(state, now, cost, limiter._cfg)[1])
+            if all(v[0] for v in verdicts):
+                verdicts = []
+                for (limiter, full_key, cost), now in zip(plan, nows):
+                    table = self._maps[hash(full_key) % len(self._maps)]
+                    entry = table.get(full_key)
+                    state, verdict = _decide(None if entry is None else entry[1], now, cost, limiter._cfg)
+                    table[full_key] = [state.updated_at, state]
+                    verdicts.append(verdict)
+        finally:
+            for i in reversed(stripes):
+                self._locks[i].release()
+        return CompoundDecision([limiter._decision(v) for (limiter, _, _), v in zip(plan, verdicts)])
+
     def _forget(self, ns: tuple[str, str], key: str) -> None:
         full_key = (ns, key)
         lock, table = self._slot(full_key)
@@ -488,13 +532,20 @@ class _Limiter:
             check_key(key, self._max_key_bytes)
             check_cost(cost, self._cfg.capacity)
         n = len(keys)
+        storage = self._storage
+        if isinstance(storage, KernelStorage) and not isinstance(storage, InMemoryStorage):
+            verdicts = storage.run_kernel_many(self._cfg, keys, costs, self._kernel_now())
+        else:
+            verdicts = [self._verdict(key, cost, True) for key, cost in zip(keys, costs)]
         allowed = array("B", bytes(n))
         remaining = array("q", bytes(8 * n))
         retry = array("d", bytes(8 * n))
         reset = array("d", bytes(8 * n))
         delay = array("d", bytes(8 * n))
-        for i, (key, cost) in enumerate(zip(keys, costs)):
-            ok, left, retry_after, reset_after, wait = self._verdict(key, cost, True)
+        degraded = False
+        for i, verdict in enumerate(verdicts):
+            ok, left, retry_after, reset_after, wait = verdict[:5]
+            degraded = degraded or (len(verdict) > 5 and bool(verdict[5]))
             allowed[i] = ok
             remaining[i] = max(0, math.floor(left))
             retry[i] = retry_after
@@ -502,7 +553,7 @@ class _Limiter:
             delay[i] = wait
         cfg = self._cfg
         return BatchResult(
-            Decision, cfg.capacity, cfg.rule, cfg.window_seconds, allowed, remaining, retry, reset, delay
+            Decision, cfg.capacity, cfg.rule, cfg.window_seconds, allowed, remaining, retry, reset, delay, degraded
         )
 
     def reset(self, key: str) -> None:
@@ -511,6 +562,8 @@ class _Limiter:
         storage = self._storage
         if isinstance(storage, InMemoryStorage):
             storage._forget(self._ns, key)
+        elif isinstance(storage, KernelStorage):
+            storage.forget(self._cfg, key)
         else:
             storage.apply(self._storage_key(key), check_now(self._clock.now()), lambda _s: (None, None))
 
@@ -520,6 +573,8 @@ class _Limiter:
         storage = self._storage
         if isinstance(storage, InMemoryStorage):
             raw = storage._state(self._ns, key)
+        elif isinstance(storage, KernelStorage):
+            return storage.snapshot(self._cfg, key, self._kernel_now())
         else:
             found: list[_KeyState | None] = [None]
 
@@ -535,14 +590,23 @@ class _Limiter:
     def _storage_key(self, key: str) -> str:
         return storage_key(self.algorithm, self._cfg.rule, key)
 
+    def _kernel_now(self) -> float | None:
+        """The time a KernelStorage is given: ``None`` means 'use your own
+        clock' (the default SystemClock), anything else is an injected clock."""
+        if type(self._clock) is SystemClock:
+            return None
+        return check_now(self._clock.now())
+
     def _verdict(self, key: str, cost: int, commit: bool) -> Verdict:
         check_key(key, self._max_key_bytes)
         check_cost(cost, self._cfg.capacity)
-        now = check_now(self._clock.now())
         storage = self._storage
         cfg = self._cfg
         if isinstance(storage, InMemoryStorage):
-            return storage._run(self._ns, key, now, cost, cfg, commit)
+            return storage._run(self._ns, key, check_now(self._clock.now()), cost, cfg, commit)
+        if isinstance(storage, KernelStorage):
+            return storage.run_kernel(cfg, key, cost, self._kernel_now(), commit)
+        now = check_now(self._clock.now())
         # Any other Storage: the generic (slow) seam of SPEC §5.
         verdict: list[Verdict] = []
 
@@ -555,9 +619,12 @@ class _Limiter:
         storage.apply(self._storage_key(key), now, mutate)
         return verdict[0]
 
-    def _decision(self, v: Verdict) -> Decision:
+    def _decision(self, v: Verdict | KernelVerdict) -> Decision:
         cfg = self._cfg
-        return Decision(v[0], cfg.capacity, max(0, math.floor(v[1])), v[2], v[3], cfg.rule, cfg.window_seconds, v[4])
+        degraded = len(v) > 5 and bool(v[5])  # type: ignore[misc]
+        return Decision(
+            v[0], cfg.capacity, max(0, math.floor(v[1])), v[2], v[3], cfg.rule, cfg.window_seconds, v[4], degraded
+        )
 
     def __repr__(self) -> str:
         cfg = self._cfg
