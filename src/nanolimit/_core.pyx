@@ -370,7 +370,7 @@ cdef class InMemoryStorage:
 
     cdef int decide_batch(self, uint32_t ns, uint64_t seed, Py_ssize_t n, const char** keys,
                           const Py_ssize_t* sizes, const int64_t* costs, uint64_t* hashes,
-                          double now, const Params* p, uint8_t* allowed, int64_t* remaining,
+                          double now, const double* times, const Params* p, uint8_t* allowed, int64_t* remaining,
                           double* retry_after, double* reset_after, double* delay,
                           Py_ssize_t* done) noexcept nogil:
         """Decide ``n`` requests in order. Hashes come precomputed so the
@@ -407,7 +407,8 @@ cdef class InMemoryStorage:
                 held = s
                 run = 0
             run += 1
-            status = table_decide(s, h, ns, keys[i], <uint32_t>sizes[i], now, costs[i], p, True, &v)
+            status = table_decide(s, h, ns, keys[i], <uint32_t>sizes[i],
+                                  now if times == NULL else times[i], costs[i], p, True, &v)
             if status != NL_OK:
                 break
             allowed[i] = v.allowed
@@ -878,11 +879,17 @@ cdef class _Limiter:
         """What ``allow`` would answer now, spending nothing and storing nothing."""
         return self.decide(key, cost, False)
 
-    def allow_many(self, keys, costs=None):
+    def allow_many(self, keys, costs=None, *, times=None):
         """Decide a batch in order with the GIL released; every key and cost is
-        checked before any is spent. Returns a :class:`BatchResult` of arrays."""
+        checked before any is spent. Returns a :class:`BatchResult` of arrays.
+
+        ``times`` (replays) gives each request its own clock reading instead
+        of one reading for the batch; per key, time still never runs backwards.
+        """
         cdef list key_list = keys if type(keys) is list else list(keys)
         cdef list cost_list = None
+        cdef list time_list = None
+        cdef double* stamps = NULL
         cdef char* block
         cdef Py_ssize_t n = len(key_list)
         cdef Py_ssize_t i, done = 0
@@ -894,17 +901,25 @@ cdef class _Limiter:
         cdef double now
         cdef int status
         if self.store is None:
-            r = self._fallback.allow_many(key_list, costs)
+            r = self._fallback.allow_many(key_list, costs, times=times)
             return BatchResult(Decision, r.limit, r.rule, r.window, r.allowed, r.remaining,
                                r.retry_after, r.reset_after, r.delay, r.degraded)
         if costs is not None:
             cost_list = costs if type(costs) is list else list(costs)
             if len(cost_list) != n:
                 raise ValidationError(f"{n} keys but {len(cost_list)} costs")
+        if times is not None:
+            time_list = times if type(times) is list else list(times)
+            if len(time_list) != n:
+                raise ValidationError(f"{n} keys but {len(time_list)} times")
         block = <char*>malloc(<size_t>(n if n else 1) * (sizeof(char*) + sizeof(Py_ssize_t)
-                                                        + sizeof(int64_t) + sizeof(uint64_t)))
+                                                        + sizeof(int64_t) + sizeof(uint64_t)
+                                                        + sizeof(double)))
         if block == NULL:
             raise MemoryError()
+        if time_list is not None:
+            stamps = <double*>(block + n * (sizeof(char*) + sizeof(Py_ssize_t) + sizeof(int64_t)
+                                            + sizeof(uint64_t)))
         data = <const char**>block
         sizes = <Py_ssize_t*>(block + n * sizeof(char*))
         units = <int64_t*>(block + n * (sizeof(char*) + sizeof(Py_ssize_t)))
@@ -915,7 +930,12 @@ cdef class _Limiter:
                 units[i] = 1 if costs is None else cost_value(cost_list[i], self.p.capacity)
                 # hashed now, while the str is in cache
                 hashes[i] = nl_hash(self.seed, SEED_S1, SEED_S2, data[i], <size_t>sizes[i]) & self.store.hash_mask
-            now = self.read_clock()
+            if time_list is not None:
+                for i in range(n):
+                    stamps[i] = clock_value(time_list[i])
+                now = 0.0
+            else:
+                now = self.read_clock()
             allowed = clone(_U8, n, False)
             remaining = clone(_I64, n, False)
             retry = clone(_F64, n, False)
@@ -923,7 +943,7 @@ cdef class _Limiter:
             delay = clone(_F64, n, False)
             with nogil:
                 status = self.store.decide_batch(
-                    self.ns, self.seed, n, data, sizes, units, hashes, now, &self.p,
+                    self.ns, self.seed, n, data, sizes, units, hashes, now, stamps, &self.p,
                     allowed.data.as_uchars, <int64_t*>remaining.data.as_longlongs, retry.data.as_doubles,
                     reset.data.as_doubles, delay.data.as_doubles, &done)
         finally:
