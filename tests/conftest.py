@@ -141,3 +141,13 @@ def clock(backend: types.SimpleNamespace):
 def storage(backend: types.SimpleNamespace):
     """A fresh InMemoryStorage of the twin under test."""
     return backend.InMemoryStorage()
+
+
+@pytest.fixture
+def native(request: pytest.FixtureRequest) -> types.ModuleType:
+    """The native module alone, for tests of what only the C table has
+    (collision hooks, C-memory accounting)."""
+    reason = native_skip_reason(request.config)
+    if reason is not None:
+        pytest.skip(reason)
+    return importlib.import_module("nanolimit._core")

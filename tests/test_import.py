@@ -25,10 +25,10 @@ LIMITER_NAMES = tuple(ALGORITHM_CLASSES.values())
 LIMITER_ARGS = {
     "limit": 5, "window_seconds": 60.0, "storage": None, "clock": None, "rule": "r", "burst": None,
 }
-STORAGE_ARGS = {"stripes": 4, "max_key_bytes": 100}
+STORAGE_ARGS = {"stripes": 4, "max_key_bytes": 100, "max_keys": 1000, "on_full": "evict", "evict_idle_after": 60.0}
 DECISION_ARGS = {
     "allowed": True, "limit": 5, "remaining": 4, "retry_after": 0.0, "reset_after": 1.0,
-    "rule": "r", "window": 60.0, "delay": 0.0, "degraded": False,
+    "rule": "r", "window": 60.0, "delay": 0.0, "degraded": False, "reason": "",
 }
 
 

@@ -9,12 +9,10 @@ dense entry array then run on long collision chains instead of one slot.
 
 from __future__ import annotations
 
-import importlib
 import random
 import types
 
 import pytest
-from conftest import native_skip_reason
 
 from nanolimit import FakeClock
 
@@ -121,15 +119,6 @@ COLLISION_MASKS = {
     # everything collides: one stripe, one home slot, one fingerprint
     "all-bits": 0,
 }
-
-
-@pytest.fixture
-def native(request: pytest.FixtureRequest) -> types.ModuleType:
-    """The native module alone (these tests have no reference counterpart)."""
-    reason = native_skip_reason(request.config)
-    if reason is not None:
-        pytest.skip(reason)
-    return importlib.import_module("nanolimit._core")
 
 
 @pytest.fixture(params=list(COLLISION_MASKS), ids=list(COLLISION_MASKS))

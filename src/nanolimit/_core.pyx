@@ -20,7 +20,8 @@ from libc.string cimport memcmp, memcpy, memmove, memset
 
 from nanolimit._kernels cimport init_state, log_at, run_kernel
 from nanolimit._table cimport (
-    NS_ALGORITHM_MASK, ObjectList, Stripe, entry_key, prefetch_entry,
+    NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, ObjectList, Stripe, entry_key, prefetch_entry,
+    stripe_make_room, stripe_sweep_idle,
     prefetch_slot, stripe_clear, stripe_delete, stripe_evict, stripe_find,
     stripe_insert,
 )
@@ -47,6 +48,7 @@ from nanolimit._shared import (
     Storage,
     SystemClock,
     ValidationError,
+    check_bounds,
     check_cost,
     check_cutoff,
     check_key,
@@ -75,6 +77,8 @@ SEED_S2 = int.from_bytes(_seed[16:], "little") | 1
 del _seed
 
 cdef double MAX_TIME_C = MAX_TIME
+cdef str REASON_NONE = ""
+cdef str REASON_STORAGE_FULL = "storage_full"
 cdef int MAX_STRIPES = 1 << 16
 
 cdef dict ALGORITHM_IDS = {
@@ -158,8 +162,9 @@ cdef inline double clock_value(object value) except? -1.0:
 cdef class Decision:
     """The answer to one request (SPEC §2). Frozen: a Decision is a fact.
 
-    ``degraded`` is true when the store could not be asked and the storage's
-    failure policy answered instead (fail-open or fail-closed).
+    ``degraded`` is true when the store could not decide normally and a policy
+    answered instead; ``reason`` then says which ("storage_full",
+    "store_unavailable"); it is "" for an ordinary decision.
     """
 
     cdef readonly bint allowed
@@ -171,9 +176,10 @@ cdef class Decision:
     cdef readonly double window
     cdef readonly double delay
     cdef readonly bint degraded
+    cdef readonly str reason
 
     def __init__(self, allowed, limit, remaining, retry_after, reset_after,
-                 rule="", window=0.0, delay=0.0, degraded=False):
+                 rule="", window=0.0, delay=0.0, degraded=False, reason=""):
         self.allowed = bool(allowed)
         self.limit = limit
         self.remaining = remaining
@@ -183,10 +189,11 @@ cdef class Decision:
         self.window = window
         self.delay = delay
         self.degraded = bool(degraded)
+        self.reason = str(reason)
 
     def _astuple(self):
         return (self.allowed, self.limit, self.remaining, self.retry_after,
-                self.reset_after, self.rule, self.window, self.delay, self.degraded)
+                self.reset_after, self.rule, self.window, self.delay, self.degraded, self.reason)
 
     def __eq__(self, other):
         if not hasattr(other, "_astuple") or not hasattr(other, "retry_after"):
@@ -201,7 +208,8 @@ cdef class Decision:
             f"Decision(allowed={self.allowed!r}, limit={self.limit!r}, "
             f"remaining={self.remaining!r}, retry_after={self.retry_after!r}, "
             f"reset_after={self.reset_after!r}, rule={self.rule!r}, "
-            f"window={self.window!r}, delay={self.delay!r}, degraded={self.degraded!r})"
+            f"window={self.window!r}, delay={self.delay!r}, degraded={self.degraded!r}, "
+            f"reason={self.reason!r})"
         )
 
     def __reduce__(self):
@@ -224,27 +232,65 @@ cdef inline Decision make_decision(const Verdict* v, int64_t limit, str rule, do
     d.rule = rule
     d.window = window
     d.delay = v.delay
-    d.degraded = False
+    if v.storage_full:
+        d.degraded = True
+        d.reason = REASON_STORAGE_FULL
+    else:
+        d.degraded = False
+        d.reason = REASON_NONE
     return d
 
 
 # ============================================================== table ops
 
-cdef inline int table_decide(Stripe* s, uint64_t h, uint32_t ns, const char* key,
+cdef inline bint room_for_new_key(Stripe* s, const Bounds* b, double now) noexcept nogil:
+    """Bounded storages: run the idle sweep, then make room in a full stripe.
+    False means the new key must be refused (``on_full="deny_new"``, or no
+    entry could be freed)."""
+    if b.idle_after > 0.0:
+        stripe_sweep_idle(s, now - b.idle_after)
+    if b.stripe_cap == 0 or s.count < s.cap:
+        return True
+    if stripe_make_room(s, b.chunks, now, b.evict_active):
+        return True
+    s.denied_new += 1
+    return False
+
+
+cdef inline void refuse_new_key(Verdict* v) noexcept nogil:
+    v.allowed = False
+    v.storage_full = True
+    v.remaining = 0.0
+    v.retry_after = 1.0
+    v.reset_after = 0.0
+    v.delay = 0.0
+
+
+cdef inline int table_decide(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns, const char* key,
                              uint32_t klen, double clock_now, int64_t cost,
                              const Params* p, bint commit, Verdict* v) noexcept nogil:
     """Find or create the key, bring it to ``now`` (never backwards), decide,
-    stamp. ``commit=False`` works on a copy and creates nothing."""
+    stamp. ``commit=False`` works on a copy and creates nothing. ``b`` is
+    NULL for an unbounded storage."""
     cdef uint32_t slot
     cdef Py_ssize_t position = stripe_find(s, h, ns, key, klen, &slot)
     cdef Entry* e
     cdef Entry scratch
     cdef double now
     cdef int status = NL_OK
+    v.storage_full = False
     if position < 0:
         if not commit:
+            if b != NULL and b.reserve_on_peek and not room_for_new_key(s, b, clock_now):
+                refuse_new_key(v)
+                return NL_OK
             init_state(&scratch, clock_now, p)
             return run_kernel(&scratch, clock_now, cost, p, False, v)
+        if b != NULL:
+            if not room_for_new_key(s, b, clock_now):
+                refuse_new_key(v)
+                return NL_OK
+            stripe_find(s, h, ns, key, klen, &slot)   # eviction may have moved the probe run
         e = stripe_insert(s, h, ns, key, klen, slot, &status)
         if e == NULL:
             return status
@@ -298,13 +344,21 @@ cdef class InMemoryStorage:
     cdef void* stripes_block
     cdef uint32_t stripe_mask
     cdef uint64_t hash_mask
+    cdef Bounds bounds
+    cdef bint bounded
     cdef readonly Py_ssize_t max_key_bytes
+    cdef readonly object max_keys
+    cdef readonly str on_full
+    cdef readonly object evict_idle_after
     cdef dict _namespace_ids
     cdef list _namespace_names
     cdef object _namespace_lock
 
-    def __cinit__(self, *, stripes=64, max_key_bytes=MAX_KEY_BYTES, _hash_mask=None):
+    def __cinit__(self, *, stripes=64, max_key_bytes=MAX_KEY_BYTES, max_keys=None, on_full="evict",
+                  evict_idle_after=None, _hash_mask=None):
         cdef uintptr_t address
+        cdef uint32_t i
+        bounds = check_bounds(max_keys, on_full, evict_idle_after)
         if isinstance(stripes, bool) or not isinstance(stripes, int) or not 1 <= stripes <= MAX_STRIPES \
                 or stripes & (stripes - 1):
             raise ValidationError(f"stripes must be a power of two in [1, {MAX_STRIPES}], got {stripes!r}")
@@ -321,6 +375,21 @@ cdef class InMemoryStorage:
         address = <uintptr_t>self.stripes_block
         address = (address + 63) & ~(<uintptr_t>63)
         self.stripes = <Stripe*>address
+        for i in range(self.stripe_mask + 1):
+            self.stripes[i].random = <uint32_t>(nl_mum(SEED_S2, <uint64_t>i + 1) | 1)
+        self.max_keys, self.on_full, self.evict_idle_after = bounds
+        memset(&self.bounds, 0, sizeof(Bounds))
+        self.bounds.chunks = <Params**>calloc(NAMESPACE_CHUNK, sizeof(Params*))
+        if self.bounds.chunks == NULL:
+            raise MemoryError()
+        if max_keys is not None:
+            # max_keys split over the stripes (never below one key a stripe)
+            self.bounds.stripe_cap = 1
+            for i in range(self.stripe_mask + 1):
+                self.stripes[i].cap = <uint32_t>max(1, max_keys // stripes + (1 if i < max_keys % stripes else 0))
+        self.bounds.evict_active = on_full == "evict"
+        self.bounds.idle_after = 0.0 if evict_idle_after is None else evict_idle_after
+        self.bounded = max_keys is not None or evict_idle_after is not None
         self._namespace_ids = {}
         self._namespace_names = [None]
         self._namespace_lock = threading.Lock()
@@ -335,22 +404,43 @@ cdef class InMemoryStorage:
             stripe_clear(&self.stripes[i], &objects)
         free(self.stripes_block)
         self.stripes = NULL
+        if self.bounds.chunks != NULL:
+            for i in range(<uint32_t>NAMESPACE_CHUNK):
+                free(self.bounds.chunks[i])
+            free(self.bounds.chunks)
+            self.bounds.chunks = NULL
         release_objects(&objects)
 
     # -- namespaces ---------------------------------------------------------
-    cdef uint32_t namespace(self, object algorithm, str rule) except 0:
+    cdef uint32_t namespace(self, object algorithm, str rule, const Params* p) except 0:
         """The id of (algorithm, rule): limiters of one rule share state, so a
-        hot-reloaded rule keeps its keys; the algorithm is in the low bits."""
+        hot-reloaded rule keeps its keys; the algorithm is in the low bits.
+        The latest parameters are kept per namespace so that a bounded table
+        can tell which entries are back at rest."""
+        cdef uint32_t ident
+        cdef Params* chunk
         name = (algorithm.value, rule)
         with self._namespace_lock:
             ns = self._namespace_ids.get(name)
             if ns is None:
-                ns = (len(self._namespace_names) << 3) | ALGORITHM_IDS[algorithm]
-                if ns > 0xFFFFFFFF:
-                    raise MemoryError("too many rules on one storage")
+                ident = len(self._namespace_names)
+                if ident >= NAMESPACE_CHUNK * NAMESPACE_CHUNK:
+                    raise ValidationError(f"too many rules on one storage (at most {ident})")
+                ns = (ident << 3) | ALGORITHM_IDS[algorithm]
                 self._namespace_ids[name] = ns
                 self._namespace_names.append(name)
+            ident = (<uint32_t>ns) >> 3
+            chunk = self.bounds.chunks[ident // NAMESPACE_CHUNK]
+            if chunk == NULL:
+                chunk = <Params*>calloc(NAMESPACE_CHUNK, sizeof(Params))
+                if chunk == NULL:
+                    raise MemoryError()
+                self.bounds.chunks[ident // NAMESPACE_CHUNK] = chunk
+            chunk[ident % NAMESPACE_CHUNK] = p[0]
         return ns
+
+    cdef inline const Bounds* bounds_or_null(self) noexcept nogil:
+        return &self.bounds if self.bounded else NULL
 
     cdef inline Stripe* stripe_for(self, uint64_t h) noexcept nogil:
         return &self.stripes[(h >> 40) & self.stripe_mask]
@@ -364,7 +454,7 @@ cdef class InMemoryStorage:
         cdef int status = lock_stripe(s)
         if status != NL_OK:
             return status
-        status = table_decide(s, h, ns, key, <uint32_t>klen, now, cost, p, commit, v)
+        status = table_decide(s, self.bounds_or_null(), h, ns, key, <uint32_t>klen, now, cost, p, commit, v)
         nl_unlock(&s.lock)
         return status
 
@@ -372,7 +462,7 @@ cdef class InMemoryStorage:
                           const Py_ssize_t* sizes, const int64_t* costs, uint64_t* hashes,
                           double now, const double* times, const Params* p, uint8_t* allowed, int64_t* remaining,
                           double* retry_after, double* reset_after, double* delay,
-                          Py_ssize_t* done) noexcept nogil:
+                          Py_ssize_t* done, Py_ssize_t* refused) noexcept nogil:
         """Decide ``n`` requests in order. Hashes come precomputed so the
         loop can prefetch the index slot ``2 * AHEAD`` requests ahead and the
         entry ``AHEAD`` ahead: a large table costs cache misses, not probes."""
@@ -385,6 +475,7 @@ cdef class InMemoryStorage:
         cdef double left
         cdef int status = NL_OK
         cdef int run = 0
+        cdef const Bounds* bounds = self.bounds_or_null()
         cdef Py_ssize_t AHEAD = 8
         for i in range(n):
             if i + 2 * AHEAD < n:
@@ -407,11 +498,12 @@ cdef class InMemoryStorage:
                 held = s
                 run = 0
             run += 1
-            status = table_decide(s, h, ns, keys[i], <uint32_t>sizes[i],
+            status = table_decide(s, bounds, h, ns, keys[i], <uint32_t>sizes[i],
                                   now if times == NULL else times[i], costs[i], p, True, &v)
             if status != NL_OK:
                 break
             allowed[i] = v.allowed
+            refused[0] += v.storage_full
             left = floor(v.remaining)
             remaining[i] = <int64_t>left if left > 0.0 else 0
             retry_after[i] = v.retry_after
@@ -511,6 +603,7 @@ cdef class InMemoryStorage:
         cdef uint32_t stripe_id
         cdef bint all_allowed = True
         cdef int status = NL_OK
+        cdef Bounds reserve, unbounded
         cdef size_t row = (sizeof(char*) + sizeof(Py_ssize_t) + sizeof(int64_t) + sizeof(uint64_t)
                            + sizeof(double) + sizeof(Params*) + 2 * sizeof(uint32_t) + sizeof(Verdict))
         block = <char*>malloc(<size_t>n * row)
@@ -559,9 +652,17 @@ cdef class InMemoryStorage:
                 if status != NL_OK:
                     break
                 locked += 1
+            # Phase 1 may make room in full stripes; phase 2 then never refuses
+            # (a compound request can overshoot max_keys by its own few keys).
+            reserve = self.bounds
+            reserve.reserve_on_peek = True
+            unbounded = self.bounds
+            unbounded.stripe_cap = 0
+            unbounded.idle_after = 0.0
             if status == NL_OK:
                 for i in range(n):
-                    status = table_decide(self.stripe_for(hashes[i]), hashes[i], namespaces[i], data[i],
+                    status = table_decide(self.stripe_for(hashes[i]), &reserve if self.bounded else NULL,
+                                          hashes[i], namespaces[i], data[i],
                                           <uint32_t>sizes[i], nows[i], units[i], params[i], False,
                                           &verdicts[i])
                     if status != NL_OK:
@@ -569,7 +670,8 @@ cdef class InMemoryStorage:
                     all_allowed = all_allowed and verdicts[i].allowed
                 if status == NL_OK and all_allowed:
                     for i in range(n):
-                        status = table_decide(self.stripe_for(hashes[i]), hashes[i], namespaces[i], data[i],
+                        status = table_decide(self.stripe_for(hashes[i]), &unbounded if self.bounded else NULL,
+                                              hashes[i], namespaces[i], data[i],
                                               <uint32_t>sizes[i], nows[i], units[i], params[i], True,
                                               &verdicts[i])
                         if status != NL_OK:
@@ -727,6 +829,26 @@ cdef class InMemoryStorage:
                 free(meta)
         return out
 
+    def stats(self):
+        """Counters of the bounded table: keys held and why keys were
+        forgotten or refused (see ``max_keys`` / ``evict_idle_after``)."""
+        cdef uint64_t at_rest = 0, lru = 0, idle = 0, denied = 0
+        cdef Py_ssize_t keys = 0
+        cdef uint32_t i
+        cdef Stripe* s
+        for i in range(self.stripe_mask + 1):
+            s = &self.stripes[i]
+            if lock_stripe(s) != NL_OK:
+                raise_status(NL_REENTRANT)
+            keys += s.count
+            at_rest += s.evicted_at_rest
+            lru += s.evicted_lru
+            idle += s.evicted_idle
+            denied += s.denied_new
+            nl_unlock(&s.lock)
+        return {"keys": keys, "evicted_at_rest": at_rest, "evicted_lru": lru,
+                "evicted_idle": idle, "denied_new": denied}
+
     def memory_bytes(self):
         """C memory held for state: stripes, entry arrays, indexes, long keys
         and sliding-log rings (malloc's own overhead not included)."""
@@ -802,7 +924,7 @@ cdef class _Limiter:
         self.p.tolerance_us = cfg.gcra_tolerance_us
         if isinstance(storage, InMemoryStorage):
             self.store = <InMemoryStorage>storage
-            self.ns = self.store.namespace(algorithm, self._rule)
+            self.ns = self.store.namespace(algorithm, self._rule, &self.p)
             self.seed = namespace_seed(self.ns)
             self.max_key_bytes = self.store.max_key_bytes
         else:
@@ -869,7 +991,7 @@ cdef class _Limiter:
     cdef Decision foreign(self, object key, object cost, bint commit):
         d = self._fallback.allow(key, cost) if commit else self._fallback.peek(key, cost)
         return Decision(d.allowed, d.limit, d.remaining, d.retry_after, d.reset_after,
-                        d.rule, d.window, d.delay, d.degraded)
+                        d.rule, d.window, d.delay, d.degraded, d.reason)
 
     def allow(self, key, cost=1):
         """Decide one request and spend its cost if it passes."""
@@ -892,7 +1014,7 @@ cdef class _Limiter:
         cdef double* stamps = NULL
         cdef char* block
         cdef Py_ssize_t n = len(key_list)
-        cdef Py_ssize_t i, done = 0
+        cdef Py_ssize_t i, done = 0, refused = 0
         cdef const char** data
         cdef Py_ssize_t* sizes
         cdef int64_t* units
@@ -945,13 +1067,13 @@ cdef class _Limiter:
                 status = self.store.decide_batch(
                     self.ns, self.seed, n, data, sizes, units, hashes, now, stamps, &self.p,
                     allowed.data.as_uchars, <int64_t*>remaining.data.as_longlongs, retry.data.as_doubles,
-                    reset.data.as_doubles, delay.data.as_doubles, &done)
+                    reset.data.as_doubles, delay.data.as_doubles, &done, &refused)
         finally:
             free(block)
         if status != NL_OK:
             raise_status(status)
         return BatchResult(Decision, self.p.capacity, self._rule, self.p.window,
-                           allowed, remaining, retry, reset, delay)
+                           allowed, remaining, retry, reset, delay, refused > 0)
 
     def reset(self, key):
         """Forget ``key``: its next request sees a full budget."""

@@ -16,14 +16,16 @@ _FIELDS = (
     "window",
     "delay",
     "degraded",
+    "reason",
 )
 
 
 class Decision:
     """The answer to one request (SPEC §2). Frozen: a Decision is a fact.
 
-    ``degraded`` is true when the store could not be asked and the storage's
-    failure policy answered instead (fail-open or fail-closed).
+    ``degraded`` is true when the store could not decide normally and a policy
+    answered instead; ``reason`` then says which ("storage_full",
+    "store_unavailable"); it is "" for an ordinary decision.
     """
 
     __slots__ = _FIELDS
@@ -37,6 +39,7 @@ class Decision:
     window: float
     delay: float
     degraded: bool
+    reason: str
 
     def __init__(
         self,
@@ -49,6 +52,7 @@ class Decision:
         window: float = 0.0,
         delay: float = 0.0,
         degraded: bool = False,
+        reason: str = "",
     ) -> None:
         setter = object.__setattr__
         setter(self, "allowed", bool(allowed))
@@ -60,6 +64,7 @@ class Decision:
         setter(self, "window", float(window))
         setter(self, "delay", float(delay))
         setter(self, "degraded", bool(degraded))
+        setter(self, "reason", str(reason))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Decision is frozen; cannot set {name!r}")
@@ -83,7 +88,8 @@ class Decision:
             f"Decision(allowed={self.allowed!r}, limit={self.limit!r}, "
             f"remaining={self.remaining!r}, retry_after={self.retry_after!r}, "
             f"reset_after={self.reset_after!r}, rule={self.rule!r}, "
-            f"window={self.window!r}, delay={self.delay!r}, degraded={self.degraded!r})"
+            f"window={self.window!r}, delay={self.delay!r}, degraded={self.degraded!r}, "
+            f"reason={self.reason!r})"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -41,6 +41,7 @@ __all__ = [
     "SystemClock",
     "UnknownAlgorithmError",
     "ValidationError",
+    "check_bounds",
     "check_cutoff",
     "check_now",
     "compound_items",
@@ -164,6 +165,29 @@ def check_now(now: object) -> float:
     if not -MAX_TIME < value < MAX_TIME:
         raise ValidationError(f"clock returned {value!r}, outside ±{MAX_TIME:.0f} s")
     return value
+
+
+ON_FULL_POLICIES = ("evict", "deny_new")
+
+
+def check_bounds(
+    max_keys: object, on_full: object, evict_idle_after: object
+) -> tuple[int | None, str, float | None]:
+    """Validate the bounded-memory options of an InMemoryStorage."""
+    if max_keys is not None:
+        if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
+            raise ValidationError(f"max_keys must be an int >= 1 or None, got {max_keys!r}")
+    if on_full not in ON_FULL_POLICIES:
+        raise ValidationError(f"on_full must be one of {ON_FULL_POLICIES}, got {on_full!r}")
+    idle: float | None = None
+    if evict_idle_after is not None:
+        if isinstance(evict_idle_after, bool) or not isinstance(evict_idle_after, (int, float)):
+            raise ValidationError(f"evict_idle_after must be seconds or None, got {evict_idle_after!r}")
+        idle = float(evict_idle_after)
+        if not math.isfinite(idle) or idle <= 0:
+            raise ValidationError(f"evict_idle_after must be finite and > 0, got {evict_idle_after!r}")
+    assert isinstance(on_full, str)
+    return max_keys, on_full, idle
 
 
 def check_cutoff(cutoff: object) -> float:

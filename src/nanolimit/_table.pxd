@@ -5,12 +5,17 @@
 # the hash and the entry's position + 1; 0 is empty. Every function here runs
 # under the stripe's lock, never raises and never touches a Python object.
 
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 
+from libc.math cimport floor
+
+from nanolimit._kernels cimport log_at
 from nanolimit._types cimport (
-    ALG_APPLY, ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK,
+    ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET,
+    ALG_SLIDING_COUNTER, ALG_TOKEN_BUCKET, Params,
+    ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK,
     NL_TABLE_FULL, Entry, nl_key_equal, nl_load_pointer_relaxed,
     nl_load_u32_relaxed, nl_prefetch,
 )
@@ -24,9 +29,22 @@ ctypedef struct Stripe:
     uint32_t index_mask             # index size - 1 (index is NULL until first insert)
     uint32_t count                  # live entries, dense in entries[0:count]
     uint32_t capacity               # entries allocated
-    uint32_t _pad1
+    uint32_t random                 # xorshift state for eviction sampling
     unsigned long owner             # thread running Python under this lock (apply)
-    uint8_t _pad2[16]               # 64 bytes: stripes never share a cache line
+    uint32_t sweep                  # idle-sweep cursor into entries
+    uint32_t cap                    # most entries this stripe may hold (bounded tables)
+    uint64_t evicted_at_rest        # forgotten with no effect on any decision
+    uint64_t evicted_lru            # forgotten to make room (on_full="evict")
+    uint64_t evicted_idle           # forgotten by the evict_idle_after sweep
+    uint64_t denied_new             # new keys refused (on_full="deny_new")
+    uint8_t _pad2[56]               # 128 bytes: stripes never share a cache line
+
+ctypedef struct Bounds:             # how a bounded storage limits its stripes
+    uint32_t stripe_cap             # nonzero: each stripe holds at most its own ``cap``
+    bint evict_active               # on_full="evict" (else "deny_new")
+    bint reserve_on_peek            # compound phase 1: make room before committing
+    double idle_after               # evict_idle_after seconds; 0: off
+    Params** chunks                 # per-namespace parameters (for "at rest")
 
 ctypedef struct ObjectList:         # Python objects to release after unlocking
     void** items
@@ -303,3 +321,137 @@ cdef inline void stripe_clear(Stripe* s, ObjectList* out) noexcept nogil:
     s.count = 0
     s.capacity = 0
     s.index_mask = 0
+
+
+# ---------------------------------------------------------------- bounded memory
+
+cdef enum:
+    EVICTION_SCAN = 16              # entries along the cursor looked at per eviction
+    EVICTION_SAMPLE = 8             # random entries looked at per eviction
+    SWEEP_STEP = 4                  # entries the idle sweep looks at per insert
+
+
+cdef inline bint entry_at_rest(const Entry* e, const Params* p, double now) noexcept nogil:
+    """True when the key's state is back to that of a key never seen, so
+    forgetting it changes no decision (SPEC §4 new-key states)."""
+    cdef int alg = e.ns & NS_ALGORITHM_MASK
+    cdef double elapsed
+    cdef int64_t index
+    if p == NULL or alg == ALG_APPLY:
+        return False
+    if now < e.updated_at:
+        now = e.updated_at
+    elapsed = now - e.updated_at
+    if alg == ALG_TOKEN_BUCKET:
+        return e.state.bucket.level + elapsed * p.rate >= p.capacity_f
+    if alg == ALG_LEAKY_BUCKET:
+        return e.state.bucket.level - elapsed * p.rate <= 0.0
+    if alg == ALG_GCRA:
+        return e.state.gcra.tat <= <int64_t>floor(now * 1000000.0)
+    if alg == ALG_SLIDING_LOG:
+        return e.state.log.length == 0 or log_at(&e.state.log, e.state.log.length - 1) <= now - p.window
+    index = <int64_t>floor(now / p.window)
+    if alg == ALG_FIXED_WINDOW:
+        return e.state.window.count == 0 or index != e.state.window.index
+    # sliding counter: both the current and the previous window must be empty
+    if e.state.window.count == 0 and e.state.window.previous == 0:
+        return True
+    return index >= e.state.window.index + 2 or (index == e.state.window.index + 1 and e.state.window.count == 0)
+
+
+cdef enum:
+    NAMESPACE_CHUNK = 256           # namespaces per params chunk; 256 chunks at most
+
+
+cdef inline const Params* params_for(Params** chunks, uint32_t ns) noexcept nogil:
+    """The latest parameters registered for a namespace (NULL if none):
+    chunks are never moved or freed while the storage lives, so a reader
+    under a stripe lock never sees freed memory."""
+    cdef uint32_t ident = ns >> 3
+    cdef Params* chunk
+    if chunks == NULL or ident >= NAMESPACE_CHUNK * NAMESPACE_CHUNK:
+        return NULL
+    chunk = chunks[ident // NAMESPACE_CHUNK]
+    if chunk == NULL or chunk[ident % NAMESPACE_CHUNK].capacity == 0:
+        return NULL
+    return &chunk[ident % NAMESPACE_CHUNK]
+
+
+cdef inline uint32_t stripe_random(Stripe* s, uint32_t bound) noexcept nogil:
+    cdef uint32_t x = s.random
+    x ^= x << 13
+    x ^= x >> 17
+    x ^= x << 5
+    s.random = x
+    return x % bound
+
+
+cdef inline uint32_t slot_of(const Stripe* s, uint32_t position) noexcept nogil:
+    """The index slot pointing at ``position`` (it always exists)."""
+    cdef uint32_t mask = s.index_mask
+    cdef uint32_t i = home_slot(s.entries[position].hash, mask)
+    while (s.index[i] & SLOT_POSITION_MASK) != position + 1:
+        i = (i + 1) & mask
+    return i
+
+
+cdef inline void stripe_remove_position(Stripe* s, uint32_t position) noexcept nogil:
+    """Drop a built-in limiter's entry (never an ``apply`` one: its Python
+    object could not be released here)."""
+    stripe_delete(s, slot_of(s, position), position)
+
+
+cdef inline void stripe_sweep_idle(Stripe* s, double cutoff) noexcept nogil:
+    """A few steps of the incremental idle sweep: O(1) per insert, and over
+    many inserts it visits every entry, with no timer thread."""
+    cdef int step
+    cdef Entry* e
+    for step in range(SWEEP_STEP):
+        if s.count == 0:
+            return
+        if s.sweep >= s.count:
+            s.sweep = 0
+        e = &s.entries[s.sweep]
+        if e.updated_at < cutoff and e.ns != ALG_APPLY:
+            stripe_remove_position(s, s.sweep)     # the last entry moved here: look again
+            s.evicted_idle += 1
+        else:
+            s.sweep += 1
+
+
+cdef inline bint stripe_make_room(Stripe* s, Params** chunks, double now,
+                                  bint evict_active) noexcept nogil:
+    """Free one entry of a full stripe. First an entry at rest (forgetting it
+    changes no decision), looked for along the sweep cursor and in a random
+    sample; else, when allowed, the least recently used of those looked at.
+    O(1) per call. Returns False when nothing could be freed."""
+    cdef uint32_t i, position, victim = 0
+    cdef double oldest = 0.0
+    cdef bint have_victim = False
+    cdef const Entry* e
+    for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
+        if i < <uint32_t>EVICTION_SCAN:
+            if s.sweep >= s.count:
+                s.sweep = 0
+            position = s.sweep
+            s.sweep += 1
+        else:
+            position = stripe_random(s, s.count)
+        e = &s.entries[position]
+        if e.ns == ALG_APPLY:
+            continue
+        if entry_at_rest(e, params_for(chunks, e.ns), now):
+            stripe_remove_position(s, position)
+            if s.sweep > position:
+                s.sweep = position          # the entry moved into it is not looked at yet
+            s.evicted_at_rest += 1
+            return True
+        if not have_victim or e.updated_at < oldest:
+            victim = position
+            oldest = e.updated_at
+            have_victim = True
+    if evict_active and have_victim:
+        stripe_remove_position(s, victim)
+        s.evicted_lru += 1
+        return True
+    return False

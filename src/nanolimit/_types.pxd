@@ -36,6 +36,7 @@ cdef enum:
     NL_NOMEM = -1
     NL_TABLE_FULL = -2
     NL_REENTRANT = -3
+    NL_FULL = -4
 
 # Keys up to this many UTF-8 bytes live inside the entry; longer ones on the heap.
 cdef enum:
@@ -91,6 +92,7 @@ ctypedef struct Params:
 
 ctypedef struct Verdict:
     bint allowed
+    bint storage_full               # denied because a bounded table had no room
     double remaining                # before max(0, floor(.))
     double retry_after
     double reset_after

@@ -35,6 +35,7 @@ from ._shared import (
     DUPLICATE_COMPOUND,
     CompoundDecision,
     KernelStorage,
+    check_bounds,
     check_cost,
     check_cutoff,
     compound_items,
@@ -99,8 +100,11 @@ def _restore_state(updated_at: float, a: Any, b: int, c: int, log: Any) -> _KeyS
     return state
 
 
-# (allowed, remaining before floor, retry_after, reset_after, delay)
-Verdict = tuple[bool, float, float, float, float]
+# (allowed, remaining before floor, retry_after, reset_after, delay[, degraded, reason])
+Verdict = tuple[Any, ...]
+
+# What a bounded table answers for a new key it has no room for.
+STORAGE_FULL: Verdict = (False, 0.0, 1.0, 0.0, 0.0, True, "storage_full")
 
 
 def _new_state(cfg: LimiterConfig, now: float) -> _KeyState:
@@ -275,6 +279,28 @@ def _decide(
     return state, verdict
 
 
+def _at_rest(s: _KeyState, cfg: LimiterConfig, now: float) -> bool:
+    """True when the state is back to that of a key never seen: forgetting
+    it changes no decision (matches ``_table.entry_at_rest``)."""
+    now = max(now, s.updated_at)
+    elapsed = now - s.updated_at
+    algo = cfg.algorithm
+    if algo is Algorithm.TOKEN_BUCKET:
+        return bool(s.a + elapsed * cfg.rate >= float(cfg.capacity))
+    if algo is Algorithm.LEAKY_BUCKET:
+        return bool(s.a - elapsed * cfg.rate <= 0.0)
+    if algo is Algorithm.GCRA:
+        return bool(s.a <= math.floor(now * 1000000.0))
+    if algo is Algorithm.SLIDING_LOG:
+        return not s.log or s.log[-1] <= now - cfg.window_seconds
+    index = math.floor(now / cfg.window_seconds)
+    if algo is Algorithm.FIXED_WINDOW:
+        return s.b == 0 or index != s.a
+    if s.b == 0 and s.c == 0:
+        return True
+    return bool(index >= s.a + 2 or (index == s.a + 1 and s.b == 0))
+
+
 def _snapshot(cfg: LimiterConfig, s: _KeyState) -> LimiterState:
     algo = cfg.algorithm
     if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
@@ -299,7 +325,15 @@ class InMemoryStorage:
     the bare key, so a user's own algorithm never reads a built-in's state.
     """
 
-    def __init__(self, *, stripes: int = 64, max_key_bytes: int = MAX_KEY_BYTES) -> None:
+    def __init__(
+        self,
+        *,
+        stripes: int = 64,
+        max_key_bytes: int = MAX_KEY_BYTES,
+        max_keys: int | None = None,
+        on_full: str = "evict",
+        evict_idle_after: float | None = None,
+    ) -> None:
         if (
             isinstance(stripes, bool)
             or not isinstance(stripes, int)
@@ -309,9 +343,55 @@ class InMemoryStorage:
             raise ValidationError(f"stripes must be a power of two in [1, {MAX_STRIPES}], got {stripes!r}")
         if isinstance(max_key_bytes, bool) or not isinstance(max_key_bytes, int) or not 1 <= max_key_bytes <= 1 << 20:
             raise ValidationError(f"max_key_bytes must be an int in [1, 1048576], got {max_key_bytes!r}")
+        self.max_keys, self.on_full, self.evict_idle_after = check_bounds(max_keys, on_full, evict_idle_after)
         self._locks = [threading.Lock() for _ in range(stripes)]
         self._maps: list[dict[tuple[Any, ...], list[Any]]] = [{} for _ in range(stripes)]
         self.max_key_bytes = max_key_bytes
+        # max_keys split over the stripes (never below one key a stripe)
+        self._caps = [
+            0 if max_keys is None else max(1, max_keys // stripes + (1 if i < max_keys % stripes else 0))
+            for i in range(stripes)
+        ]
+        self._bounded = max_keys is not None or self.evict_idle_after is not None
+        self._params: dict[tuple[str, str], LimiterConfig] = {}
+        self._counters = {"evicted_at_rest": 0, "evicted_lru": 0, "evicted_idle": 0, "denied_new": 0}
+
+    def _register(self, ns: tuple[str, str], cfg: LimiterConfig) -> None:
+        """Remember the latest parameters of a namespace (for "at rest")."""
+        self._params[ns] = cfg
+
+    def _room_for_new_key(self, stripe: int, now: float) -> bool:
+        """The bounded-table policy of the native twin, done exhaustively:
+        idle sweep, then an entry at rest, then (``evict``) the least
+        recently used one. Built-in limiter entries only."""
+        counters = self._counters
+        table = self._maps[stripe]
+        if self.evict_idle_after is not None:
+            cutoff = now - self.evict_idle_after
+            idle = [k for k, entry in table.items() if k[0] is not None and entry[0] < cutoff]
+            for k in idle:
+                del table[k]
+            counters["evicted_idle"] += len(idle)
+        cap = self._caps[stripe]
+        if not cap or len(table) < cap:
+            return True
+        candidates = [k for k in table if k[0] is not None]
+        for k in candidates:
+            cfg = self._params.get(k[0])
+            if cfg is not None and _at_rest(table[k][1], cfg, now):
+                del table[k]
+                counters["evicted_at_rest"] += 1
+                return True
+        if self.on_full == "evict" and candidates:
+            del table[min(candidates, key=lambda k: table[k][0])]
+            counters["evicted_lru"] += 1
+            return True
+        counters["denied_new"] += 1
+        return False
+
+    def stats(self) -> dict[str, int]:
+        """Keys held and why keys were forgotten or refused."""
+        return {"keys": len(self), **self._counters}
 
     def _slot(self, full_key: tuple[Any, ...]) -> tuple[threading.Lock, dict[tuple[Any, ...], list[Any]]]:
         i = hash(full_key) % len(self._maps)
@@ -347,6 +427,9 @@ class InMemoryStorage:
             state = None if entry is None else entry[1]
             if not commit and state is not None:
                 state = state.copy()
+            if commit and entry is None and self._bounded:
+                if not self._room_for_new_key(hash(full_key) % len(self._maps), now):
+                    return STORAGE_FULL
             state, verdict = _decide(state, now, cost, cfg)
             if commit:
                 table[full_key] = [state.updated_at, state]
@@ -372,8 +455,14 @@ class InMemoryStorage:
             self._locks[i].acquire()
         try:
             verdicts = []
+            bounded = self._bounded
             for (limiter, full_key, cost), now in zip(plan, nows):
-                entry = self._maps[hash(full_key) % len(self._maps)].get(full_key)
+                stripe = hash(full_key) % len(self._maps)
+                entry = self._maps[stripe].get(full_key)
+                # make room now, so that committing below never refuses
+                if entry is None and bounded and not self._room_for_new_key(stripe, now):
+                    verdicts.append(STORAGE_FULL)
+                    continue
                 state = None if entry is None else entry[1].copy()
                 verdicts.append(_decide(state, now, cost, limiter._cfg)[1])
             if all(v[0] for v in verdicts):
@@ -482,6 +571,8 @@ class _Limiter:
         self._storage = storage
         self._clock = clock
         self._ns = (self.algorithm.value, self._cfg.rule)
+        if isinstance(storage, InMemoryStorage):
+            storage._register(self._ns, self._cfg)
         self._max_key_bytes: int = getattr(storage, "max_key_bytes", MAX_KEY_BYTES)
 
     # -- properties --------------------------------------------------------
@@ -640,9 +731,10 @@ class _Limiter:
 
     def _decision(self, v: Verdict | KernelVerdict) -> Decision:
         cfg = self._cfg
-        degraded = len(v) > 5 and bool(v[5])  # type: ignore[misc]
+        degraded = len(v) > 5 and bool(v[5])
+        reason = v[6] if len(v) > 6 else ""
         return Decision(
-            v[0], cfg.capacity, max(0, math.floor(v[1])), v[2], v[3], cfg.rule, cfg.window_seconds, v[4], degraded
+            v[0], cfg.capacity, max(0, math.floor(v[1])), v[2], v[3], cfg.rule, cfg.window_seconds, v[4], degraded, reason
         )
 
     def __repr__(self) -> str:

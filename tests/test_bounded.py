@@ -1,0 +1,117 @@
+"""Bounded memory: max_keys with on_full="evict" / "deny_new", reclaiming keys
+at rest first, and the incremental idle sweep (evict_idle_after)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+
+def test_flood_stays_within_the_bound_and_active_keys_keep_their_debt(backend) -> None:
+    clock = backend.FakeClock(1000.0)
+    storage = backend.InMemoryStorage(stripes=8, max_keys=800)
+    limiter = backend.TokenBucket(10, 3600.0, storage, clock, rule="api")
+    assert limiter.allow("victim", 10).allowed
+    for block in range(40):
+        # time moves (LRU needs it) but far too little to refill a token
+        clock.advance(0.01)
+        for i in range(0, 250, 25):
+            clock.advance(0.0001)
+            limiter.allow_many([f"flood-{block}-{j}" for j in range(i, i + 25)])
+        # the victim keeps asking; rotating other keys must not refill it
+        assert not limiter.allow("victim").allowed
+        assert len(storage) <= 800
+    stats = storage.stats()
+    assert stats["evicted_lru"] >= 40 * 250 - 800
+    assert stats["keys"] == len(storage)
+    assert limiter.state("victim") is not None
+
+
+def test_keys_at_rest_are_reclaimed_before_active_ones(backend) -> None:
+    clock = backend.FakeClock(0.0)
+    storage = backend.InMemoryStorage(stripes=1, max_keys=100)
+    limiter = backend.FixedWindowCounter(5, 1.0, storage, clock, rule="r")
+    limiter.allow_many([f"old{i}" for i in range(100)])
+    clock.advance(5.0)  # every old window has ended: all 100 keys are at rest
+    limiter.allow_many([f"new{i}" for i in range(100)])
+    stats = storage.stats()
+    assert stats["evicted_at_rest"] == 100
+    assert stats["evicted_lru"] == 0
+    assert len(storage) == 100
+
+
+def test_deny_new_refuses_new_keys_and_serves_existing_ones(backend) -> None:
+    clock = backend.FakeClock(0.0)
+    storage = backend.InMemoryStorage(stripes=1, max_keys=3, on_full="deny_new")
+    limiter = backend.GCRA(10, 1.0, storage, clock, rule="r")
+    for key in ("a", "b", "c"):
+        assert limiter.allow(key).allowed
+    refused = limiter.allow("d")
+    assert not refused.allowed
+    assert refused.degraded and refused.reason == "storage_full"
+    assert refused.retry_after > 0
+    assert limiter.allow("a").allowed and limiter.allow("b").allowed
+    assert limiter.state("d") is None
+    batch = limiter.allow_many(["c", "e"])
+    assert list(batch.allowed) == [1, 0] and batch.degraded
+    assert storage.stats()["denied_new"] == 2
+    # once a key is at rest it can be reclaimed without changing any decision
+    clock.advance(10.0)
+    assert limiter.allow("d").allowed
+    assert storage.stats()["evicted_at_rest"] == 1
+
+
+def test_idle_sweep_runs_without_a_timer(backend) -> None:
+    clock = backend.FakeClock(0.0)
+    storage = backend.InMemoryStorage(stripes=1, evict_idle_after=30.0)
+    limiter = backend.SlidingWindowLog(3, 10.0, storage, clock, rule="r")
+    limiter.allow_many([f"early{i}" for i in range(200)])
+    clock.advance(60.0)
+    for i in range(400):  # every insert sweeps a few entries
+        limiter.allow(f"late{i}")
+    assert storage.stats()["evicted_idle"] == 200
+    assert len(storage) == 400
+    assert all(limiter.state(f"early{i}") is None for i in range(200))
+
+
+def test_compound_on_a_full_storage_is_still_all_or_nothing(backend) -> None:
+    clock = backend.FakeClock(0.0)
+    storage = backend.InMemoryStorage(stripes=1, max_keys=2, on_full="deny_new")
+    a = backend.TokenBucket(5, 60.0, storage, clock, rule="a")
+    b = backend.TokenBucket(5, 60.0, storage, clock, rule="b")
+    assert storage.allow_all([(a, "k"), (b, "k")]).allowed
+    result = storage.allow_all([(a, "k"), (b, "other")])
+    assert not result.allowed
+    assert result.decisions[1].reason == "storage_full"
+    assert a.peek("k").remaining == 3  # a was not charged for the refused request
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_keys": 0},
+        {"max_keys": -5},
+        {"max_keys": 1.5},
+        {"max_keys": True},
+        {"on_full": "drop"},
+        {"evict_idle_after": 0},
+        {"evict_idle_after": float("inf")},
+        {"evict_idle_after": "1m"},
+    ],
+)
+def test_bad_bounds_are_rejected(backend: types.SimpleNamespace, kwargs) -> None:
+    with pytest.raises(backend.ValidationError):
+        backend.InMemoryStorage(**kwargs)
+
+
+@pytest.mark.native
+def test_native_memory_is_bounded_under_a_key_flood(native) -> None:
+    storage = native.InMemoryStorage(max_keys=10_000)
+    limiter = native.TokenBucket(5, 1.0, storage, rule="flood")
+    limiter.allow_many([f"warm{i}" for i in range(10_000)])
+    plateau = storage.memory_bytes()
+    for block in range(100):
+        limiter.allow_many([f"k{block}-{i:06d}" for i in range(10_000)])
+        assert len(storage) <= 10_000
+    assert storage.memory_bytes() <= plateau * 1.5
