@@ -849,6 +849,31 @@ cdef class InMemoryStorage:
         return {"keys": keys, "evicted_at_rest": at_rest, "evicted_lru": lru,
                 "evicted_idle": idle, "denied_new": denied}
 
+    def probe_lengths(self):
+        """(longest, mean) probe length over every key held: how many index
+        slots a lookup of a present key inspects. With a seeded hash this
+        stays small whatever keys a caller chooses."""
+        cdef uint32_t i, j, mask, home, slot
+        cdef uint64_t total = 0, longest = 0, count = 0, length
+        cdef Stripe* s
+        for i in range(self.stripe_mask + 1):
+            s = &self.stripes[i]
+            if lock_stripe(s) != NL_OK:
+                raise_status(NL_REENTRANT)
+            mask = s.index_mask
+            for j in range(s.count):
+                home = <uint32_t>s.entries[j].hash & mask
+                slot = home
+                while (s.index[slot] & 0xFFFFFF) != j + 1:
+                    slot = (slot + 1) & mask
+                length = ((slot - home) & mask) + 1
+                total += length
+                count += 1
+                if length > longest:
+                    longest = length
+            nl_unlock(&s.lock)
+        return int(longest), (<double>total / <double>count if count else 0.0)
+
     def memory_bytes(self):
         """C memory held for state: stripes, entry arrays, indexes, long keys
         and sliding-log rings (malloc's own overhead not included)."""
