@@ -842,11 +842,11 @@ cdef class InMemoryStorage:
                 raise_status(NL_REENTRANT)
             keys += s.count
             at_rest += s.evicted_at_rest
-            lru += s.evicted_lru
+            lru += s.evicted_active
             idle += s.evicted_idle
             denied += s.denied_new
             nl_unlock(&s.lock)
-        return {"keys": keys, "evicted_at_rest": at_rest, "evicted_lru": lru,
+        return {"keys": keys, "evicted_at_rest": at_rest, "evicted_active": lru,
                 "evicted_idle": idle, "denied_new": denied}
 
     def probe_lengths(self):

@@ -34,7 +34,7 @@ ctypedef struct Stripe:
     uint32_t sweep                  # idle-sweep cursor into entries
     uint32_t cap                    # most entries this stripe may hold (bounded tables)
     uint64_t evicted_at_rest        # forgotten with no effect on any decision
-    uint64_t evicted_lru            # forgotten to make room (on_full="evict")
+    uint64_t evicted_active            # forgotten to make room (on_full="evict")
     uint64_t evicted_idle           # forgotten by the evict_idle_after sweep
     uint64_t denied_new             # new keys refused (on_full="deny_new")
     uint8_t _pad2[56]               # 128 bytes: stripes never share a cache line
@@ -359,6 +359,32 @@ cdef inline bint entry_at_rest(const Entry* e, const Params* p, double now) noex
     return index >= e.state.window.index + 2 or (index == e.state.window.index + 1 and e.state.window.count == 0)
 
 
+cdef inline double entry_rest_at(const Entry* e, const Params* p) noexcept nogil:
+    """When the key's state will be back to 'never seen' if nobody touches
+    it: forgetting the entry with the smallest value hands back the least
+    budget. Unknown parameters or ``apply`` entries: its last use."""
+    cdef int alg = e.ns & NS_ALGORITHM_MASK
+    if p == NULL or alg == ALG_APPLY:
+        return e.updated_at
+    if alg == ALG_TOKEN_BUCKET:
+        return e.updated_at + (p.capacity_f - e.state.bucket.level) / p.rate
+    if alg == ALG_LEAKY_BUCKET:
+        return e.updated_at + e.state.bucket.level / p.rate
+    if alg == ALG_GCRA:
+        return <double>e.state.gcra.tat / 1000000.0
+    if alg == ALG_SLIDING_LOG:
+        if e.state.log.length == 0:
+            return e.updated_at
+        return log_at(&e.state.log, e.state.log.length - 1) + p.window
+    if alg == ALG_FIXED_WINDOW:
+        return (<double>e.state.window.index + 1.0) * p.window if e.state.window.count > 0 else e.updated_at
+    if e.state.window.count > 0:
+        return (<double>e.state.window.index + 2.0) * p.window
+    if e.state.window.previous > 0:
+        return (<double>e.state.window.index + 1.0) * p.window
+    return e.updated_at
+
+
 cdef enum:
     NAMESPACE_CHUNK = 256           # namespaces per params chunk; 256 chunks at most
 
@@ -423,12 +449,15 @@ cdef inline bint stripe_make_room(Stripe* s, Params** chunks, double now,
                                   bint evict_active) noexcept nogil:
     """Free one entry of a full stripe. First an entry at rest (forgetting it
     changes no decision), looked for along the sweep cursor and in a random
-    sample; else, when allowed, the least recently used of those looked at.
-    O(1) per call. Returns False when nothing could be freed."""
+    sample; else, when allowed, of those looked at the one that would be at
+    rest soonest (it hands back the least budget; a key deep in debt, like
+    a denied attacker's, is the last to go), the least recently used among
+    equals. O(1) per call. Returns False when nothing could be freed."""
     cdef uint32_t i, position, victim = 0
-    cdef double oldest = 0.0
+    cdef double soonest = 0.0, oldest = 0.0, rest_at
     cdef bint have_victim = False
     cdef const Entry* e
+    cdef const Params* p
     for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
         if i < <uint32_t>EVICTION_SCAN:
             if s.sweep >= s.count:
@@ -440,18 +469,22 @@ cdef inline bint stripe_make_room(Stripe* s, Params** chunks, double now,
         e = &s.entries[position]
         if e.ns == ALG_APPLY:
             continue
-        if entry_at_rest(e, params_for(chunks, e.ns), now):
+        p = params_for(chunks, e.ns)
+        if entry_at_rest(e, p, now):
             stripe_remove_position(s, position)
             if s.sweep > position:
                 s.sweep = position          # the entry moved into it is not looked at yet
             s.evicted_at_rest += 1
             return True
-        if not have_victim or e.updated_at < oldest:
+        rest_at = entry_rest_at(e, p)
+        if (not have_victim or rest_at < soonest
+                or (rest_at == soonest and e.updated_at < oldest)):
             victim = position
+            soonest = rest_at
             oldest = e.updated_at
             have_victim = True
     if evict_active and have_victim:
         stripe_remove_position(s, victim)
-        s.evicted_lru += 1
+        s.evicted_active += 1
         return True
     return False

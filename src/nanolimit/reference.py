@@ -301,6 +301,27 @@ def _at_rest(s: _KeyState, cfg: LimiterConfig, now: float) -> bool:
     return bool(index >= s.a + 2 or (index == s.a + 1 and s.b == 0))
 
 
+def _rest_at(s: _KeyState, cfg: LimiterConfig) -> float:
+    """When the state will be at rest if untouched (matches ``_table.entry_rest_at``)."""
+    algo = cfg.algorithm
+    window = cfg.window_seconds
+    if algo is Algorithm.TOKEN_BUCKET:
+        return float(s.updated_at + (float(cfg.capacity) - s.a) / cfg.rate)
+    if algo is Algorithm.LEAKY_BUCKET:
+        return float(s.updated_at + s.a / cfg.rate)
+    if algo is Algorithm.GCRA:
+        return s.a / 1000000.0
+    if algo is Algorithm.SLIDING_LOG:
+        return s.log[-1] + window if s.log else s.updated_at
+    if algo is Algorithm.FIXED_WINDOW:
+        return (float(s.a) + 1.0) * window if s.b > 0 else s.updated_at
+    if s.b > 0:
+        return (float(s.a) + 2.0) * window
+    if s.c > 0:
+        return (float(s.a) + 1.0) * window
+    return s.updated_at
+
+
 def _snapshot(cfg: LimiterConfig, s: _KeyState) -> LimiterState:
     algo = cfg.algorithm
     if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
@@ -354,7 +375,7 @@ class InMemoryStorage:
         ]
         self._bounded = max_keys is not None or self.evict_idle_after is not None
         self._params: dict[tuple[str, str], LimiterConfig] = {}
-        self._counters = {"evicted_at_rest": 0, "evicted_lru": 0, "evicted_idle": 0, "denied_new": 0}
+        self._counters = {"evicted_at_rest": 0, "evicted_active": 0, "evicted_idle": 0, "denied_new": 0}
 
     def _register(self, ns: tuple[str, str], cfg: LimiterConfig) -> None:
         """Remember the latest parameters of a namespace (for "at rest")."""
@@ -383,11 +404,16 @@ class InMemoryStorage:
                 counters["evicted_at_rest"] += 1
                 return True
         if self.on_full == "evict" and candidates:
-            del table[min(candidates, key=lambda k: table[k][0])]
-            counters["evicted_lru"] += 1
+            # the one that would be at rest soonest gives back the least budget
+            del table[min(candidates, key=lambda k: (self._rest_at(k, table[k]), table[k][0]))]
+            counters["evicted_active"] += 1
             return True
         counters["denied_new"] += 1
         return False
+
+    def _rest_at(self, full_key: tuple[Any, ...], entry: list[Any]) -> float:
+        cfg = self._params.get(full_key[0])
+        return entry[0] if cfg is None else _rest_at(entry[1], cfg)
 
     def stats(self) -> dict[str, int]:
         """Keys held and why keys were forgotten or refused."""
