@@ -1,12 +1,18 @@
 """Type stub for the compiled native twin (``_core.pyx``)."""
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, final
 
+from typing_extensions import disjoint_base
+
+from ._shared import DUPLICATE_COMPOUND as DUPLICATE_COMPOUND
+from ._shared import MAX_KEY_BYTES as MAX_KEY_BYTES
+from ._shared import MAX_TIME as MAX_TIME
 from ._shared import Algorithm, BatchResult, Clock, CompoundDecision, LimiterState, Storage
 
 IMPLEMENTATION: Final[str]
 
+@final
 class Decision:
     @property
     def allowed(self) -> bool: ...
@@ -42,11 +48,12 @@ class Decision:
         reason: str = "",
     ) -> None: ...
     def _astuple(self) -> tuple[Any, ...]: ...
-    def __eq__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
     def __reduce__(self) -> tuple[Any, ...]: ...
     def headers(self, wall_now: float | None = None) -> dict[str, str]: ...
 
+@final
 class InMemoryStorage:
     @property
     def max_key_bytes(self) -> int: ...
@@ -77,6 +84,7 @@ class InMemoryStorage:
     def stats(self) -> dict[str, int]: ...
     def __len__(self) -> int: ...
 
+@disjoint_base
 class _Limiter:
     algorithm: ClassVar[Algorithm]
     def __init__(
