@@ -26,7 +26,7 @@ from ._shared import (
     ValidationError,
 )
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 NO_EXTENSIONS = bool(os.environ.get("NANOLIMIT_NO_EXTENSIONS"))
 
