@@ -42,7 +42,7 @@ def test_unseeded_collisions_do_not_lengthen_probes(native, colliding_keys) -> N
     storage = native.InMemoryStorage(stripes=1)
     limiter = native.FixedWindowCounter(5, 60.0, storage, rule="hostile")
     limiter.allow_many(colliding_keys)
-    longest, mean = storage.probe_lengths()
+    longest, mean = storage._probe_lengths()
     assert len(storage) == COLLIDING
     # Linear probing at this load has runs of a few dozen slots by chance
     # (random keys give 40-80 here); keys colliding in our hash would give
@@ -58,6 +58,6 @@ def test_probe_lengths_sees_real_collisions(native, colliding_keys) -> None:
     storage = native.InMemoryStorage(stripes=1, _hash_mask=0xFFFF_FFFF_0000_0000)
     limiter = native.FixedWindowCounter(5, 60.0, storage, rule="hostile")
     limiter.allow_many(colliding_keys[:300])
-    longest, mean = storage.probe_lengths()
+    longest, mean = storage._probe_lengths()
     assert longest == 300
     assert mean == pytest.approx(150.5)

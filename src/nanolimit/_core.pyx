@@ -18,9 +18,9 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcmp, memcpy, memmove, memset
 
-from nanolimit._kernels cimport init_state, log_at, run_kernel
+from nanolimit._kernels cimport init_state, log_at, log_ring_size, run_kernel
 from nanolimit._table cimport (
-    NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, ObjectList, Stripe, entry_key, prefetch_entry,
+    NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
     stripe_make_room, stripe_sweep_idle,
     prefetch_slot, stripe_clear, stripe_delete, stripe_evict, stripe_find,
     stripe_insert,
@@ -28,7 +28,8 @@ from nanolimit._table cimport (
 from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET, ALG_SLIDING_COUNTER,
     ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_OK, NL_REENTRANT,
-    NL_TABLE_FULL, Entry, Params, Verdict, nl_lock_spin, nl_hash, nl_mum,
+    NL_TABLE_FULL, Entry, Params, Verdict, nl_hash_seeded, nl_lock_spin, nl_mum,
+    nl_namespace_seed, nl_set_secrets,
     nl_trylock, nl_unlock, nl_wall_now,
 )
 
@@ -67,13 +68,9 @@ cdef extern from "Python.h":
 IMPLEMENTATION = "native"
 
 # Per-process hash secrets: keys chosen offline cannot collide on purpose.
-cdef uint64_t SEED_K0
-cdef uint64_t SEED_S1
-cdef uint64_t SEED_S2
 _seed = os.urandom(24)
-SEED_K0 = int.from_bytes(_seed[:8], "little")
-SEED_S1 = int.from_bytes(_seed[8:16], "little") | 1
-SEED_S2 = int.from_bytes(_seed[16:], "little") | 1
+nl_set_secrets(int.from_bytes(_seed[:8], "little"), int.from_bytes(_seed[8:16], "little"),
+               int.from_bytes(_seed[16:], "little"))
 del _seed
 
 cdef double MAX_TIME_C = MAX_TIME
@@ -93,12 +90,6 @@ cdef dict ALGORITHM_IDS = {
 cdef array _U8 = array("B")
 cdef array _I64 = array("q")
 cdef array _F64 = array("d")
-
-
-cdef inline uint64_t namespace_seed(uint32_t ns) noexcept nogil:
-    """Each namespace hashes with its own key, so equal strings under two
-    rules land in unrelated slots."""
-    return nl_mum(SEED_K0 ^ <uint64_t>ns, SEED_S1 ^ <uint64_t>0x9E3779B97F4A7C15)
 
 
 cdef void raise_status(int status) except *:
@@ -376,7 +367,8 @@ cdef class InMemoryStorage:
         address = (address + 63) & ~(<uintptr_t>63)
         self.stripes = <Stripe*>address
         for i in range(self.stripe_mask + 1):
-            self.stripes[i].random = <uint32_t>(nl_mum(SEED_S2, <uint64_t>i + 1) | 1)
+            self.stripes[i].random = <uint32_t>(nl_mum(nl_namespace_seed(i), <uint64_t>i + 1) | 1)
+            self.stripes[i].hash_mask = self.hash_mask
         self.max_keys, self.on_full, self.evict_idle_after = bounds
         memset(&self.bounds, 0, sizeof(Bounds))
         self.bounds.chunks = <Params**>calloc(NAMESPACE_CHUNK, sizeof(Params*))
@@ -449,7 +441,7 @@ cdef class InMemoryStorage:
     cdef inline int decide(self, uint32_t ns, uint64_t seed, const char* key, Py_ssize_t klen,
                            double now, int64_t cost, const Params* p, bint commit,
                            Verdict* v) noexcept:
-        cdef uint64_t h = nl_hash(seed, SEED_S1, SEED_S2, key, <size_t>klen) & self.hash_mask
+        cdef uint64_t h = nl_hash_seeded(seed, key, <size_t>klen) & self.hash_mask
         cdef Stripe* s = self.stripe_for(h)
         cdef int status = lock_stripe(s)
         if status != NL_OK:
@@ -515,7 +507,7 @@ cdef class InMemoryStorage:
         return status
 
     cdef int forget(self, uint32_t ns, uint64_t seed, const char* key, Py_ssize_t klen) except -1:
-        cdef uint64_t h = nl_hash(seed, SEED_S1, SEED_S2, key, <size_t>klen) & self.hash_mask
+        cdef uint64_t h = nl_hash_seeded(seed, key, <size_t>klen) & self.hash_mask
         cdef Stripe* s = self.stripe_for(h)
         cdef uint32_t slot
         cdef Py_ssize_t position
@@ -534,7 +526,7 @@ cdef class InMemoryStorage:
     cdef object snapshot(self, uint32_t ns, uint64_t seed, const char* key, Py_ssize_t klen,
                          object algorithm):
         """A LimiterState copy of one key, built after the lock is released."""
-        cdef uint64_t h = nl_hash(seed, SEED_S1, SEED_S2, key, <size_t>klen) & self.hash_mask
+        cdef uint64_t h = nl_hash_seeded(seed, key, <size_t>klen) & self.hash_mask
         cdef Stripe* s = self.stripe_for(h)
         cdef uint32_t slot, i
         cdef Py_ssize_t position
@@ -627,7 +619,7 @@ cdef class InMemoryStorage:
                 limiters.append(limiter)
                 data[i] = key_bytes(key, self.max_key_bytes, &sizes[i])
                 units[i] = cost_value(cost, limiter.p.capacity)
-                hashes[i] = nl_hash(limiter.seed, SEED_S1, SEED_S2, data[i], <size_t>sizes[i]) & self.hash_mask
+                hashes[i] = nl_hash_seeded(limiter.seed, data[i], <size_t>sizes[i]) & self.hash_mask
                 params[i] = &limiter.p
                 namespaces[i] = limiter.ns
                 for j in range(i):
@@ -700,7 +692,7 @@ cdef class InMemoryStorage:
         cdef Py_ssize_t klen
         cdef const char* data = key_bytes(key, self.max_key_bytes, &klen)
         cdef double t = clock_value(now)
-        cdef uint64_t h = nl_hash(namespace_seed(ALG_APPLY), SEED_S1, SEED_S2, data, <size_t>klen) & self.hash_mask
+        cdef uint64_t h = nl_hash_seeded(nl_namespace_seed(ALG_APPLY), data, <size_t>klen) & self.hash_mask
         cdef Stripe* s = self.stripe_for(h)
         cdef uint32_t slot
         cdef Py_ssize_t position
@@ -849,7 +841,7 @@ cdef class InMemoryStorage:
         return {"keys": keys, "evicted_at_rest": at_rest, "evicted_active": lru,
                 "evicted_idle": idle, "denied_new": denied}
 
-    def probe_lengths(self):
+    def _probe_lengths(self):
         """(longest, mean) probe length over every key held: how many index
         slots a lookup of a present key inspects. With a seeded hash this
         stays small whatever keys a caller chooses."""
@@ -862,7 +854,7 @@ cdef class InMemoryStorage:
                 raise_status(NL_REENTRANT)
             mask = s.index_mask
             for j in range(s.count):
-                home = <uint32_t>s.entries[j].hash & mask
+                home = <uint32_t>entry_hash(s, &s.entries[j]) & mask
                 slot = home
                 while (s.index[slot] & 0xFFFFFF) != j + 1:
                     slot = (slot + 1) & mask
@@ -893,7 +885,7 @@ cdef class InMemoryStorage:
                 if e.key_len > 16:
                     total += e.key_len
                 if (e.ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
-                    total += <size_t>e.state.log.ring_size * sizeof(double)
+                    total += <size_t>(log_ring_size(&e.state.log) + 1) * sizeof(double) if e.state.log.ring != NULL else 0
             nl_unlock(&s.lock)
         return total
 
@@ -950,7 +942,7 @@ cdef class _Limiter:
         if isinstance(storage, InMemoryStorage):
             self.store = <InMemoryStorage>storage
             self.ns = self.store.namespace(algorithm, self._rule, &self.p)
-            self.seed = namespace_seed(self.ns)
+            self.seed = nl_namespace_seed(self.ns)
             self.max_key_bytes = self.store.max_key_bytes
         else:
             # Any other storage (Redis runs the kernels in Lua; a user's runs
@@ -1076,7 +1068,7 @@ cdef class _Limiter:
                 data[i] = key_bytes(key_list[i], self.max_key_bytes, &sizes[i])
                 units[i] = 1 if costs is None else cost_value(cost_list[i], self.p.capacity)
                 # hashed now, while the str is in cache
-                hashes[i] = nl_hash(self.seed, SEED_S1, SEED_S2, data[i], <size_t>sizes[i]) & self.store.hash_mask
+                hashes[i] = nl_hash_seeded(self.seed, data[i], <size_t>sizes[i]) & self.store.hash_mask
             if time_list is not None:
                 for i in range(n):
                     stamps[i] = clock_value(time_list[i])

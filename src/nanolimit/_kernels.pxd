@@ -29,8 +29,6 @@ cdef inline void init_state(Entry* e, double now, const Params* p) noexcept nogi
         e.state.log.ring = NULL
         e.state.log.head = 0
         e.state.log.length = 0
-        e.state.log.ring_size = 0
-        e.state.log._unused = 0
     else:
         e.state.window.index = <int64_t>floor(now / p.window)
         e.state.window.count = 0
@@ -97,34 +95,48 @@ cdef inline void fixed_window(Entry* e, double now, int64_t cost, const Params* 
     start = <double>w.index * window
     v.retry_after = 0.0
     v.delay = 0.0
-    v.allowed = w.count + cost <= p.capacity
+    v.allowed = <int64_t>w.count + cost <= p.capacity
     if v.allowed:
-        w.count += cost
+        w.count += <uint32_t>cost
     else:
         v.retry_after = start + window - now
     v.reset_after = start + window - now if w.count > 0 else 0.0
-    v.remaining = <double>(p.capacity - w.count)
+    v.remaining = <double>(p.capacity - <int64_t>w.count)
+
+
+cdef inline uint32_t log_ring_size(const LogState* lg) noexcept nogil:
+    """Slots in the ring, kept in the word just before it (0 without a ring)."""
+    if lg.ring == NULL:
+        return 0
+    return (<const uint32_t*>(lg.ring - 1))[0]
+
+
+cdef inline void log_free(LogState* lg) noexcept nogil:
+    if lg.ring != NULL:
+        free(lg.ring - 1)
+        lg.ring = NULL
 
 
 cdef inline double log_at(const LogState* lg, uint32_t i) noexcept nogil:
     """The i-th oldest timestamp."""
+    cdef uint32_t size = log_ring_size(lg)
     cdef uint32_t j = lg.head + i
-    if j >= lg.ring_size:
-        j -= lg.ring_size
+    if j >= size:
+        j -= size
     return lg.ring[j]
 
 
 cdef inline void log_drop_oldest(LogState* lg) noexcept nogil:
     lg.head += 1
-    if lg.head == lg.ring_size:
+    if lg.head == log_ring_size(lg):
         lg.head = 0
     lg.length -= 1
 
 
 cdef inline int log_reserve(LogState* lg, int64_t needed, int64_t capacity) noexcept nogil:
     """Grow the ring (doubling, at most ``capacity``) so ``needed`` entries fit."""
-    cdef int64_t size = lg.ring_size
-    cdef double* ring
+    cdef int64_t size = log_ring_size(lg)
+    cdef double* block
     cdef uint32_t i
     if needed <= size:
         return NL_OK
@@ -133,15 +145,15 @@ cdef inline int log_reserve(LogState* lg, int64_t needed, int64_t capacity) noex
         size = needed
     if size > capacity:
         size = capacity
-    ring = <double*>malloc(<size_t>size * sizeof(double))
-    if ring == NULL:
+    block = <double*>malloc(<size_t>(size + 1) * sizeof(double))
+    if block == NULL:
         return NL_NOMEM
+    (<uint32_t*>block)[0] = <uint32_t>size
     for i in range(lg.length):
-        ring[i] = log_at(lg, i)
-    free(lg.ring)
-    lg.ring = ring
+        block[i + 1] = log_at(lg, i)
+    log_free(lg)
+    lg.ring = block + 1
     lg.head = 0
-    lg.ring_size = <uint32_t>size
     return NL_OK
 
 
@@ -153,7 +165,7 @@ cdef inline int sliding_log(Entry* e, double now, int64_t cost, const Params* p,
     cdef int64_t capacity = p.capacity
     cdef double window = p.window
     cdef double cutoff
-    cdef uint32_t tail
+    cdef uint32_t tail, size
     cdef int64_t i
     while lg.length > capacity:          # capacity lowered by a hot reload
         log_drop_oldest(lg)
@@ -167,13 +179,14 @@ cdef inline int sliding_log(Entry* e, double now, int64_t cost, const Params* p,
         if commit:
             if log_reserve(lg, lg.length + cost, capacity) != NL_OK:
                 return NL_NOMEM
+            size = log_ring_size(lg)
             tail = lg.head + lg.length
-            if tail >= lg.ring_size:
-                tail -= lg.ring_size
+            if tail >= size:
+                tail -= size
             for i in range(cost):
                 lg.ring[tail] = now
                 tail += 1
-                if tail == lg.ring_size:
+                if tail == size:
                     tail = 0
             lg.length += <uint32_t>cost
             v.remaining = <double>(capacity - lg.length)
@@ -212,7 +225,7 @@ cdef inline void sliding_counter(Entry* e, double now, int64_t cost, const Param
     v.allowed = estimate + <double>cost <= capacity
     if v.allowed:
         count += cost
-        w.count = count
+        w.count = <uint32_t>count
         v.remaining = capacity - estimate - <double>cost
     else:
         v.remaining = capacity - estimate

@@ -90,6 +90,31 @@ static inline uint64_t nl_hash(uint64_t seed, uint64_t s1, uint64_t s2, const ch
     return nl_mum(s1 ^ (uint64_t)len, nl_mum(a ^ s1, b ^ seed));
 }
 
+/* The per-process secrets, set once at import (nl_set_secrets) from
+ * os.urandom. Static: only the one extension module includes this header. */
+static uint64_t nl_secret_k0 = 0;
+static uint64_t nl_secret_s1 = 1;
+static uint64_t nl_secret_s2 = 1;
+
+static inline void nl_set_secrets(uint64_t k0, uint64_t s1, uint64_t s2)
+{
+    nl_secret_k0 = k0;
+    nl_secret_s1 = s1 | 1;
+    nl_secret_s2 = s2 | 1;
+}
+
+/* Each namespace (rule and algorithm) hashes under its own seed, so equal
+ * strings under two rules land in unrelated slots. */
+static inline uint64_t nl_namespace_seed(uint32_t ns)
+{
+    return nl_mum(nl_secret_k0 ^ (uint64_t)ns, nl_secret_s1 ^ 0x9E3779B97F4A7C15ULL);
+}
+
+static inline uint64_t nl_hash_seeded(uint64_t seed, const char *key, size_t len)
+{
+    return nl_hash(seed, nl_secret_s1, nl_secret_s2, key, len);
+}
+
 /* ------------------------------------------------------------------------
  * Stripe lock: one byte, test-and-set. Critical sections are tens of
  * nanoseconds, so a contended waiter spins briefly and then yields its core.

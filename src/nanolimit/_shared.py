@@ -51,7 +51,7 @@ __all__ = [
 
 # Bounds keep every value the kernels compute exact in IEEE double and int64,
 # which is what lets the C kernels, this reference and Lua agree bit for bit.
-MAX_LIMIT = 1 << 40
+MAX_LIMIT = (1 << 32) - 1  # window counts are uint32 in the native entry
 MAX_COST = MAX_LIMIT
 MIN_WINDOW = 1e-6
 MAX_WINDOW = 1e9

@@ -11,13 +11,13 @@ from libc.string cimport memcmp, memcpy, memset
 
 from libc.math cimport floor
 
-from nanolimit._kernels cimport log_at
+from nanolimit._kernels cimport log_at, log_free
 from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET,
     ALG_SLIDING_COUNTER, ALG_TOKEN_BUCKET, Params,
     ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK,
-    NL_TABLE_FULL, Entry, nl_key_equal, nl_load_pointer_relaxed,
-    nl_load_u32_relaxed, nl_prefetch,
+    NL_TABLE_FULL, Entry, nl_hash_seeded, nl_key_equal, nl_load_pointer_relaxed,
+    nl_load_u32_relaxed, nl_namespace_seed, nl_prefetch,
 )
 
 
@@ -37,7 +37,8 @@ ctypedef struct Stripe:
     uint64_t evicted_active            # forgotten to make room (on_full="evict")
     uint64_t evicted_idle           # forgotten by the evict_idle_after sweep
     uint64_t denied_new             # new keys refused (on_full="deny_new")
-    uint8_t _pad2[56]               # 128 bytes: stripes never share a cache line
+    uint64_t hash_mask              # all ones, but for the collision test hook
+    uint8_t _pad2[48]               # 128 bytes: stripes never share a cache line
 
 ctypedef struct Bounds:             # how a bounded storage limits its stripes
     uint32_t stripe_cap             # nonzero: each stripe holds at most its own ``cap``
@@ -73,6 +74,11 @@ cdef inline const char* entry_key(const Entry* e) noexcept nogil:
     return e.key.long_key
 
 
+cdef inline uint64_t entry_hash(const Stripe* s, const Entry* e) noexcept nogil:
+    """Recompute an entry's hash (it is not stored, to keep entries at 48 bytes)."""
+    return nl_hash_seeded(nl_namespace_seed(e.ns), entry_key(e), e.key_len) & s.hash_mask
+
+
 cdef inline Py_ssize_t stripe_find(const Stripe* s, uint64_t h, uint32_t ns,
                                    const char* key, uint32_t klen,
                                    uint32_t* slot_out) noexcept nogil:
@@ -93,8 +99,7 @@ cdef inline Py_ssize_t stripe_find(const Stripe* s, uint64_t h, uint32_t ns,
             return -1
         if (v >> 24) == fingerprint:
             e = &s.entries[(v & SLOT_POSITION_MASK) - 1]
-            if (e.hash == h and e.ns == ns and e.key_len == klen
-                    and nl_key_equal(entry_key(e), key, klen)):
+            if e.ns == ns and e.key_len == klen and nl_key_equal(entry_key(e), key, klen):
                 slot_out[0] = i
                 return (v & SLOT_POSITION_MASK) - 1
         i = (i + 1) & mask
@@ -132,7 +137,7 @@ cdef inline void index_fill(Stripe* s) noexcept nogil:
     cdef uint32_t j, i
     cdef uint64_t h
     for j in range(s.count):
-        h = s.entries[j].hash
+        h = entry_hash(s, &s.entries[j])
         i = home_slot(h, mask)
         while s.index[i] != 0:
             i = (i + 1) & mask
@@ -190,7 +195,6 @@ cdef inline Entry* stripe_insert(Stripe* s, uint64_t h, uint32_t ns, const char*
         memcpy(long_key, key, klen)
     e = &s.entries[position]
     memset(e, 0, sizeof(Entry))
-    e.hash = h
     e.ns = ns
     e.key_len = klen
     if long_key != NULL:
@@ -210,8 +214,7 @@ cdef inline void* entry_release(Entry* e) noexcept nogil:
         free(e.key.long_key)
         e.key.long_key = NULL
     if (e.ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
-        free(e.state.log.ring)
-        e.state.log.ring = NULL
+        log_free(&e.state.log)
     elif e.ns == ALG_APPLY:
         obj = e.state.obj
         e.state.obj = NULL
@@ -229,7 +232,7 @@ cdef inline void index_remove_slot(Stripe* s, uint32_t hole) noexcept nogil:
         v = s.index[j]
         if v == 0:
             break
-        home = home_slot(s.entries[(v & SLOT_POSITION_MASK) - 1].hash, mask)
+        home = home_slot(entry_hash(s, &s.entries[(v & SLOT_POSITION_MASK) - 1]), mask)
         if (j > hole and (home <= hole or home > j)) or (j < hole and home <= hole and home > j):
             s.index[hole] = v
             hole = j
@@ -247,7 +250,7 @@ cdef inline void* stripe_delete(Stripe* s, uint32_t slot, uint32_t position) noe
     index_remove_slot(s, slot)
     if position != last:
         s.entries[position] = s.entries[last]
-        h = s.entries[position].hash
+        h = entry_hash(s, &s.entries[position])
         i = home_slot(h, mask)
         while (s.index[i] & SLOT_POSITION_MASK) != last + 1:
             i = (i + 1) & mask
@@ -415,7 +418,7 @@ cdef inline uint32_t stripe_random(Stripe* s, uint32_t bound) noexcept nogil:
 cdef inline uint32_t slot_of(const Stripe* s, uint32_t position) noexcept nogil:
     """The index slot pointing at ``position`` (it always exists)."""
     cdef uint32_t mask = s.index_mask
-    cdef uint32_t i = home_slot(s.entries[position].hash, mask)
+    cdef uint32_t i = home_slot(entry_hash(s, &s.entries[position]), mask)
     while (s.index[i] & SLOT_POSITION_MASK) != position + 1:
         i = (i + 1) & mask
     return i

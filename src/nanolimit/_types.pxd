@@ -6,8 +6,10 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
 
 cdef extern from "_native.h" nogil:
-    uint64_t nl_hash(uint64_t seed, uint64_t s1, uint64_t s2, const char* data, size_t n)
     uint64_t nl_mum(uint64_t a, uint64_t b)
+    void nl_set_secrets(uint64_t k0, uint64_t s1, uint64_t s2)
+    uint64_t nl_namespace_seed(uint32_t ns)
+    uint64_t nl_hash_seeded(uint64_t seed, const char* key, size_t n)
     bint nl_trylock(uint8_t* lock)
     void nl_lock_spin(uint8_t* lock)
     void nl_unlock(uint8_t* lock)
@@ -48,18 +50,16 @@ ctypedef struct BucketState:        # token bucket, leaky bucket
 
 ctypedef struct WindowState:        # fixed window, sliding window counter
     int64_t index
-    int64_t count
-    int64_t previous
+    uint32_t count                  # capacities are below 2**32 (MAX_LIMIT)
+    uint32_t previous
 
 ctypedef struct GcraState:
     int64_t tat                     # theoretical arrival time, integer µs
 
 ctypedef struct LogState:           # sliding log: ring buffer, oldest at head
-    double* ring
+    double* ring                    # its size is stored just before it (log_ring_size)
     uint32_t head
     uint32_t length
-    uint32_t ring_size
-    uint32_t _unused
 
 ctypedef union KeyState:
     BucketState bucket
@@ -72,9 +72,9 @@ ctypedef union KeyBytes:
     char short_key[16]
     char* long_key
 
-# 64 bytes: one cache line per key.
+# 48 bytes a key. The hash is not stored: the index slot keeps 8 bits of it,
+# and the rare paths that need all of it (rehash, deletion) recompute it.
 ctypedef struct Entry:
-    uint64_t hash
     double updated_at               # the key's own monotonic time (SPEC §4)
     uint32_t key_len
     uint32_t ns                     # namespace: (algorithm, rule) of the owner
