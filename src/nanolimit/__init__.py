@@ -25,7 +25,6 @@ from ._shared import (
     UnknownAlgorithmError,
     ValidationError,
 )
-
 from ._version import __version__
 
 NO_EXTENSIONS = bool(os.environ.get("NANOLIMIT_NO_EXTENSIONS"))
@@ -81,21 +80,54 @@ else:
             TokenBucket,
         )
 
+# The gateway layer: pure Python over whichever twin is live.
+from .config import ConfigError, ConfigWatcher, load_rules  # noqa: E402
+from .factory import LimiterFactory  # noqa: E402
+from .keys import ClientKey, DefaultKeyExtractor, KeyExtractor  # noqa: E402
+from .metrics import Metrics  # noqa: E402
+from .middleware import Outcome, RateLimitMiddleware, Request, Response  # noqa: E402
+from .rules import (  # noqa: E402
+    KeyScope,
+    Rate,
+    RateLimitRule,
+    RuleNotFoundError,
+    RuleRegistry,
+    RuleValidationError,
+    parse_rate,
+)
+
 __all__ = [
     "GCRA",
     "IMPLEMENTATION",
     "Algorithm",
     "BatchResult",
+    "ClientKey",
     "Clock",
     "CompoundDecision",
+    "ConfigError",
+    "ConfigWatcher",
     "Decision",
+    "DefaultKeyExtractor",
     "FakeClock",
     "FixedWindowCounter",
     "InMemoryStorage",
     "KernelStorage",
+    "KeyExtractor",
+    "KeyScope",
     "LeakyBucket",
+    "LimiterFactory",
     "LimiterState",
+    "Metrics",
+    "Outcome",
+    "Rate",
+    "RateLimitMiddleware",
+    "RateLimitRule",
     "RateLimiter",
+    "Request",
+    "Response",
+    "RuleNotFoundError",
+    "RuleRegistry",
+    "RuleValidationError",
     "SlidingWindowCounter",
     "SlidingWindowLog",
     "Storage",
@@ -104,4 +136,6 @@ __all__ = [
     "UnknownAlgorithmError",
     "ValidationError",
     "__version__",
+    "load_rules",
+    "parse_rate",
 ]

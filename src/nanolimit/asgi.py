@@ -1,0 +1,198 @@
+"""Pure ASGI 3 middleware: Starlette, FastAPI, Litestar or a bare ASGI app.
+
+Imports nothing from any framework. HTTP requests are decided before the app
+runs: a denial answers 429 with the SPEC §2 JSON body and headers and never
+reaches the app; an admitted request gets the headers added to its
+``http.response.start``. A shaping leaky-bucket rule makes the admitted
+request ``await asyncio.sleep(delay)`` first (the event loop keeps serving
+others meanwhile). WebSockets are limited at connect (``websocket="limit"``,
+the default: a denied handshake is refused with a 429 where the server
+supports the ``websocket.http.response`` extension, else closed with code
+1008) or passed untouched (``websocket="pass"``). Lifespan passes through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
+from typing import Any
+
+from .factory import LimiterFactory
+from .keys import KeyExtractor
+from .metrics import Metrics
+from .middleware import RateLimitMiddleware as Core
+from .middleware import Request, deny_body
+from .rules import RuleRegistry
+
+__all__ = ["ASGIApp", "RateLimitMiddleware", "request_from_scope"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class _Headers(Mapping[str, str]):
+    """ASGI's header list as a lower-case mapping, built on first use (most
+    requests under an IP rule never read a header)."""
+
+    __slots__ = ("_map", "_pairs")
+
+    def __init__(self, pairs: Any) -> None:
+        self._pairs = pairs
+        self._map: dict[str, str] | None = None
+
+    def _build(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for name, value in self._pairs or ():
+            key = name.decode("latin-1").lower()
+            text = value.decode("latin-1")
+            out[key] = f"{out[key]},{text}" if key in out else text
+        self._map = out
+        return out
+
+    def __getitem__(self, key: str) -> str:
+        m = self._map if self._map is not None else self._build()
+        return m[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        m = self._map if self._map is not None else self._build()
+        return m.get(key, default)
+
+    def __iter__(self) -> Iterator[str]:
+        m = self._map if self._map is not None else self._build()
+        return iter(m)
+
+    def __len__(self) -> int:
+        m = self._map if self._map is not None else self._build()
+        return len(m)
+
+
+def _scope_user(scope: Scope) -> str | None:
+    """An authenticated user id from ``scope["user"]`` (Starlette's
+    AuthenticationMiddleware): ``identity``, else ``display_name``."""
+    user = scope.get("user")
+    if user is None or not getattr(user, "is_authenticated", False):
+        return None
+    for attr in ("identity", "display_name", "username"):
+        try:
+            value = getattr(user, attr)
+        except (AttributeError, NotImplementedError):
+            continue
+        if value:
+            return str(value)
+    return None
+
+
+def request_from_scope(scope: Scope) -> Request:
+    """The gateway's view of an ASGI connection scope: the client is the
+    transport peer (``scope["client"]``), never a header."""
+    client = scope.get("client")
+    root = scope.get("root_path", "") or ""
+    path = scope.get("path", "/") or "/"
+    if root and not path.startswith(root):
+        path = root + path  # rules are written against the public URL
+    return Request(
+        scope.get("method", "GET") if scope["type"] == "http" else "GET",
+        path,
+        _Headers(scope.get("headers")),
+        client[0] if client else None,
+        _scope_user(scope),
+    )
+
+
+def _encode(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+
+class RateLimitMiddleware:
+    """``app = RateLimitMiddleware(app, registry, factory)``, or with
+    Starlette ``Middleware(RateLimitMiddleware, registry=..., factory=...)``.
+
+    Pass ``core`` to share one framework-free
+    :class:`nanolimit.middleware.RateLimitMiddleware` (and its metrics)
+    between front ends; otherwise one is built from the other arguments.
+    ``request_factory`` turns a scope into a :class:`Request` (override it to
+    read the user id from somewhere else).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        registry: RuleRegistry | None = None,
+        factory: LimiterFactory | None = None,
+        extractor: KeyExtractor | None = None,
+        metrics: Metrics | None = None,
+        *,
+        core: Core | None = None,
+        websocket: str = "limit",
+        request_factory: Callable[[Scope], Request] = request_from_scope,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    ) -> None:
+        if core is None:
+            if registry is None:
+                raise TypeError("RateLimitMiddleware needs a registry (or a core)")
+            core = Core(registry, factory, extractor, metrics)
+        if websocket not in ("limit", "pass"):
+            raise ValueError(f"websocket must be 'limit' or 'pass', got {websocket!r}")
+        self.app = app
+        self.core = core
+        self.metrics = core.metrics
+        self.websocket = websocket
+        self.request_factory = request_factory
+        self.sleep = sleep
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind != "http" and (kind != "websocket" or self.websocket == "pass"):
+            await self.app(scope, receive, send)
+            return
+        raw = self.core._decide(self.request_factory(scope))
+        if raw is None:
+            await self.app(scope, receive, send)
+            return
+        allowed, headers, delay, name, retry, _ = raw
+        if not allowed:
+            if kind == "http":
+                await self._deny_http(send, headers, name, retry)
+            else:
+                await self._deny_websocket(scope, receive, send, headers, name, retry)
+            return
+        if delay > 0.0:
+            await self.sleep(delay)
+        if not headers or kind != "http":
+            await self.app(scope, receive, send)
+            return
+        extra = _encode(headers)
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), *extra]
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+    async def _deny_http(self, send: Send, headers: dict[str, str], name: str, retry: int) -> None:
+        body = deny_body(name, retry)
+        out = _encode(headers)
+        out.append((b"content-type", b"application/json"))
+        out.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": 429, "headers": out})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _deny_websocket(
+        self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str], name: str, retry: int
+    ) -> None:
+        message = await receive()  # websocket.connect
+        if message.get("type") != "websocket.connect":
+            return
+        if "websocket.http.response" in (scope.get("extensions") or {}):
+            body = deny_body(name, retry)
+            out = _encode(headers)
+            out.append((b"content-type", b"application/json"))
+            out.append((b"content-length", str(len(body)).encode()))
+            await send({"type": "websocket.http.response.start", "status": 429, "headers": out})
+            await send({"type": "websocket.http.response.body", "body": body, "more_body": False})
+        else:
+            await send({"type": "websocket.close", "code": 1008, "reason": "rate_limit_exceeded"})

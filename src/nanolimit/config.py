@@ -1,0 +1,368 @@
+"""Rules files (TOML or JSON) and their hot reload.
+
+``load_rules(path)`` validates the whole file and raises one
+:class:`ConfigError` listing every bad rule with its name and the field at
+fault, so an operator fixes a file in one pass. :class:`ConfigWatcher` polls
+the file; a changed file is validated first and swapped in with
+``RuleRegistry.replace`` (atomic); a bad one leaves the old rules running and
+logs why. Unchanged rules keep their limiters and their keys' state.
+
+File format (TOML; JSON has the same shape)::
+
+    stacked = false            # optional: every matching rule applies
+
+    [default]                  # optional: for requests no rule matches
+    rate = "1000/hour"
+    scope = "ip"
+
+    [[rules]]
+    name = "login"
+    method = "POST"            # default "*"
+    path_prefix = "/login"     # default "/"
+    scope = "ip"               # user | api_key | ip | global (default ip)
+    algorithm = "sliding_counter"   # default token_bucket
+    rate = "5/minute"          # or: limit = 5 and window_seconds = 60
+    tier = "free"              # optional
+    dry_run = false            # optional: shadow mode
+    shape = true               # optional: leaky bucket waits its delay
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+from ._shared import ValidationError
+from .factory import LimiterFactory
+from .rules import RateLimitRule, RuleRegistry, RuleValidationError, parse_rate
+
+# tomllib (3.11+), else the tomli backport if installed (Python 3.10), else JSON only.
+tomllib: Any
+try:
+    tomllib = importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
+except ImportError:  # pragma: no cover - Python 3.10 without tomli
+    tomllib = None
+
+__all__ = ["ConfigError", "ConfigWatcher", "LoadedRules", "Problem", "load_rules", "parse_rules"]
+
+log = logging.getLogger("nanolimit.config")
+
+_RULE_FIELDS = {
+    "name",
+    "method",
+    "path_prefix",
+    "scope",
+    "algorithm",
+    "rate",
+    "limit",
+    "window_seconds",
+    "burst",
+    "tier",
+    "dry_run",
+    "shape",
+}
+_TOP_FIELDS = {"rules", "default", "stacked"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a rules file."""
+
+    rule: str
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"rule {self.rule!r}: {self.field}: {self.message}"
+
+
+class ConfigError(ValidationError):
+    """A rules file that cannot be used; ``problems`` lists every fault."""
+
+    def __init__(self, source: str, problems: list[Problem]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s):\n{lines}")
+
+
+@dataclass(frozen=True)
+class LoadedRules:
+    """A validated rules file: what ``RuleRegistry`` needs."""
+
+    rules: tuple[RateLimitRule, ...]
+    default: RateLimitRule | None = None
+    stacked: bool = False
+
+    def registry(self, *, cache_size: int = 4096) -> RuleRegistry:
+        return RuleRegistry(self.rules, self.default, stacked=self.stacked, cache_size=cache_size)
+
+    def active(self) -> tuple[RateLimitRule, ...]:
+        return self.rules if self.default is None else (*self.rules, self.default)
+
+
+def _rule(table: Any, label: str, problems: list[Problem], defaults: dict[str, Any]) -> RateLimitRule | None:
+    if not isinstance(table, dict):
+        problems.append(Problem(label, "-", f"a rule must be a table, got {type(table).__name__}"))
+        return None
+    name = table.get("name", defaults.get("name", label))
+    name = name if isinstance(name, str) else label
+    unknown = sorted(set(table) - _RULE_FIELDS)
+    for key in unknown:
+        problems.append(Problem(name, key, "unknown field"))
+    before = len(problems)
+    limit: Any = table.get("limit")
+    window: Any = table.get("window_seconds")
+    burst: Any = table.get("burst")
+    if "rate" in table:
+        if "limit" in table or "window_seconds" in table:
+            problems.append(Problem(name, "rate", "give either rate or limit and window_seconds, not both"))
+        else:
+            try:
+                parsed = parse_rate(table["rate"])
+            except ValidationError as exc:
+                problems.append(Problem(name, "rate", str(exc)))
+            else:
+                limit, window = parsed.limit, parsed.window_seconds
+                if parsed.burst is not None:
+                    if burst is not None:
+                        problems.append(Problem(name, "burst", "given both in rate and as burst"))
+                    burst = parsed.burst
+    else:
+        for key in ("limit", "window_seconds"):
+            if key not in table:
+                problems.append(Problem(name, key, "missing (or give rate)"))
+    if len(problems) > before:
+        return None
+    try:
+        return RateLimitRule(
+            name,
+            table.get("method", defaults.get("method", "*")),
+            table.get("path_prefix", defaults.get("path_prefix", "/")),
+            table.get("scope", "ip"),
+            table.get("algorithm", "token_bucket"),
+            limit,
+            window,
+            burst,
+            tier=table.get("tier"),
+            dry_run=table.get("dry_run", False),
+            shape=table.get("shape", True),
+        )
+    except RuleValidationError as exc:
+        problems.append(Problem(exc.rule if exc.rule == name else name, exc.field, exc.message))
+    return None
+
+
+def parse_rules(data: Any, source: str = "<rules>") -> LoadedRules:
+    """Validate a parsed rules document (a dict, as TOML or JSON gives)."""
+    problems: list[Problem] = []
+    if not isinstance(data, dict):
+        raise ConfigError(source, [Problem("-", "-", "the document must be a table/object")])
+    for key in sorted(set(data) - _TOP_FIELDS):
+        problems.append(Problem("-", key, "unknown top-level field"))
+    stacked = data.get("stacked", False)
+    if not isinstance(stacked, bool):
+        problems.append(Problem("-", "stacked", f"must be a bool, got {stacked!r}"))
+        stacked = False
+    raw_rules = data.get("rules", [])
+    if not isinstance(raw_rules, list):
+        problems.append(Problem("-", "rules", "must be an array of tables ([[rules]])"))
+        raw_rules = []
+    rules: list[RateLimitRule] = []
+    seen: dict[str, int] = {}
+    for i, table in enumerate(raw_rules):
+        label = f"rules[{i}]"
+        if isinstance(table, dict) and "name" not in table:
+            problems.append(Problem(label, "name", "missing"))
+            continue
+        rule = _rule(table, label, problems, {})
+        if rule is None:
+            continue
+        if rule.name in seen:
+            problems.append(Problem(rule.name, "name", f"duplicate of rules[{seen[rule.name]}]"))
+            continue
+        seen[rule.name] = i
+        rules.append(rule)
+    default = None
+    if "default" in data:
+        default = _rule(
+            data["default"], "default", problems, {"name": "default", "method": "*", "path_prefix": "/"}
+        )
+        if default is not None and default.name in seen:
+            problems.append(Problem(default.name, "name", "the default shares its name with a rule"))
+            default = None
+    if problems:
+        raise ConfigError(source, problems)
+    return LoadedRules(tuple(rules), default, stacked)
+
+
+def _parse_bytes(raw: bytes, path: Path) -> Any:
+    text = raw.decode("utf-8")
+    if path.suffix.lower() == ".json":
+        return json.loads(text)
+    if tomllib is None:
+        raise ConfigError(
+            str(path),
+            [Problem("-", "-", "TOML needs Python 3.11+ (tomllib) or the tomli package; or use JSON")],
+        )
+    return tomllib.loads(text)
+
+
+def _load_bytes(raw: bytes, path: Path) -> LoadedRules:
+    try:
+        data = _parse_bytes(raw, path)
+    except ConfigError:
+        raise
+    except (ValueError, UnicodeDecodeError) as exc:  # TOMLDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError(
+            str(path), [Problem("-", "-", f"not valid {path.suffix.lstrip('.') or 'toml'}: {exc}")]
+        ) from None
+    return parse_rules(data, str(path))
+
+
+def load_rules(path: str | os.PathLike[str]) -> LoadedRules:
+    """Read and validate a rules file (``.json`` is JSON, anything else TOML)."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(str(p), [Problem("-", "-", f"cannot read: {exc.strerror or exc}")]) from None
+    return _load_bytes(raw, p)
+
+
+class ConfigWatcher:
+    """Keeps a registry in step with a rules file.
+
+    ``check()`` polls once (call it from your own scheduler), ``start()``
+    polls every ``interval`` seconds on a daemon thread until ``stop()``.
+    The file's bytes are compared by digest, so an editor that rewrites the
+    same content, or a timestamp-preserving copy, is handled correctly.
+    ``on_reload(loaded)`` and ``on_error(exc)`` are optional hooks.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        registry: RuleRegistry,
+        factory: LimiterFactory | None = None,
+        *,
+        interval: float = 1.0,
+        on_reload: Callable[[LoadedRules], None] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"interval must be > 0, got {interval!r}")
+        self.path = Path(path)
+        self.registry = registry
+        self.factory = factory
+        self.interval = float(interval)
+        self.on_reload = on_reload
+        self.on_error = on_error
+        self.reloads = 0
+        self.errors = 0
+        self.last_error: Exception | None = None
+        self._digest: bytes | None = None
+        self._bad_digest: bytes | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def load(self) -> LoadedRules:
+        """Load the file now and install it; raises on a bad file (the old rules stay)."""
+        with self._lock:
+            raw = self._read()
+            return self._install(raw)
+
+    def _read(self) -> bytes:
+        try:
+            return self.path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(
+                str(self.path), [Problem("-", "-", f"cannot read: {exc.strerror or exc}")]
+            ) from None
+
+    def _install(self, raw: bytes) -> LoadedRules:
+        digest = hashlib.blake2b(raw, digest_size=16).digest()
+        loaded = _load_bytes(raw, self.path)
+        self.registry.replace(loaded.rules, default=loaded.default, stacked=loaded.stacked)
+        if self.factory is not None:
+            self.factory.prune(loaded.active())
+        self._digest = digest
+        self.reloads += 1
+        log.info("nanolimit: loaded %d rule(s) from %s", len(loaded.rules), self.path)
+        if self.on_reload is not None:
+            self.on_reload(loaded)
+        return loaded
+
+    def check(self) -> bool:
+        """Reload if the file changed; True when new rules were installed.
+        A bad file is logged (once per distinct content) and changes nothing."""
+        with self._lock:
+            try:
+                raw = self.path.read_bytes()
+            except OSError as exc:
+                self._fail(
+                    ConfigError(str(self.path), [Problem("-", "-", f"cannot read: {exc.strerror or exc}")]),
+                    None,
+                )
+                return False
+            digest = hashlib.blake2b(raw, digest_size=16).digest()
+            if digest == self._digest:
+                return False
+            try:
+                self._install(raw)
+            except ValidationError as exc:
+                self._fail(exc, digest)
+                return False
+            return True
+
+    def _fail(self, exc: Exception, digest: bytes | None) -> None:
+        self.errors += 1
+        repeated = digest is not None and digest == self._bad_digest
+        self._bad_digest = digest
+        self.last_error = exc
+        if not repeated:
+            log.error("nanolimit: keeping the current rules; %s", exc)
+            if self.on_error is not None:
+                self.on_error(exc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.check()
+            except Exception:  # never let the watcher thread die
+                log.exception("nanolimit: rules watcher failed")
+
+    def start(self) -> Self:
+        """Poll on a daemon thread (the first poll happens at once)."""
+        if self._thread is not None and self._thread.is_alive():
+            return self
+        self.check()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="nanolimit-config-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

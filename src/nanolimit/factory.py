@@ -1,0 +1,97 @@
+"""LimiterFactory: one limiter per rule value, on one storage.
+
+Limiters are cheap, but building one per request would re-validate the
+configuration every time; the factory caches them by the rule *value*. An
+edited rule is a different value and gets a fresh limiter, which still finds
+its keys' state, because the storage namespaces state by (algorithm, rule
+name): raising a limit changes the ceiling, it never hands back budget
+already spent (SPEC §6). ``prune`` drops limiters of retired rules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ._shared import Algorithm, Clock, RateLimiter, Storage, ValidationError
+from .rules import RateLimitRule
+
+__all__ = ["LimiterFactory"]
+
+
+def _limiter_classes(storage: object) -> Mapping[Algorithm, Any]:
+    """The limiter classes that run on ``storage``'s fast path: the twin the
+    storage belongs to (the reference twin's store accepts only reference
+    limiters in ``allow_all``), else the package default."""
+    module = type(storage).__module__
+    if module in ("nanolimit.reference", "nanolimit._core"):
+        return importlib.import_module(module).LIMITERS  # type: ignore[no-any-return]
+    import nanolimit
+
+    twin = importlib.import_module(nanolimit.InMemoryStorage.__module__)
+    return twin.LIMITERS  # type: ignore[no-any-return]
+
+
+class LimiterFactory:
+    """Builds and caches the limiter of each rule.
+
+    ``storage`` defaults to a fresh :class:`nanolimit.InMemoryStorage`;
+    ``clock`` to the limiters' default (wall time, or the server's clock on
+    Redis). ``limiters`` maps an :class:`Algorithm` to a limiter class, for a
+    storage whose twin cannot be told from its type.
+    """
+
+    def __init__(
+        self,
+        storage: Storage | None = None,
+        clock: Clock | None = None,
+        *,
+        limiters: Mapping[Algorithm, Any] | None = None,
+    ) -> None:
+        if storage is None:
+            import nanolimit
+
+            storage = nanolimit.InMemoryStorage()
+        elif not isinstance(storage, Storage):
+            raise ValidationError(f"storage must implement Storage, got {type(storage).__name__}")
+        self.storage: Storage = storage
+        self.clock = clock
+        self._classes = dict(limiters) if limiters is not None else dict(_limiter_classes(storage))
+        self._limiters: dict[RateLimitRule, RateLimiter] = {}
+        self._lock = threading.Lock()
+
+    def for_rule(self, rule: RateLimitRule) -> RateLimiter:
+        """The limiter of ``rule``, built once per rule value."""
+        limiter = self._limiters.get(rule)
+        if limiter is not None:
+            return limiter
+        if not isinstance(rule, RateLimitRule):
+            raise ValidationError(f"expected RateLimitRule, got {type(rule).__name__}")
+        with self._lock:
+            limiter = self._limiters.get(rule)
+            if limiter is None:
+                cls = self._classes[rule.algorithm]
+                limiter = cls(
+                    rule.limit, rule.window_seconds, self.storage, self.clock, rule.name, burst=rule.burst
+                )
+                self._limiters[rule] = limiter
+        return limiter
+
+    def prune(self, active: Iterable[RateLimitRule]) -> int:
+        """Forget the limiters of rules not in ``active``; returns how many.
+        Their keys' state stays in the storage until ``evict_idle`` (a rule
+        brought back under the same name and algorithm finds it again)."""
+        keep = set(active)
+        with self._lock:
+            retired = [rule for rule in self._limiters if rule not in keep]
+            for rule in retired:
+                del self._limiters[rule]
+        return len(retired)
+
+    def __len__(self) -> int:
+        return len(self._limiters)
+
+    def __repr__(self) -> str:
+        return f"<LimiterFactory limiters={len(self._limiters)} storage={type(self.storage).__name__}>"

@@ -1,0 +1,113 @@
+"""Per-rule counters for the gateway, without a lock on the request path.
+
+Each thread counts into its own dict of small lists (one writer per list, so
+no lock and no lost increments); ``snapshot`` merges the shards. Only a
+thread's first count takes a lock, to register its shard. The text
+exposition format is written by hand: no dependency on a metrics library.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = ["ALLOWED", "DENIED", "NEAR_LIMIT", "OUTCOMES", "SHADOW_DENIED", "Metrics"]
+
+# Slots of a rule's counter list.
+ALLOWED = 0
+DENIED = 1
+SHADOW_DENIED = 2
+NEAR_LIMIT = 3
+OUTCOMES = ("allowed", "denied", "shadow_denied", "near_limit")
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Metrics:
+    """Counts per rule: ``allowed``, ``denied``, ``shadow_denied`` (a
+    dry-run rule would have denied) and ``near_limit`` (admitted with less
+    than ``near_ratio`` of the limit left, default 20 %)."""
+
+    def __init__(self, near_ratio: float = 0.2, *, namespace: str = "nanolimit") -> None:
+        if not 0.0 <= near_ratio <= 1.0:
+            raise ValueError(f"near_ratio must be within [0, 1], got {near_ratio!r}")
+        self.near_ratio = float(near_ratio)
+        self.namespace = namespace
+        self._local = threading.local()
+        self._shards: list[dict[str, list[int]]] = []
+        self._lock = threading.Lock()
+
+    def shard(self) -> dict[str, list[int]]:
+        """This thread's counters: ``shard()[rule][slot] += 1`` from this
+        thread only. The middleware caches it per call, not per rule."""
+        try:
+            return self._local.shard  # type: ignore[no-any-return]
+        except AttributeError:
+            shard: dict[str, list[int]] = {}
+            with self._lock:
+                self._shards.append(shard)
+            self._local.shard = shard
+            return shard
+
+    def counters(self, rule: str) -> list[int]:
+        """This thread's counter list for ``rule`` (created on first use)."""
+        shard = self.shard()
+        counts = shard.get(rule)
+        if counts is None:
+            counts = shard[rule] = [0, 0, 0, 0]
+        return counts
+
+    def record(self, rule: str, allowed: bool, remaining: int, limit: int, *, shadow: bool = False) -> None:
+        """Count one decision of ``rule`` (the middleware inlines this)."""
+        counts = self.counters(rule)
+        if allowed:
+            counts[ALLOWED] += 1
+            if remaining < limit * self.near_ratio:
+                counts[NEAR_LIMIT] += 1
+        elif shadow:
+            counts[SHADOW_DENIED] += 1
+        else:
+            counts[DENIED] += 1
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{rule: {"allowed": n, "denied": n, "shadow_denied": n, "near_limit": n}}``."""
+        with self._lock:
+            shards = list(self._shards)
+        out: dict[str, dict[str, int]] = {}
+        for shard in shards:
+            for rule, counts in list(shard.items()):
+                total = out.get(rule)
+                if total is None:
+                    total = out[rule] = dict.fromkeys(OUTCOMES, 0)
+                for name, value in zip(OUTCOMES, list(counts)):
+                    total[name] += value
+        return dict(sorted(out.items()))
+
+    def render_prometheus(self) -> str:
+        """The Prometheus text exposition format (version 0.0.4)."""
+        snap = self.snapshot()
+        ns = self.namespace
+        lines = [
+            f"# HELP {ns}_requests_total Requests decided by a rate-limit rule, by outcome.",
+            f"# TYPE {ns}_requests_total counter",
+        ]
+        for rule, counts in snap.items():
+            for outcome in OUTCOMES[:3]:
+                lines.append(
+                    f'{ns}_requests_total{{rule="{_label(rule)}",outcome="{outcome}"}} {counts[outcome]}'
+                )
+        lines += [
+            f"# HELP {ns}_near_limit_total Admitted requests left under {self.near_ratio:.0%} of the limit.",
+            f"# TYPE {ns}_near_limit_total counter",
+        ]
+        for rule, counts in snap.items():
+            lines.append(f'{ns}_near_limit_total{{rule="{_label(rule)}"}} {counts["near_limit"]}')
+        return "\n".join(lines) + "\n"
+
+    def __repr__(self) -> str:
+        return f"<Metrics rules={len(self.snapshot())}>"
+
+    def __getstate__(self) -> Any:
+        raise TypeError("Metrics cannot be pickled (it holds per-thread counters)")

@@ -1,0 +1,455 @@
+"""The framework-free request path (SPEC §6).
+
+``RateLimitMiddleware(registry, factory)(request, next_handler)`` finds the
+rule(s), builds the key, decides, counts, and answers 429 (SPEC §2 body and
+headers) or the handler's response with the headers added. No rule: the
+request passes unlimited, by choice. The ASGI and WSGI adapters
+(:mod:`nanolimit.asgi`, :mod:`nanolimit.wsgi`) call :meth:`check` and do
+their own I/O, so every front end shares this one decision path.
+
+The hot path is written for the interpreter: one ruleset snapshot per
+request, a per-rule binding (limiter, pre-rendered constant headers,
+counters) found by the rule's identity, this thread's metric shard, and a
+header dict built from the decision's numbers. Stacked rulesets decide
+several rules at once through ``storage.allow_all`` (all or nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._shared import Algorithm, ValidationError
+from .factory import LimiterFactory
+from .keys import DefaultKeyExtractor, KeyExtractor
+from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics
+from .rules import RateLimitRule, RuleRegistry, RuleSet
+
+__all__ = ["Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
+
+_ceil = math.ceil
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.:@/+-]*$")
+_MISSING: Any = object()
+# (rule, retry seconds) -> 429 body: a flood of denials renders few bodies.
+_BODIES: dict[tuple[str, int], bytes] = {}
+
+
+@dataclass(slots=True)
+class Request:
+    """What the gateway needs to know about a request.
+
+    ``headers`` maps lower-case names to values; ``client`` is the peer
+    address of the connection (never a header); ``user`` is an
+    authenticated user id if the framework knows one.
+    """
+
+    method: str
+    path: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+    client: str | None = None
+    user: str | None = None
+
+
+@dataclass(slots=True)
+class Response:
+    """A response of the framework-free pipeline."""
+
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def deny_body(rule: str, retry_after: int) -> bytes:
+    """SPEC §2: the JSON body of a 429. Rule names are validated to need no
+    JSON escaping (see ``RateLimitRule``), so the body is formatted directly;
+    anything else goes through ``json.dumps``."""
+    if _SAFE_NAME.match(rule):
+        return b'{"error": "rate_limit_exceeded", "rule": "%s", "retry_after": %d}' % (
+            rule.encode(),
+            retry_after,
+        )
+    return json.dumps({"error": "rate_limit_exceeded", "rule": rule, "retry_after": retry_after}).encode()
+
+
+class Outcome:
+    """The verdict on one request, for the front ends.
+
+    ``allowed``: let it through (always true for dry-run rules);
+    ``headers``: what to add to the response (or the 429's headers);
+    ``delay``: seconds a shaping leaky-bucket rule wants the request to wait;
+    ``rule``: the deciding (or denying) rule's name; ``retry_after``: whole
+    seconds for the 429 body; ``decision``: the Decision or CompoundDecision.
+    """
+
+    __slots__ = ("allowed", "decision", "delay", "headers", "retry_after", "rule")
+
+    def __init__(
+        self,
+        allowed: bool,
+        headers: dict[str, str],
+        delay: float,
+        rule: str,
+        retry_after: int,
+        decision: Any,
+    ) -> None:
+        self.allowed = allowed
+        self.headers = headers
+        self.delay = delay
+        self.rule = rule
+        self.retry_after = retry_after
+        self.decision = decision
+
+    def body(self) -> bytes:
+        """The 429 body (meaningful when not allowed)."""
+        return deny_body(self.rule, self.retry_after)
+
+    def __repr__(self) -> str:
+        return f"<Outcome allowed={self.allowed} rule={self.rule!r} delay={self.delay!r}>"
+
+
+class _Binding:
+    """A rule bound to its limiter, with its constant header values rendered once."""
+
+    __slots__ = (
+        "allow",
+        "dry_run",
+        "limit_str",
+        "limiter",
+        "name",
+        "near",
+        "policy",
+        "r_prefix",
+        "rule",
+        "scope",
+        "shape",
+    )
+
+    def __init__(self, rule: RateLimitRule, limiter: Any, near_ratio: float) -> None:
+        self.rule = rule
+        self.limiter = limiter
+        self.allow = limiter.allow
+        self.name = rule.name
+        self.scope = rule.scope
+        self.dry_run = rule.dry_run
+        self.shape = rule.shape and rule.algorithm is Algorithm.LEAKY_BUCKET
+        capacity = limiter.capacity
+        self.limit_str = str(capacity)
+        self.near = capacity * near_ratio
+        window = max(1, _ceil(limiter.window_seconds))
+        self.policy = f'"{rule.name}";q={capacity};w={window}'
+        self.r_prefix = f'"{rule.name}";r='
+
+
+class RateLimitMiddleware:
+    """A pipeline stage ``(request, next_handler) -> Response``.
+
+    ``factory`` defaults to a :class:`LimiterFactory` on a fresh in-memory
+    store; ``extractor`` to :class:`DefaultKeyExtractor`; ``metrics`` to a
+    new :class:`Metrics` (read it back as ``middleware.metrics``).
+    ``wall_clock`` gives the Unix time of ``X-RateLimit-Reset``; ``sleep``
+    is how a shaping leaky-bucket rule waits (the ASGI adapter awaits
+    instead).
+    """
+
+    def __init__(
+        self,
+        registry: RuleRegistry,
+        factory: LimiterFactory | None = None,
+        extractor: KeyExtractor | None = None,
+        metrics: Metrics | None = None,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Any] = time.sleep,
+    ) -> None:
+        if not isinstance(registry, RuleRegistry):
+            raise ValidationError(f"registry must be a RuleRegistry, got {type(registry).__name__}")
+        self.registry = registry
+        self.factory = factory if factory is not None else LimiterFactory()
+        self.extractor: KeyExtractor = extractor if extractor is not None else DefaultKeyExtractor()
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.wall_clock = wall_clock
+        self.sleep = sleep
+        fast = getattr(self.extractor, "storage_key_for", None)
+        if fast is None:
+            extractor_ = self.extractor
+
+            def fast(request: Request, scope: Any) -> str:
+                return extractor_.key_for(request, scope).storage_key()
+
+        self._key: Callable[[Request, Any], str] = fast
+        self._state: tuple[RuleSet | None, dict[int, _Binding]] = (None, {})
+        # (method, path, tier) -> binding (None: no rule), for one snapshot
+        self._routes: tuple[RuleSet | None, dict[tuple[str, str, str | None], _Binding | None]] = (None, {})
+        self.route_cache_size = 4096
+        self._local = threading.local()  # this thread's metric shard, cached
+
+    # -- bindings ---------------------------------------------------------------
+    def _bind(self, rule: RateLimitRule, ruleset: RuleSet) -> _Binding:
+        state = self._state
+        if state[0] is not ruleset:
+            state = (ruleset, {})
+            self._state = state
+        binding = _Binding(rule, self.factory.for_rule(rule), self.metrics.near_ratio)
+        # keyed by identity: the binding holds the rule, so the id stays unique
+        state[1][id(rule)] = binding
+        return binding
+
+    def _route(self, request: Request, ruleset: RuleSet, tier: str | None) -> _Binding | None:
+        """Resolve and remember the binding of a (method, path, tier); None
+        when no rule applies, or, in stacked mode, when several do (the
+        stacked path resolves those itself)."""
+        if ruleset.stacked:
+            rules = ruleset.match_all(request.method, request.path, tier)
+            rule = rules[0] if len(rules) == 1 else None
+        else:
+            rule = ruleset.match(request.method, request.path, tier)
+        binding = None
+        if rule is not None:
+            state = self._state
+            binding = state[1].get(id(rule)) if state[0] is ruleset else None
+            if binding is None or binding.rule is not rule:
+                binding = self._bind(rule, ruleset)
+        routes = self._routes
+        if routes[0] is not ruleset:
+            routes = (ruleset, {})
+            self._routes = routes
+        table = routes[1]
+        if len(table) >= self.route_cache_size:
+            table.clear()  # bounded: unique hostile paths cost a miss, never memory
+        table[(request.method, request.path, tier)] = binding
+        return binding
+
+    def _counts(self, shard: dict[str, list[int]], name: str) -> list[int]:
+        counts = shard.get(name)
+        if counts is None:
+            counts = shard[name] = [0, 0, 0, 0]
+        return counts
+
+    def _headers(self, b: _Binding, d: Any) -> dict[str, str]:
+        left = d.remaining
+        reset = d.reset_after
+        return {
+            "X-RateLimit-Limit": b.limit_str,
+            "X-RateLimit-Remaining": str(left),
+            "X-RateLimit-Reset": str(_ceil(self.wall_clock() + reset)),
+            "RateLimit-Policy": b.policy,
+            "RateLimit": f"{b.r_prefix}{left};t={_ceil(reset)}",
+        }
+
+    # -- the decision -----------------------------------------------------------
+    def check(self, request: Request) -> Outcome | None:
+        """Decide ``request``; None when no rule applies (pass through)."""
+        raw = self._decide(request)
+        return None if raw is None else Outcome(*raw)
+
+    def _decide(self, request: Request) -> tuple[bool, dict[str, str], float, str, int, Any] | None:
+        """:meth:`check` as a plain tuple (the hot path builds no Outcome)."""
+        ruleset = self.registry._set
+        tier = self.extractor.tier_for(request) if ruleset.has_tiers else None
+        routes = self._routes
+        if routes[0] is ruleset:
+            b = routes[1].get((request.method, request.path, tier), _MISSING)
+            if b is _MISSING:
+                b = self._route(request, ruleset, tier)
+        else:
+            b = self._route(request, ruleset, tier)
+        if b is None:
+            if ruleset.stacked:
+                rules = ruleset.match_all(request.method, request.path, tier)
+                if rules:
+                    return self._check_stacked(request, ruleset, rules)
+            return None
+        d = b.allow(self._key(request, b.scope))
+        try:
+            shard = self._local.shard
+        except AttributeError:
+            shard = self._local.shard = self.metrics.shard()
+        counts = shard.get(b.name)
+        if counts is None:
+            counts = shard[b.name] = [0, 0, 0, 0]
+        if d.allowed:
+            counts[ALLOWED] += 1
+            left = d.remaining
+            if left < b.near:
+                counts[NEAR_LIMIT] += 1
+            if b.dry_run:
+                return (True, {}, 0.0, b.name, 0, d)
+            reset = d.reset_after
+            text = str(left)
+            return (
+                True,
+                {
+                    "X-RateLimit-Limit": b.limit_str,
+                    "X-RateLimit-Remaining": text,
+                    "X-RateLimit-Reset": str(_ceil(self.wall_clock() + reset)),
+                    "RateLimit-Policy": b.policy,
+                    "RateLimit": f"{b.r_prefix}{text};t={_ceil(reset)}",
+                },
+                d.delay if b.shape else 0.0,
+                b.name,
+                0,
+                d,
+            )
+        if b.dry_run:
+            counts[SHADOW_DENIED] += 1
+            return (True, {}, 0.0, b.name, 0, d)
+        counts[DENIED] += 1
+        return self._refusal(b, d)
+
+    def _denied(self, b: _Binding, d: Any) -> tuple[bool, dict[str, str], float, str, int, Any]:
+        """Count and answer a denial by an enforced rule (the inlined path's tail)."""
+        try:
+            shard = self._local.shard
+        except AttributeError:
+            shard = self._local.shard = self.metrics.shard()
+        self._counts(shard, b.name)[DENIED] += 1
+        return self._refusal(b, d)
+
+    def _refusal(self, b: _Binding, d: Any) -> tuple[bool, dict[str, str], float, str, int, Any]:
+        headers = self._headers(b, d)
+        retry = max(1, _ceil(d.retry_after))
+        headers["Retry-After"] = str(retry)
+        return (False, headers, 0.0, b.name, retry, d)
+
+    def _check_stacked(
+        self, request: Request, ruleset: RuleSet, rules: tuple[RateLimitRule, ...]
+    ) -> tuple[bool, dict[str, str], float, str, int, Any]:
+        """Several rules at once: shadow rules decide on their own; enforced
+        rules decide together, all or nothing, through ``storage.allow_all``."""
+        state = self._state
+        bindings: list[_Binding] = []
+        for rule in rules:
+            b = state[1].get(id(rule)) if state[0] is ruleset else None
+            if b is None or b.rule is not rule:
+                b = self._bind(rule, ruleset)
+                state = self._state
+            bindings.append(b)
+        shard = self.metrics.shard()
+        enforced: list[tuple[_Binding, str]] = []
+        for b in bindings:
+            key = self._key(request, b.scope)
+            if not b.dry_run:
+                enforced.append((b, key))
+                continue
+            d = b.allow(key)
+            counts = self._counts(shard, b.name)
+            if d.allowed:
+                counts[ALLOWED] += 1
+                if d.remaining < b.near:
+                    counts[NEAR_LIMIT] += 1
+            else:
+                counts[SHADOW_DENIED] += 1
+        if not enforced:
+            return (True, {}, 0.0, bindings[0].name, 0, None)
+        if len(enforced) == 1:
+            b, key = enforced[0]
+            d = b.allow(key)
+            decisions = [d]
+            summary: Any = d
+        else:
+            allow_all = getattr(self.factory.storage, "allow_all", None)
+            if allow_all is None:
+                raise ValidationError(
+                    f"{type(self.factory.storage).__name__} cannot decide compound limits "
+                    "(it has no allow_all); use an InMemoryStorage or RedisStorage, or an unstacked registry"
+                )
+            summary = allow_all([(b.limiter, key) for b, key in enforced])
+            decisions = list(summary.decisions)
+        allowed = bool(summary.allowed)
+        delay = 0.0
+        for (b, _), d in zip(enforced, decisions):
+            counts = self._counts(shard, b.name)
+            if allowed:
+                counts[ALLOWED] += 1
+                if d.remaining < b.near:
+                    counts[NEAR_LIMIT] += 1
+                if b.shape and d.delay > delay:
+                    delay = d.delay
+            elif not d.allowed:
+                counts[DENIED] += 1
+        if len(enforced) == 1:
+            b = enforced[0][0]
+            headers = self._headers(b, summary)
+            name = b.name
+        else:
+            headers = summary.headers(self.wall_clock())
+            name = summary.rule
+        if allowed:
+            headers.pop("Retry-After", None)
+            return (True, headers, delay, name, 0, summary)
+        retry = max(1, _ceil(summary.retry_after))
+        headers["Retry-After"] = str(retry)
+        return (False, headers, 0.0, name, retry, summary)
+
+    # -- the pipeline stage -------------------------------------------------------
+    def __call__(self, request: Request, next_handler: Callable[[Request], Response]) -> Response:
+        # The common case (one enforced rule, admitted, no shaping) is
+        # :meth:`_decide` inlined: no tuple, one call fewer per request.
+        # Everything else takes the shared path below it.
+        ruleset = self.registry._set
+        routes = self._routes
+        if routes[0] is ruleset and not ruleset.has_tiers:
+            b = routes[1].get((request.method, request.path, None), _MISSING)
+            if b is not None and b is not _MISSING and not b.dry_run and not b.shape:
+                d = b.allow(self._key(request, b.scope))
+                if d.allowed:
+                    try:
+                        shard = self._local.shard
+                    except AttributeError:
+                        shard = self._local.shard = self.metrics.shard()
+                    counts = shard.get(b.name)
+                    if counts is None:
+                        counts = shard[b.name] = [0, 0, 0, 0]
+                    counts[ALLOWED] += 1
+                    left = d.remaining
+                    if left < b.near:
+                        counts[NEAR_LIMIT] += 1
+                    reset = d.reset_after
+                    text = str(left)
+                    response = next_handler(request)
+                    rh = response.headers
+                    rh["X-RateLimit-Limit"] = b.limit_str
+                    rh["X-RateLimit-Remaining"] = text
+                    rh["X-RateLimit-Reset"] = str(_ceil(self.wall_clock() + reset))
+                    rh["RateLimit-Policy"] = b.policy
+                    rh["RateLimit"] = f"{b.r_prefix}{text};t={_ceil(reset)}"
+                    return response
+                return self._respond(request, next_handler, self._denied(b, d))
+        return self._respond(request, next_handler, self._decide(request))
+
+    def _respond(
+        self,
+        request: Request,
+        next_handler: Callable[[Request], Response],
+        raw: tuple[bool, dict[str, str], float, str, int, Any] | None,
+    ) -> Response:
+        if raw is None:
+            return next_handler(request)
+        allowed, headers, delay, name, retry, _ = raw
+        if not allowed:
+            headers["Content-Type"] = "application/json"
+            body = _BODIES.get((name, retry))
+            if body is None:
+                body = deny_body(name, retry)
+                if len(_BODIES) >= 4096:
+                    _BODIES.clear()  # bounded; a flood of denials mostly repeats a few values
+                _BODIES[(name, retry)] = body
+            return Response(429, headers, body)
+        if delay > 0.0:
+            self.sleep(delay)
+        response = next_handler(request)
+        if headers:
+            response.headers.update(headers)
+        return response
+
+    def __repr__(self) -> str:
+        return f"<RateLimitMiddleware {self.registry!r} {self.factory!r}>"

@@ -1,0 +1,655 @@
+"""Rules: which limit applies to a request, and the registry that finds it.
+
+A :class:`RateLimitRule` is a frozen, self-validating value (SPEC §3, §6). A
+:class:`RuleRegistry` answers ``rule_for(method, path)`` from an immutable
+:class:`RuleSet` snapshot that ``replace`` swaps in one reference assignment,
+so a hot reload is atomic: a request reads one snapshot, never half of two.
+
+Matching is indexed: a trie keyed by path segment whose nodes hold the rules
+ending there, pre-sorted by specificity per HTTP method. A lookup walks the
+request path's segments (a handful of dict look-ups), whatever the number of
+rules, and a bounded per-snapshot cache answers repeated (method, path, tier)
+triples in one dict look-up.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ._shared import (
+    Algorithm,
+    LimiterConfig,
+    UnknownAlgorithmError,
+    ValidationError,
+)
+
+__all__ = [
+    "KeyScope",
+    "Rate",
+    "RateLimitRule",
+    "RuleAlgorithmError",
+    "RuleNotFoundError",
+    "RuleRegistry",
+    "RuleSet",
+    "RuleValidationError",
+    "parse_rate",
+]
+
+
+class RuleNotFoundError(LookupError):
+    """No rule matches a request and the registry has no default rule."""
+
+
+class RuleValidationError(ValidationError):
+    """A rule with a bad field. ``rule`` and ``field`` name the culprit, so a
+    config loader can report every problem of a file at once."""
+
+    def __init__(self, rule: str, field: str, message: str) -> None:
+        self.rule = rule
+        self.field = field
+        self.message = message
+        super().__init__(f"rule {rule!r}: {field}: {message}")
+
+
+class RuleAlgorithmError(RuleValidationError, UnknownAlgorithmError):
+    """A rule naming an algorithm that does not exist (an ``UnknownAlgorithmError``)."""
+
+
+class KeyScope(str, enum.Enum):
+    """Whose budget a request spends: the user's, the API key's, the client
+    IP's, or one budget shared by every caller (``global``)."""
+
+    USER = "user"
+    API_KEY = "api_key"
+    IP = "ip"
+    GLOBAL = "global"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# ---------------------------------------------------------------------------
+# Rates as people write them
+
+_UNITS: dict[str, float] = {}
+for _names, _seconds in (
+    (("ms", "msec", "millisecond", "milliseconds"), 0.001),
+    (("s", "sec", "secs", "second", "seconds"), 1.0),
+    (("m", "min", "mins", "minute", "minutes"), 60.0),
+    (("h", "hr", "hrs", "hour", "hours"), 3600.0),
+    (("d", "day", "days"), 86400.0),
+):
+    for _name in _names:
+        _UNITS[_name] = _seconds
+
+_RATE_RE = re.compile(
+    r"""^\s*(?P<limit>\d+)\s*
+        (?:/|\bper\b)\s*
+        (?P<count>\d+(?:\.\d+)?)?\s*
+        (?P<unit>[a-z]+)\s*
+        (?:\bburst\b\s*=?\s*(?P<burst>\d+))?\s*$""",
+    re.IGNORECASE | re.VERBOSE,
+)
+
+_RATE_HELP = (
+    "expected '<limit>/<unit>' or '<limit> per [<n>] <unit>' with an optional 'burst <n>', "
+    "e.g. '5/minute', '100 per 10 seconds', '10/s burst 20'; units: ms, s, m, h, d and their long names"
+)
+
+
+class Rate(NamedTuple):
+    """A parsed rate: ``limit`` units per ``window_seconds``, optional ``burst``."""
+
+    limit: int
+    window_seconds: float
+    burst: int | None = None
+
+
+def parse_rate(text: str) -> Rate:
+    """Parse a rate the way users write one elsewhere (flask-limiter, slowapi,
+    nginx): ``"5/minute"``, ``"100 per 10 seconds"``, ``"1000/hour"``,
+    ``"10/s burst 20"``. Anything else is a :class:`ValidationError` that says
+    what the accepted forms are."""
+    if not isinstance(text, str):
+        raise ValidationError(f"a rate must be a str, got {type(text).__name__}")
+    m = _RATE_RE.match(text)
+    if m is None:
+        raise ValidationError(f"cannot parse rate {text!r}: {_RATE_HELP}")
+    unit = _UNITS.get(m["unit"].lower())
+    if unit is None:
+        raise ValidationError(f"cannot parse rate {text!r}: unknown unit {m['unit']!r}; {_RATE_HELP}")
+    limit = int(m["limit"])
+    count = float(m["count"]) if m["count"] is not None else 1.0
+    if limit <= 0:
+        raise ValidationError(f"cannot parse rate {text!r}: the limit must be >= 1")
+    if count <= 0 or not math.isfinite(count):
+        raise ValidationError(f"cannot parse rate {text!r}: the window must be > 0")
+    burst = int(m["burst"]) if m["burst"] is not None else None
+    if burst is not None and burst <= 0:
+        raise ValidationError(f"cannot parse rate {text!r}: the burst must be >= 1")
+    return Rate(limit, count * unit, burst)
+
+
+# ---------------------------------------------------------------------------
+# Rules
+
+# Rule names travel into headers (a structured-field string), JSON bodies and
+# Prometheus labels: keep them to characters none of those need to escape.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:@/+-]{0,127}$")
+# An HTTP method is an RFC 9110 token; rules compare it upper-cased.
+_METHOD_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def _segments(prefix: str) -> tuple[tuple[str, ...], bool]:
+    """A path prefix as (segments, needs_more): ``/api`` is (("api",), False)
+    and matches ``/api`` and ``/api/...``; ``/api/`` is (("api",), True) and
+    matches only ``/api/...``; ``/`` matches every path."""
+    parts = prefix.split("/")[1:]
+    if parts and parts[-1] == "":
+        return tuple(parts[:-1]), True
+    return tuple(parts), False
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitRule:
+    """One limit: which requests (``method``, ``path_prefix``, ``tier``), whose
+    budget (``scope``) and how much (``algorithm``, ``limit`` per
+    ``window_seconds``, ``burst``).
+
+    ``path_prefix`` matches at segment boundaries: ``/api`` covers ``/api``
+    and ``/api/users`` but not ``/apiary`` (a plain string prefix would let
+    an unrelated route share a budget). ``tier`` restricts the rule to
+    requests of that tier (None: every tier). ``dry_run`` is shadow mode:
+    decide and count, never reject. ``shape`` makes an admitted leaky-bucket
+    request wait its ``delay`` instead of running at once.
+
+    The rule's ``name`` is the limiter's state namespace: a reload that keeps
+    name and algorithm keeps every key's spent budget (SPEC §6).
+    """
+
+    name: str
+    method: str
+    path_prefix: str
+    scope: KeyScope
+    algorithm: Algorithm
+    limit: int
+    window_seconds: float
+    burst: int | None = None
+    tier: str | None = field(default=None, kw_only=True)
+    dry_run: bool = field(default=False, kw_only=True)
+    shape: bool = field(default=True, kw_only=True)
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        name = self.name
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise RuleValidationError(
+                str(name),
+                "name",
+                "must be 1-128 characters of letters, digits and _ . : @ / + - "
+                "(it appears in headers, JSON and metric labels)",
+            )
+        setter = object.__setattr__
+        method = self.method
+        if not isinstance(method, str) or not _METHOD_RE.match(method):
+            raise RuleValidationError(name, "method", f"must be an HTTP method or '*', got {method!r}")
+        setter(self, "method", method.upper())
+        prefix = self.path_prefix
+        if not isinstance(prefix, str) or not prefix.startswith("/"):
+            raise RuleValidationError(name, "path_prefix", f"must start with '/', got {prefix!r}")
+        if "?" in prefix or "#" in prefix:
+            raise RuleValidationError(
+                name, "path_prefix", f"must be a path without query or fragment, got {prefix!r}"
+            )
+        try:
+            setter(self, "scope", KeyScope(self.scope))
+        except ValueError:
+            known = ", ".join(s.value for s in KeyScope)
+            raise RuleValidationError(
+                name, "scope", f"unknown scope {self.scope!r}; expected one of: {known}"
+            ) from None
+        try:
+            algorithm = Algorithm.parse(self.algorithm)
+        except UnknownAlgorithmError as exc:
+            raise RuleAlgorithmError(name, "algorithm", str(exc)) from None
+        setter(self, "algorithm", algorithm)
+        for fname in ("limit", "burst"):
+            value = getattr(self, fname)
+            if value is None and fname == "burst":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise RuleValidationError(name, fname, f"must be an int, got {type(value).__name__}")
+            if value <= 0:
+                raise RuleValidationError(name, fname, f"must be >= 1, got {value}")
+        window = self.window_seconds
+        if isinstance(window, bool) or not isinstance(window, (int, float)):
+            raise RuleValidationError(
+                name, "window_seconds", f"must be a number, got {type(window).__name__}"
+            )
+        if not math.isfinite(window) or window <= 0:
+            raise RuleValidationError(name, "window_seconds", f"must be finite and > 0, got {window!r}")
+        setter(self, "window_seconds", float(window))
+        if self.tier is not None and (not isinstance(self.tier, str) or not self.tier):
+            raise RuleValidationError(name, "tier", f"must be a non-empty str or None, got {self.tier!r}")
+        for fname in ("dry_run", "shape"):
+            if not isinstance(getattr(self, fname), bool):
+                raise RuleValidationError(name, fname, f"must be a bool, got {getattr(self, fname)!r}")
+        try:
+            LimiterConfig.build(algorithm, self.limit, self.window_seconds, self.burst, name)
+        except ValidationError as exc:
+            text = str(exc)
+            fname = next((f for f in ("burst", "window_seconds", "limit") if text.startswith(f)), "")
+            if not fname:
+                fname = "burst" if "burst" in text else "limit"
+            raise RuleValidationError(name, fname, text) from None
+        setter(
+            self,
+            "_hash",
+            hash(
+                (
+                    name,
+                    self.method,
+                    prefix,
+                    self.scope,
+                    algorithm,
+                    self.limit,
+                    self.window_seconds,
+                    self.burst,
+                    self.tier,
+                    self.dry_run,
+                    self.shape,
+                )
+            ),
+        )
+
+    def __hash__(self) -> int:
+        # Cached: rules are dict keys on the request path (the limiter cache).
+        return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuild through __init__: the cached hash of str fields differs
+        # between processes (hash randomisation), so it must not be pickled.
+        return (
+            _restore_rule,
+            (
+                self.name,
+                self.method,
+                self.path_prefix,
+                self.scope,
+                self.algorithm,
+                self.limit,
+                self.window_seconds,
+                self.burst,
+                self.tier,
+                self.dry_run,
+                self.shape,
+            ),
+        )
+
+    @classmethod
+    def from_rate(
+        cls,
+        name: str,
+        rate: str,
+        *,
+        method: str = "*",
+        path_prefix: str = "/",
+        scope: KeyScope | str = KeyScope.IP,
+        algorithm: Algorithm | str = Algorithm.TOKEN_BUCKET,
+        tier: str | None = None,
+        dry_run: bool = False,
+        shape: bool = True,
+    ) -> RateLimitRule:
+        """A rule from a rate string: ``RateLimitRule.from_rate("api", "100/minute")``."""
+        try:
+            parsed = parse_rate(rate)
+        except ValidationError as exc:
+            raise RuleValidationError(name, "rate", str(exc)) from None
+        return cls(
+            name,
+            method,
+            path_prefix,
+            scope,  # type: ignore[arg-type]  # validated and converted in __post_init__
+            algorithm,  # type: ignore[arg-type]
+            parsed.limit,
+            parsed.window_seconds,
+            parsed.burst,
+            tier=tier,
+            dry_run=dry_run,
+            shape=shape,
+        )
+
+    @property
+    def capacity(self) -> int:
+        """What one request is measured against (SPEC §1)."""
+        if self.burst is not None and self.algorithm in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA):
+            return self.burst
+        return self.limit
+
+    def matches(self, method: str, path: str, tier: str | None = None) -> bool:
+        """Does this rule cover the request? Method ``*`` covers every method;
+        the prefix matches at segment boundaries; a tiered rule covers only
+        requests of its tier."""
+        if self.method != "*" and self.method != method.upper():
+            return False
+        if self.tier is not None and self.tier != tier:
+            return False
+        prefix = self.path_prefix
+        if path == prefix:
+            return True
+        if not path.startswith(prefix):
+            return False
+        return prefix.endswith("/") or path[len(prefix)] == "/"
+
+    def specificity(self) -> tuple[int, int]:
+        """SPEC §6: a longer prefix first; at equal length an exact method beats ``*``."""
+        return (len(self.path_prefix), 0 if self.method == "*" else 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The rule as a config-file table (the inverse of the loader)."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "method": self.method,
+            "path_prefix": self.path_prefix,
+            "scope": self.scope.value,
+            "algorithm": self.algorithm.value,
+            "limit": self.limit,
+            "window_seconds": self.window_seconds,
+        }
+        if self.burst is not None:
+            out["burst"] = self.burst
+        if self.tier is not None:
+            out["tier"] = self.tier
+        if self.dry_run:
+            out["dry_run"] = True
+        if not self.shape:
+            out["shape"] = False
+        return out
+
+
+def _restore_rule(
+    name: str,
+    method: str,
+    path_prefix: str,
+    scope: KeyScope,
+    algorithm: Algorithm,
+    limit: int,
+    window_seconds: float,
+    burst: int | None,
+    tier: str | None,
+    dry_run: bool,
+    shape: bool,
+) -> RateLimitRule:
+    return RateLimitRule(
+        name,
+        method,
+        path_prefix,
+        scope,
+        algorithm,
+        limit,
+        window_seconds,
+        burst,
+        tier=tier,
+        dry_run=dry_run,
+        shape=shape,
+    )
+
+
+def _rank(rule: RateLimitRule) -> tuple[int, int, int]:
+    """Sort key, best first when reversed: specificity, then a tiered rule
+    before an untiered one of the same specificity."""
+    length, exact = rule.specificity()
+    return (length, exact, 0 if rule.tier is None else 1)
+
+
+# ---------------------------------------------------------------------------
+# The index
+
+
+class _Node:
+    """One path segment of the trie. ``ends[method]`` lists, best first, the
+    rules whose prefix ends here and that cover ``method`` (the ``"*"`` entry
+    serves every method without its own list)."""
+
+    __slots__ = ("children", "ends")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _Node] = {}
+        self.ends: dict[str, tuple[tuple[RateLimitRule, bool], ...]] = {}
+
+
+_MISSING: Any = object()
+
+
+class RuleSet:
+    """An immutable, indexed set of rules: what one request reads.
+
+    ``match`` returns the most specific rule (or the default, or None);
+    ``match_all`` returns every matching rule, most specific first (stacked
+    mode). Both cost O(path segments), not O(rules).
+    """
+
+    __slots__ = ("_cache", "_cache_all", "_cache_size", "_root", "default", "has_tiers", "rules", "stacked")
+
+    def __init__(
+        self,
+        rules: Iterable[RateLimitRule] = (),
+        default: RateLimitRule | None = None,
+        *,
+        stacked: bool = False,
+        cache_size: int = 4096,
+    ) -> None:
+        rules = tuple(rules)
+        seen: set[str] = set()
+        for rule in (*rules, *(() if default is None else (default,))):
+            if not isinstance(rule, RateLimitRule):
+                raise ValidationError(f"expected RateLimitRule, got {type(rule).__name__}")
+            if rule.name in seen and rule is not default:
+                raise RuleValidationError(
+                    rule.name, "name", "two rules share this name (it is their state namespace)"
+                )
+            seen.add(rule.name)
+        self.rules = rules
+        self.default = default
+        self.stacked = bool(stacked)
+        self.has_tiers = any(r.tier is not None for r in rules)
+        self._cache_size = cache_size
+        self._cache: dict[tuple[str, str, str | None], RateLimitRule | None] = {}
+        self._cache_all: dict[tuple[str, str, str | None], tuple[RateLimitRule, ...]] = {}
+        root = _Node()
+        pending: dict[int, dict[str, list[tuple[RateLimitRule, bool]]]] = {}
+        nodes: dict[int, _Node] = {}
+        for rule in rules:
+            segs, needs_more = _segments(rule.path_prefix)
+            node = root
+            for seg in segs:
+                child = node.children.get(seg)
+                if child is None:
+                    child = node.children[seg] = _Node()
+                node = child
+            nodes[id(node)] = node
+            pending.setdefault(id(node), {}).setdefault(rule.method, []).append((rule, needs_more))
+        for key, by_method in pending.items():
+            node = nodes[key]
+            star = by_method.get("*", [])
+            for method, entries in by_method.items():
+                merged = entries if method == "*" else entries + star
+                merged.sort(key=lambda e: _rank(e[0]), reverse=True)
+                node.ends[method] = tuple(merged)
+        self._root = root
+
+    def _walk(self, method: str, path: str, tier: str | None, first: bool) -> list[RateLimitRule]:
+        """Every matching rule, most specific first (or only the best one)."""
+        found: list[RateLimitRule] = []
+        segs = path.split("/")
+        if segs[0] != "":
+            return found  # not an absolute path: nothing matches
+        n = len(segs) - 1  # segments after the leading "/"
+        node: _Node | None = self._root
+        depth = 0
+        while node is not None:
+            ends = node.ends
+            if ends:
+                entries = ends.get(method)
+                if entries is None:
+                    entries = ends.get("*")
+                if entries:
+                    for rule, needs_more in entries:
+                        if needs_more and n <= depth:
+                            continue
+                        if rule.tier is not None and rule.tier != tier:
+                            continue
+                        if first:
+                            found = [rule]  # deeper nodes are more specific
+                            break
+                        found.append(rule)
+            depth += 1
+            if depth > n:
+                break
+            node = node.children.get(segs[depth])
+        if not first:
+            found.sort(key=_rank, reverse=True)
+        return found
+
+    def _remember(
+        self, cache: dict[tuple[str, str, str | None], Any], key: tuple[str, str, str | None], value: Any
+    ) -> None:
+        if len(cache) >= self._cache_size:
+            cache.clear()  # bounded: hostile unique paths cost a miss, never memory
+        cache[key] = value
+
+    def match(self, method: str, path: str, tier: str | None = None) -> RateLimitRule | None:
+        """The most specific rule covering the request, else the default, else None."""
+        key = (method, path, tier)
+        hit = self._cache.get(key, _MISSING)
+        if hit is not _MISSING:
+            return hit  # type: ignore[no-any-return]
+        m = method.upper()
+        found = self._walk(m, path, tier, True)
+        rule = found[0] if found else self.default
+        if self._cache_size:
+            self._remember(self._cache, key, rule)
+        return rule
+
+    def match_all(self, method: str, path: str, tier: str | None = None) -> tuple[RateLimitRule, ...]:
+        """Every rule covering the request, most specific first; the default
+        alone when none does; empty when there is no default either."""
+        key = (method, path, tier)
+        hit = self._cache_all.get(key)
+        if hit is not None:
+            return hit
+        found = self._walk(method.upper(), path, tier, False)
+        rules = tuple(found) if found else (() if self.default is None else (self.default,))
+        if self._cache_size:
+            self._remember(self._cache_all, key, rules)
+        return rules
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def __repr__(self) -> str:
+        default = None if self.default is None else self.default.name
+        return f"<RuleSet rules={len(self.rules)} default={default!r} stacked={self.stacked}>"
+
+
+_KEEP: Any = object()
+
+
+class RuleRegistry:
+    """The live ruleset of a gateway; ``replace`` swaps it atomically.
+
+    In ``stacked`` mode every matching rule applies to a request (compound
+    limits); otherwise the most specific one does (SPEC §6).
+    """
+
+    __slots__ = ("_cache_size", "_set")
+
+    def __init__(
+        self,
+        rules: Iterable[RateLimitRule] = (),
+        default: RateLimitRule | None = None,
+        *,
+        stacked: bool = False,
+        cache_size: int = 4096,
+    ) -> None:
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
+            raise ValidationError(f"cache_size must be an int >= 0, got {cache_size!r}")
+        self._cache_size = cache_size
+        self._set = RuleSet(rules, default, stacked=stacked, cache_size=cache_size)
+
+    def snapshot(self) -> RuleSet:
+        """The current ruleset; read it once per request."""
+        return self._set
+
+    @property
+    def default(self) -> RateLimitRule | None:
+        return self._set.default
+
+    @property
+    def stacked(self) -> bool:
+        return self._set.stacked
+
+    def rules(self) -> tuple[RateLimitRule, ...]:
+        """The current rules (without the default)."""
+        return self._set.rules
+
+    def rule_for(self, method: str, path: str, tier: str | None = None) -> RateLimitRule:
+        """The most specific rule for the request (SPEC §6); the default when
+        none matches; :class:`RuleNotFoundError` when there is no default."""
+        rule = self._set.match(method, path, tier)
+        if rule is None:
+            raise RuleNotFoundError(
+                f"no rule matches {method} {path} (tier {tier!r}) and there is no default"
+            )
+        return rule
+
+    def rules_for(self, method: str, path: str, tier: str | None = None) -> tuple[RateLimitRule, ...]:
+        """Every rule that applies to the request: all matches in stacked
+        mode, the most specific one otherwise. Raises like :meth:`rule_for`."""
+        ruleset = self._set
+        if ruleset.stacked:
+            rules = ruleset.match_all(method, path, tier)
+        else:
+            one = ruleset.match(method, path, tier)
+            rules = () if one is None else (one,)
+        if not rules:
+            raise RuleNotFoundError(
+                f"no rule matches {method} {path} (tier {tier!r}) and there is no default"
+            )
+        return rules
+
+    def replace(
+        self,
+        rules: Iterable[RateLimitRule],
+        *,
+        default: RateLimitRule | None = _KEEP,
+        stacked: bool = _KEEP,
+    ) -> RuleSet:
+        """Swap in a new ruleset in one assignment (hot reload). The new set
+        is built and validated first, so a bad ruleset changes nothing.
+        ``default`` and ``stacked`` are kept unless given."""
+        current = self._set
+        new = RuleSet(
+            rules,
+            current.default if default is _KEEP else default,
+            stacked=current.stacked if stacked is _KEEP else stacked,
+            cache_size=self._cache_size,
+        )
+        self._set = new
+        return new
+
+    def __len__(self) -> int:
+        return len(self._set.rules)
+
+    def __repr__(self) -> str:
+        return f"<RuleRegistry {self._set!r}>"
+
+
+def specificity_sorted(rules: Sequence[RateLimitRule]) -> list[RateLimitRule]:
+    """Rules ordered best first, as the registry ranks them."""
+    return sorted(rules, key=_rank, reverse=True)

@@ -1,0 +1,133 @@
+"""WSGI middleware: Flask (``app.wsgi_app = RateLimitMiddleware(app.wsgi_app,
+...)``), Django (wrap ``get_wsgi_application()``) or any WSGI callable.
+
+Imports nothing from any framework. A denied request answers 429 with the
+SPEC §2 JSON body and headers without calling the app; an admitted one gets
+the headers appended in ``start_response``. A shaping leaky-bucket rule
+makes the admitted request ``time.sleep(delay)`` in its worker thread first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from .factory import LimiterFactory
+from .keys import KeyExtractor
+from .metrics import Metrics
+from .middleware import RateLimitMiddleware as Core
+from .middleware import Request, deny_body
+from .rules import RuleRegistry
+
+__all__ = ["RateLimitMiddleware", "WSGIApp", "request_from_environ"]
+
+Environ = dict[str, Any]
+StartResponse = Callable[..., Any]
+WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
+
+
+class _EnvironHeaders(Mapping[str, str]):
+    """``environ``'s ``HTTP_*`` keys as a lower-case header mapping, read
+    lazily (no dict is built per request)."""
+
+    __slots__ = ("_environ",)
+
+    def __init__(self, environ: Environ) -> None:
+        self._environ = environ
+
+    @staticmethod
+    def _cgi(key: str) -> str:
+        name = key.upper().replace("-", "_")
+        if name in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+            return name
+        return "HTTP_" + name
+
+    def __getitem__(self, key: str) -> str:
+        value = self._environ[self._cgi(key)]
+        if not isinstance(value, str):
+            raise KeyError(key)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self._environ.get(self._cgi(key), default)
+        return value if isinstance(value, str) else default
+
+    def __iter__(self) -> Iterator[str]:
+        for key in self._environ:
+            if key.startswith("HTTP_"):
+                yield key[5:].lower().replace("_", "-")
+            elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+                yield key.lower().replace("_", "-")
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def request_from_environ(environ: Environ) -> Request:
+    """The gateway's view of a WSGI request: the client is ``REMOTE_ADDR``
+    (the connection), the user ``REMOTE_USER``; the path includes
+    ``SCRIPT_NAME`` so rules match the public URL of a mounted app."""
+    path = (environ.get("SCRIPT_NAME") or "") + (environ.get("PATH_INFO") or "")
+    return Request(
+        environ.get("REQUEST_METHOD", "GET"),
+        path or "/",
+        _EnvironHeaders(environ),
+        environ.get("REMOTE_ADDR") or None,
+        environ.get("REMOTE_USER") or None,
+    )
+
+
+class RateLimitMiddleware:
+    """``RateLimitMiddleware(app, registry, factory, extractor, metrics)``;
+    ``core`` shares one framework-free middleware (and its metrics)."""
+
+    def __init__(
+        self,
+        app: WSGIApp,
+        registry: RuleRegistry | None = None,
+        factory: LimiterFactory | None = None,
+        extractor: KeyExtractor | None = None,
+        metrics: Metrics | None = None,
+        *,
+        core: Core | None = None,
+        request_factory: Callable[[Environ], Request] = request_from_environ,
+        sleep: Callable[[float], Any] = time.sleep,
+    ) -> None:
+        if core is None:
+            if registry is None:
+                raise TypeError("RateLimitMiddleware needs a registry (or a core)")
+            core = Core(registry, factory, extractor, metrics)
+        self.app = app
+        self.core = core
+        self.metrics = core.metrics
+        self.request_factory = request_factory
+        self.sleep = sleep
+
+    def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+        raw = self.core._decide(self.request_factory(environ))
+        if raw is None:
+            return self.app(environ, start_response)
+        allowed, headers, delay, name, retry, _ = raw
+        if not allowed:
+            body = deny_body(name, retry)
+            out = list(headers.items())
+            out.append(("Content-Type", "application/json"))
+            out.append(("Content-Length", str(len(body))))
+            start_response("429 Too Many Requests", out)
+            return [body]
+        if delay > 0.0:
+            self.sleep(delay)
+        if not headers:
+            return self.app(environ, start_response)
+        extra = list(headers.items())
+
+        def start_with_headers(
+            status: str, response_headers: list[tuple[str, str]], exc_info: Any = None
+        ) -> Any:
+            response_headers = [*response_headers, *extra]
+            if exc_info is not None:
+                return start_response(status, response_headers, exc_info)
+            return start_response(status, response_headers)
+
+        return self.app(environ, start_with_headers)

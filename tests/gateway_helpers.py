@@ -1,0 +1,60 @@
+"""Fixtures and helpers of the gateway tests (rules, middleware, front ends)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from nanolimit.factory import LimiterFactory
+from nanolimit.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.rules import RateLimitRule, RuleRegistry
+
+WALL = 1_700_000_000.0
+
+
+def rule(name: str, rate_limit: int = 5, window: float = 60.0, **kw: Any) -> RateLimitRule:
+    """A rule with test defaults: every method, every path, per IP, token bucket."""
+    fields: dict[str, Any] = {
+        "method": "*",
+        "path_prefix": "/",
+        "scope": "ip",
+        "algorithm": "token_bucket",
+        "burst": None,
+    }
+    extra = {k: kw.pop(k) for k in ("tier", "dry_run", "shape") if k in kw}
+    fields.update(kw)
+    return RateLimitRule(
+        name,
+        fields["method"],
+        fields["path_prefix"],
+        fields["scope"],
+        fields["algorithm"],
+        rate_limit,
+        window,
+        fields["burst"],
+        **extra,
+    )
+
+
+def gateway(
+    backend: types.SimpleNamespace,
+    rules: list[RateLimitRule],
+    clock: Any = None,
+    *,
+    default: RateLimitRule | None = None,
+    stacked: bool = False,
+    **kw: Any,
+) -> RateLimitMiddleware:
+    """A framework-free middleware on a fresh store of the twin under test."""
+    clock = clock if clock is not None else backend.FakeClock(0.0)
+    factory = LimiterFactory(backend.InMemoryStorage(), clock)
+    kw.setdefault("wall_clock", lambda: WALL)
+    return RateLimitMiddleware(RuleRegistry(rules, default, stacked=stacked), factory, **kw)
+
+
+def ok_handler(request: Request) -> Response:
+    return Response(200, {"Content-Type": "text/plain"}, b"ok")
+
+
+def get(path: str = "/", client: str | None = "192.0.2.1", method: str = "GET", **headers: str) -> Request:
+    return Request(method, path, {k.replace("_", "-").lower(): v for k, v in headers.items()}, client)

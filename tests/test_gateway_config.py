@@ -1,0 +1,227 @@
+"""Rules files and hot reload."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import pytest
+from gateway_helpers import gateway, get, ok_handler, rule
+
+from nanolimit._shared import UnknownAlgorithmError, ValidationError
+from nanolimit.config import ConfigError, ConfigWatcher, load_rules, parse_rules
+from nanolimit.rules import KeyScope, RuleRegistry
+
+GOOD = """
+stacked = false
+
+[default]
+rate = "1000/hour"
+
+[[rules]]
+name = "login"
+method = "POST"
+path_prefix = "/login"
+algorithm = "sliding_counter"
+rate = "5/minute"
+
+[[rules]]
+name = "api"
+path_prefix = "/api"
+scope = "api_key"
+algorithm = "gcra"
+limit = 100
+window_seconds = 60
+burst = 20
+tier = "paid"
+
+[[rules]]
+name = "trial"
+path_prefix = "/search"
+rate = "10/s burst 20"
+dry_run = true
+"""
+
+BAD = """
+[[rules]]
+name = "ok"
+rate = "5/minute"
+
+[[rules]]
+name = "negative"
+limit = -1
+window_seconds = 60
+
+[[rules]]
+name = "typo"
+rate = "5/minute"
+widnow = 3
+
+[[rules]]
+name = "algo"
+rate = "5/minute"
+algorithm = "leaky_faucet"
+
+[[rules]]
+name = "rate"
+rate = "five a minute"
+
+[[rules]]
+name = "prefix"
+rate = "5/minute"
+path_prefix = "login"
+
+[[rules]]
+name = "ok"
+rate = "1/s"
+
+[[rules]]
+rate = "1/s"
+"""
+
+
+def _write(path: Path, text: str) -> None:
+    path.write_text(text, encoding="utf-8")
+
+
+def test_load_toml(tmp_path: Path) -> None:
+    f = tmp_path / "rules.toml"
+    _write(f, GOOD)
+    loaded = load_rules(f)
+    assert [r.name for r in loaded.rules] == ["login", "api", "trial"]
+    login, api, trial = loaded.rules
+    assert (login.method, login.path_prefix, login.limit, login.window_seconds) == ("POST", "/login", 5, 60.0)
+    assert login.scope is KeyScope.IP
+    assert (api.scope, api.burst, api.tier, api.capacity) == (KeyScope.API_KEY, 20, "paid", 20)
+    assert trial.dry_run and trial.burst == 20 and trial.limit == 10
+    assert loaded.default is not None and loaded.default.name == "default" and loaded.default.limit == 1000
+    reg = loaded.registry()
+    assert reg.rule_for("POST", "/login").name == "login"
+    assert reg.rule_for("GET", "/else").name == "default"
+
+
+def test_load_json_same_shape(tmp_path: Path) -> None:
+    f = tmp_path / "rules.json"
+    f.write_text(json.dumps({"stacked": True, "rules": [{"name": "a", "rate": "3/s", "scope": "global"}]}))
+    loaded = load_rules(f)
+    assert loaded.stacked and loaded.rules[0].scope is KeyScope.GLOBAL and loaded.default is None
+    for rule_ in loaded.rules:
+        assert parse_rules({"rules": [rule_.to_dict()]}).rules == (rule_,)
+
+
+def test_every_bad_rule_is_reported_with_its_field(tmp_path: Path) -> None:
+    f = tmp_path / "rules.toml"
+    _write(f, BAD)
+    with pytest.raises(ConfigError) as info:
+        load_rules(f)
+    err = info.value
+    assert isinstance(err, ValidationError)
+    found = {(p.rule, p.field) for p in err.problems}
+    assert found == {
+        ("negative", "limit"),
+        ("typo", "widnow"),
+        ("algo", "algorithm"),
+        ("rate", "rate"),
+        ("prefix", "path_prefix"),
+        ("ok", "name"),
+        ("rules[7]", "name"),
+    }
+    text = str(err)
+    for name in ("negative", "typo", "algo", "prefix"):
+        assert f"'{name}'" in text
+
+
+def test_unreadable_and_unparsable_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_rules(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    _write(broken, "[[rules]\nname = ")
+    with pytest.raises(ConfigError, match="not valid"):
+        load_rules(broken)
+    with pytest.raises(ConfigError, match="unknown top-level"):
+        parse_rules({"rule": []})
+    with pytest.raises(ConfigError):
+        parse_rules({"rules": [{"name": "x", "rate": "5/s", "limit": 3}]})
+
+
+def test_unknown_algorithm_in_a_rule_is_an_unknown_algorithm_error() -> None:
+    with pytest.raises(UnknownAlgorithmError):
+        rule("x", algorithm="nope")
+
+
+def test_watcher_hot_reload_keeps_state_and_survives_a_broken_file(
+    backend, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    f = tmp_path / "rules.toml"
+    _write(
+        f,
+        '[[rules]]\nname = "a"\npath_prefix = "/a"\nrate = "3/minute"\n'
+        '[[rules]]\nname = "b"\npath_prefix = "/b"\nrate = "3/minute"\nalgorithm = "fixed_window"\n',
+    )
+    mw = gateway(backend, [])
+    watcher = ConfigWatcher(f, mw.registry, mw.factory, interval=0.05)
+    assert watcher.check() is True
+    assert watcher.check() is False  # unchanged content: nothing to do
+    assert [mw(get("/a"), ok_handler).status for _ in range(2)] == [200, 200]
+    assert [mw(get("/b"), ok_handler).status for _ in range(3)] == [200, 200, 200]
+    # edit rule b only: a keeps its state (1 left), b gets its new limit
+    # without a fresh budget (3 spent of 4)
+    _write(
+        f,
+        '[[rules]]\nname = "a"\npath_prefix = "/a"\nrate = "3/minute"\n'
+        '[[rules]]\nname = "b"\npath_prefix = "/b"\nrate = "4/minute"\nalgorithm = "fixed_window"\n'
+        '[[rules]]\nname = "c"\npath_prefix = "/c"\nrate = "1/minute"\n',
+    )
+    assert watcher.check() is True
+    assert [mw(get("/a"), ok_handler).status for _ in range(2)] == [200, 429]
+    assert [mw(get("/b"), ok_handler).status for _ in range(2)] == [200, 429]
+    assert [mw(get("/c"), ok_handler).status for _ in range(2)] == [200, 429]
+    assert len(mw.factory) == 3  # the retired "b" limiter was pruned
+    rules_before = mw.registry.rules()
+    _write(f, '[[rules]]\nname = "a"\nrate = "oops"\n')
+    with caplog.at_level(logging.ERROR, logger="nanolimit.config"):
+        assert watcher.check() is False
+        assert watcher.check() is False  # the same bad content is logged once
+    assert mw.registry.rules() == rules_before
+    assert watcher.errors == 2 and isinstance(watcher.last_error, ConfigError)
+    assert len([r for r in caplog.records if "keeping the current rules" in r.getMessage()]) == 1
+    assert mw(get("/c"), ok_handler).status == 429  # the old rules still run
+    f.unlink()
+    assert watcher.check() is False and mw.registry.rules() == rules_before
+
+
+def test_watcher_thread_picks_up_a_change_without_a_restart(backend, tmp_path: Path) -> None:
+    f = tmp_path / "rules.json"
+    f.write_text(json.dumps({"rules": [{"name": "x", "rate": "1/minute"}]}))
+    registry = RuleRegistry()
+    reloaded: list[int] = []
+    with ConfigWatcher(
+        f, registry, interval=0.02, on_reload=lambda loaded: reloaded.append(len(loaded.rules))
+    ):
+        assert registry.rule_for("GET", "/").limit == 1
+        f.write_text(
+            json.dumps(
+                {
+                    "rules": [
+                        {"name": "x", "rate": "7/minute"},
+                        {"name": "y", "path_prefix": "/y", "rate": "1/s"},
+                    ]
+                }
+            )
+        )
+        deadline = time.monotonic() + 5.0
+        while registry.rule_for("GET", "/").limit != 7:
+            assert time.monotonic() < deadline, "the watcher did not reload"
+            time.sleep(0.01)
+    assert reloaded[-1] == 2 and registry.rule_for("GET", "/y").name == "y"
+
+
+def test_watcher_load_raises_on_a_bad_file(tmp_path: Path) -> None:
+    f = tmp_path / "rules.toml"
+    _write(f, '[[rules]]\nname = "x"\nrate = "bad"\n')
+    registry = RuleRegistry([rule("keep")])
+    with pytest.raises(ConfigError):
+        ConfigWatcher(f, registry).load()
+    assert registry.rules()[0].name == "keep"

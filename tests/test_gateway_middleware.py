@@ -1,0 +1,290 @@
+"""The framework-free middleware: decisions, SPEC §2 responses, shadow mode,
+shaping, metrics and compound (stacked) limits, for both twins."""
+
+from __future__ import annotations
+
+import json
+import threading
+import types
+
+import pytest
+from _helpers import DictStorage
+from gateway_helpers import WALL, gateway, get, ok_handler, rule
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanolimit._shared import ValidationError
+from nanolimit.factory import LimiterFactory
+from nanolimit.metrics import Metrics
+from nanolimit.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.rules import RuleRegistry
+
+SPEC_HEADERS = (
+    "X-RateLimit-Limit",
+    "X-RateLimit-Remaining",
+    "X-RateLimit-Reset",
+    "RateLimit-Policy",
+    "RateLimit",
+)
+
+
+def test_spec_scenario_one_through_the_middleware(backend) -> None:
+    mw = gateway(backend, [rule("demo", 5, 60.0)])
+    responses = [mw(get("/orders"), ok_handler) for _ in range(7)]
+    assert [r.status for r in responses] == [200] * 5 + [429] * 2
+    for i, r in enumerate(responses[:5]):
+        assert r.body == b"ok" and r.headers["Content-Type"] == "text/plain"
+        assert r.headers["X-RateLimit-Remaining"] == str(4 - i)
+        assert "Retry-After" not in r.headers
+    denied = responses[-1]
+    assert denied.headers["Retry-After"] == "12"
+    assert denied.headers["X-RateLimit-Remaining"] == "0"
+    assert denied.headers["X-RateLimit-Limit"] == "5"
+    assert denied.headers["X-RateLimit-Reset"] == str(int(WALL) + 60)
+    assert denied.headers["RateLimit-Policy"] == '"demo";q=5;w=60'
+    assert denied.headers["RateLimit"] == '"demo";r=0;t=60'
+    assert denied.headers["Content-Type"] == "application/json"
+    assert json.loads(denied.body) == {"error": "rate_limit_exceeded", "rule": "demo", "retry_after": 12}
+    assert mw.metrics.snapshot() == {"demo": {"allowed": 5, "denied": 2, "shadow_denied": 0, "near_limit": 1}}
+
+
+def test_headers_equal_the_decisions_own_rendering(backend, algorithm: str) -> None:
+    clock = backend.FakeClock(100.25)
+    mw = gateway(backend, [rule("r", 4, 2.5, algorithm=algorithm)], clock)
+    for i in range(6):
+        outcome = mw.check(get())
+        assert outcome is not None
+        assert outcome.headers == outcome.decision.headers(wall_now=WALL)
+        assert outcome.allowed == (i < 4)
+        clock.advance(0.1)
+
+
+def test_no_rule_passes_through_untouched(backend) -> None:
+    mw = gateway(backend, [rule("api", 1, 60.0, path_prefix="/api")])
+    for _ in range(3):
+        response = mw(get("/health"), ok_handler)
+        assert response.status == 200 and response.headers == {"Content-Type": "text/plain"}
+    assert mw.check(get("/health")) is None
+    assert mw.metrics.snapshot() == {}
+
+
+def test_default_rule_limits_what_no_rule_matches(backend) -> None:
+    mw = gateway(backend, [rule("api", 5, 60.0, path_prefix="/api")], default=rule("fallback", 1, 60.0))
+    assert [mw(get("/x"), ok_handler).status for _ in range(2)] == [200, 429]
+    assert mw(get("/api"), ok_handler).status == 200
+
+
+def test_dry_run_decides_and_counts_but_never_rejects(backend) -> None:
+    mw = gateway(backend, [rule("trial", 2, 60.0, dry_run=True)])
+    responses = [mw(get(), ok_handler) for _ in range(5)]
+    assert [r.status for r in responses] == [200] * 5
+    assert all("X-RateLimit-Limit" not in r.headers for r in responses)  # invisible to clients
+    assert mw.metrics.snapshot()["trial"] == {"allowed": 2, "denied": 0, "shadow_denied": 3, "near_limit": 1}
+    assert 'outcome="shadow_denied"} 3' in mw.metrics.render_prometheus()
+
+
+def test_leaky_bucket_rules_shape_instead_of_reject(backend) -> None:
+    waits: list[float] = []
+    mw = gateway(backend, [rule("shaper", 5, 1.0, algorithm="leaky_bucket")], sleep=waits.append)
+    statuses = [mw(get(), ok_handler).status for _ in range(6)]
+    assert statuses == [200] * 5 + [429]
+    assert waits == pytest.approx([0.2, 0.4, 0.6, 0.8])  # the first runs at once
+    plain_waits: list[float] = []
+    plain = gateway(
+        backend, [rule("noshape", 5, 1.0, algorithm="leaky_bucket", shape=False)], sleep=plain_waits.append
+    )
+    assert [plain(get(), ok_handler).status for _ in range(5)] == [200] * 5
+    assert plain_waits == []
+
+
+def test_tiers_through_the_middleware(backend) -> None:
+    rules = [
+        rule("anon", 2, 3600.0, tier="anonymous"),
+        rule("auth", 4, 3600.0, tier="authenticated", scope="user"),
+    ]
+    mw = gateway(backend, rules)
+    assert [mw(get(), ok_handler).status for _ in range(3)] == [200, 200, 429]
+    alice = Request("GET", "/", {}, "192.0.2.1", user="alice")
+    assert [mw(alice, ok_handler).status for _ in range(5)] == [200] * 4 + [429]
+    snap = mw.metrics.snapshot()
+    assert snap["anon"]["denied"] == 1 and snap["auth"]["denied"] == 1 and snap["auth"]["allowed"] == 4
+
+
+def test_metrics_merge_per_thread_counters_and_render_prometheus(backend) -> None:
+    mw = gateway(backend, [rule("hot", 1000, 60.0, scope="global"), rule("api", 1, 60.0, path_prefix="/api")])
+    barrier = threading.Barrier(4)
+
+    def work() -> None:
+        barrier.wait()
+        for _ in range(100):
+            mw(get("/x"), ok_handler)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    mw(get("/api"), ok_handler)
+    mw(get("/api"), ok_handler)
+    snap = mw.metrics.snapshot()
+    assert snap["hot"] == {"allowed": 400, "denied": 0, "shadow_denied": 0, "near_limit": 0}
+    assert snap["api"] == {"allowed": 1, "denied": 1, "shadow_denied": 0, "near_limit": 1}
+    text = mw.metrics.render_prometheus()
+    lines = text.splitlines()
+    assert "# TYPE nanolimit_requests_total counter" in lines
+    assert 'nanolimit_requests_total{rule="hot",outcome="allowed"} 400' in lines
+    assert 'nanolimit_requests_total{rule="api",outcome="denied"} 1' in lines
+    assert 'nanolimit_near_limit_total{rule="api"} 1' in lines
+    assert text.endswith("\n")
+    for line in lines:
+        assert line.startswith("#") or line.rsplit(" ", 1)[1].isdigit()
+
+
+def test_near_limit_counts_admitted_requests_under_a_fifth_left() -> None:
+    metrics = Metrics()
+    for remaining in (9, 2, 1, 0):
+        metrics.record("r", True, remaining, 10)
+    metrics.record("r", False, 0, 10)
+    assert metrics.snapshot()["r"] == {"allowed": 4, "denied": 1, "shadow_denied": 0, "near_limit": 2}
+
+
+def test_reloaded_registry_is_picked_up_and_unchanged_rules_keep_state(backend) -> None:
+    mw = gateway(backend, [rule("a", 3, 60.0, path_prefix="/a"), rule("b", 3, 60.0, path_prefix="/b")])
+    for _ in range(2):
+        assert mw(get("/a"), ok_handler).status == 200
+    mw.registry.replace([rule("a", 3, 60.0, path_prefix="/a"), rule("b", 1, 60.0, path_prefix="/b")])
+    assert [mw(get("/a"), ok_handler).status for _ in range(2)] == [200, 429]  # one left, not a fresh 3
+    assert [mw(get("/b"), ok_handler).status for _ in range(2)] == [200, 429]
+
+
+# -- compound limits -----------------------------------------------------------------
+
+
+def _compound_rules() -> list:
+    return [
+        rule("orders-user", 4, 60.0, method="POST", path_prefix="/orders", scope="user"),
+        rule("per-ip", 6, 60.0, algorithm="fixed_window"),
+        rule("ceiling", 9, 60.0, scope="global", algorithm="gcra"),
+    ]
+
+
+def test_compound_denial_by_the_last_rule_charges_nobody(backend) -> None:
+    mw = gateway(backend, _compound_rules(), stacked=True)
+    alice = Request("POST", "/orders", {}, "192.0.2.1", user="alice")
+    bob = Request("POST", "/orders", {}, "192.0.2.1", user="bob")
+    assert [mw(alice, ok_handler).status for _ in range(4)] == [200] * 4
+    assert [mw(bob, ok_handler).status for _ in range(2)] == [200, 200]
+    # per-ip (6) is now spent: bob's next order is denied by it ...
+    denied = mw(bob, ok_handler)
+    assert denied.status == 429 and denied.json()["rule"] == "per-ip"
+    assert denied.headers["X-RateLimit-Remaining"] == "0"
+    # ... and bob's own budget and the ceiling were not charged for it
+    limiters = {r.name: mw.factory.for_rule(r) for r in _compound_rules()}
+    assert limiters["orders-user"].state("user:bob").level == pytest.approx(2.0)
+    assert limiters["ceiling"].peek("global:*").remaining == 9 - 6 - 1
+    other_ip = Request("POST", "/orders", {}, "192.0.2.2", user="bob")
+    ok = mw(other_ip, ok_handler)
+    assert ok.status == 200
+    # the tightest remaining wins the headers: bob has 1 left of 4
+    assert ok.headers["X-RateLimit-Remaining"] == "1" and ok.headers["X-RateLimit-Limit"] == "4"
+    snap = mw.metrics.snapshot()
+    assert (
+        snap["per-ip"]["denied"] == 1
+        and snap["orders-user"]["denied"] == 0
+        and snap["ceiling"]["denied"] == 0
+    )
+    assert snap["orders-user"]["allowed"] == 7
+
+
+def test_compound_with_a_shadow_rule_never_rejects_for_it(backend) -> None:
+    rules = [rule("enforced", 3, 60.0), rule("trial", 1, 60.0, scope="global", dry_run=True)]
+    mw = gateway(backend, rules, stacked=True)
+    assert [mw(get(), ok_handler).status for _ in range(4)] == [200, 200, 200, 429]
+    snap = mw.metrics.snapshot()
+    assert snap["trial"]["shadow_denied"] == 3 and snap["enforced"]["denied"] == 1
+
+
+def test_compound_needs_a_storage_that_can_decide_all_at_once(backend) -> None:
+    factory = LimiterFactory(DictStorage(), backend.FakeClock(0.0), limiters=backend.module.LIMITERS)
+    mw = RateLimitMiddleware(RuleRegistry(_compound_rules(), stacked=True), factory)
+    with pytest.raises(ValidationError, match="allow_all"):
+        mw(Request("POST", "/orders", {}, "192.0.2.1", user="alice"), ok_handler)
+
+
+_request = st.tuples(
+    st.sampled_from(["alice", "bob", None]),
+    st.sampled_from(["192.0.2.1", "192.0.2.2"]),
+    st.sampled_from([("POST", "/orders"), ("GET", "/orders"), ("GET", "/x")]),
+    st.sampled_from([0.0, 0.0, 0.0, 1.5, 7.0]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(_request, min_size=1, max_size=40))
+def test_compound_never_charges_a_denied_request(backend: types.SimpleNamespace, requests: list) -> None:
+    """Against an oracle that spends only when every rule would allow: the
+    middleware answers the same, and a 429 leaves every rule's state as it was."""
+    clock = backend.FakeClock(1000.0)
+    rules = _compound_rules()
+    mw = gateway(backend, rules, clock, stacked=True)
+    oracle_store = backend.InMemoryStorage()
+    oracle = {
+        r.name: backend.limiters[r.algorithm.value](r.limit, r.window_seconds, oracle_store, clock, r.name)
+        for r in rules
+    }
+    live = {r.name: mw.factory.for_rule(r) for r in rules}
+    ex = mw.extractor
+    for user, ip, (method, path), dt in requests:
+        clock.advance(dt)
+        request = Request(method, path, {}, ip, user=user)
+        applied = mw.registry.rules_for(method, path)
+        keys = [(r.name, ex.key_for(request, r.scope).storage_key()) for r in applied]
+        before = [live[name].state(key) for name, key in keys]
+        expected = all(oracle[name].peek(key).allowed for name, key in keys)
+        if expected:
+            for name, key in keys:
+                assert oracle[name].allow(key).allowed
+        status = mw(request, ok_handler).status
+        assert status == (200 if expected else 429)
+        if status == 429:
+            assert [live[name].state(key) for name, key in keys] == before
+        for name, key in keys:
+            assert live[name].peek(key).remaining == oracle[name].peek(key).remaining
+
+
+def test_compound_is_all_or_nothing_under_eight_threads(backend) -> None:
+    """4 users x 20 per user under a global ceiling of 50: exactly 50 pass and
+    the per-user budgets were charged exactly 50 times in all."""
+    rules = [rule("per-user", 20, 60.0, scope="user"), rule("ceiling", 50, 60.0, scope="global")]
+    mw = gateway(backend, rules, stacked=True)
+    passed = [0] * 8
+    barrier = threading.Barrier(8)
+
+    def work(slot: int) -> None:
+        request = Request("GET", "/", {}, "192.0.2.1", user=f"u{slot % 4}")
+        barrier.wait()
+        passed[slot] = sum(mw(request, ok_handler).status == 200 for _ in range(40))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(passed) == 50
+    per_user = mw.factory.for_rule(rules[0])
+    ceiling = mw.factory.for_rule(rules[1])
+    states = [per_user.state(f"user:u{i}") for i in range(4)]
+    spent = sum(0.0 if s is None else 20 - s.level for s in states)  # None: never admitted
+    assert spent == pytest.approx(50.0)
+    assert ceiling.state("global:*").level == pytest.approx(0.0)
+    snap = mw.metrics.snapshot()
+    assert snap["ceiling"]["allowed"] == 50 and snap["per-user"]["allowed"] == 50
+    assert snap["ceiling"]["denied"] + snap["per-user"]["denied"] >= 320 - 50
+
+
+def test_the_pipeline_returns_the_handlers_response_object(backend) -> None:
+    mw = gateway(backend, [rule("r", 5, 60.0)])
+    sentinel = Response(201, {"X-App": "1"}, b"made")
+    out = mw(get(), lambda _req: sentinel)
+    assert out is sentinel and out.status == 201 and out.headers["X-App"] == "1"
+    assert set(SPEC_HEADERS) <= set(out.headers)

@@ -1,0 +1,156 @@
+"""The WSGI middleware end to end under Flask's test client, and on a bare
+WSGI callable."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+from flask import Flask, Response, jsonify, request
+from gateway_helpers import rule
+
+from nanolimit.factory import LimiterFactory
+from nanolimit.keys import DefaultKeyExtractor
+from nanolimit.metrics import Metrics
+from nanolimit.middleware import RateLimitMiddleware as Core
+from nanolimit.rules import RuleRegistry
+from nanolimit.wsgi import RateLimitMiddleware, request_from_environ
+
+
+def _flask(backend: types.SimpleNamespace, rules: list, **kw: Any) -> tuple[Flask, Metrics]:
+    app = Flask("limited")
+    metrics = Metrics()
+
+    @app.get("/")
+    def home() -> Response:
+        resp = Response("home", mimetype="text/plain")
+        resp.headers["X-App"] = "yes"
+        return resp
+
+    @app.post("/orders")
+    def orders() -> Any:
+        return jsonify(ordered=True, user=request.environ.get("REMOTE_USER")), 201
+
+    @app.get("/metrics")
+    def metrics_endpoint() -> Response:
+        return Response(metrics.render_prometheus(), mimetype="text/plain")
+
+    registry = RuleRegistry(rules, stacked=kw.pop("stacked", False))
+    factory = LimiterFactory(backend.InMemoryStorage(), backend.FakeClock(0.0))
+    app.wsgi_app = RateLimitMiddleware(app.wsgi_app, registry, factory, metrics=metrics, **kw)  # type: ignore[method-assign]
+    return app, metrics
+
+
+def test_flask_app_is_limited_end_to_end(backend) -> None:
+    app, metrics = _flask(
+        backend, [rule("site", 3, 60.0), rule("orders", 1, 10.0, method="POST", path_prefix="/orders")]
+    )
+    client = app.test_client()
+    responses = [client.get("/", environ_base={"REMOTE_ADDR": "192.0.2.1"}) for _ in range(4)]
+    assert [r.status_code for r in responses] == [200, 200, 200, 429]
+    first = responses[0]
+    assert first.get_data(as_text=True) == "home" and first.headers["X-App"] == "yes"
+    assert first.headers["X-RateLimit-Limit"] == "3"
+    assert first.headers["X-RateLimit-Remaining"] == "2"
+    assert first.headers["RateLimit-Policy"] == '"site";q=3;w=60'
+    assert first.headers["RateLimit"] == '"site";r=2;t=20'
+    assert int(first.headers["X-RateLimit-Reset"]) > 1_600_000_000
+    assert "Retry-After" not in first.headers
+    denied = responses[3]
+    assert denied.get_json() == {"error": "rate_limit_exceeded", "rule": "site", "retry_after": 20}
+    assert denied.headers["Content-Type"] == "application/json"
+    assert denied.headers["Retry-After"] == "20"
+    assert denied.headers["X-RateLimit-Remaining"] == "0"
+    assert denied.headers["RateLimit"] == '"site";r=0;t=60'
+    orders = [client.post("/orders", environ_base={"REMOTE_ADDR": "192.0.2.1"}) for _ in range(2)]
+    assert [r.status_code for r in orders] == [201, 429]
+    assert orders[1].headers["Retry-After"] == "10"
+    assert client.get("/", environ_base={"REMOTE_ADDR": "192.0.2.2"}).status_code == 200
+    snap = metrics.snapshot()
+    assert snap["site"] == {"allowed": 4, "denied": 1, "shadow_denied": 0, "near_limit": 1}
+    assert snap["orders"] == {"allowed": 1, "denied": 1, "shadow_denied": 0, "near_limit": 1}
+    text = client.get("/metrics", environ_base={"REMOTE_ADDR": "192.0.2.3"}).get_data(as_text=True)
+    assert 'nanolimit_requests_total{rule="orders",outcome="denied"} 1' in text
+
+
+def test_flask_user_and_proxy_keys(backend) -> None:
+    ex = DefaultKeyExtractor(trusted_proxies=["10.0.0.0/8"])
+    app, _ = _flask(backend, [rule("per-user", 1, 60.0, scope="user")], extractor=ex)
+    client = app.test_client()
+    alice = {"REMOTE_ADDR": "192.0.2.1", "REMOTE_USER": "alice"}
+    assert [client.post("/orders", environ_base=alice).status_code for _ in range(2)] == [201, 429]
+    bob = {"REMOTE_ADDR": "192.0.2.1", "REMOTE_USER": "bob"}
+    assert client.post("/orders", environ_base=bob).get_json() == {"ordered": True, "user": "bob"}
+    proxied = {"REMOTE_ADDR": "10.0.0.1"}
+    spoofed = [
+        client.get("/", environ_base=proxied, headers={"X-Forwarded-For": "203.0.113.1"}).status_code
+        for _ in range(2)
+    ]
+    assert spoofed == [200, 429]
+    assert (
+        client.get("/", environ_base=proxied, headers={"X-Forwarded-For": "203.0.113.2"}).status_code == 200
+    )
+
+
+def test_flask_compound_limits(backend) -> None:
+    rules = [
+        rule("orders-user", 2, 60.0, method="POST", path_prefix="/orders", scope="user"),
+        rule("per-ip", 3, 60.0),
+    ]
+    app, metrics = _flask(backend, rules, stacked=True)
+    client = app.test_client()
+    env = {"REMOTE_ADDR": "192.0.2.1", "REMOTE_USER": "alice"}
+    assert [client.post("/orders", environ_base=env).status_code for _ in range(3)] == [201, 201, 429]
+    # alice's third order was denied by her own rule and did not spend the IP's budget
+    assert client.get("/", environ_base=env).status_code == 200
+    assert client.get("/", environ_base=env).status_code == 429
+    assert metrics.snapshot()["per-ip"] == {"allowed": 3, "denied": 1, "shadow_denied": 0, "near_limit": 1}
+
+
+def test_wsgi_shaping_sleeps_in_the_worker(backend) -> None:
+    waits: list[float] = []
+    app, _ = _flask(backend, [rule("shape", 2, 1.0, algorithm="leaky_bucket")], sleep=waits.append)
+    client = app.test_client()
+    assert [client.get("/").status_code for _ in range(3)] == [200, 200, 429]
+    assert waits == pytest.approx([0.5])
+
+
+def test_bare_wsgi_app_and_environ_view(backend) -> None:
+    calls: list[str] = []
+
+    def app(environ: dict, start_response: Any) -> list[bytes]:
+        calls.append(environ["PATH_INFO"])
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"bare"]
+
+    core = Core(
+        RuleRegistry([rule("api", 1, 60.0, path_prefix="/mount/api")]),
+        LimiterFactory(backend.InMemoryStorage(), backend.FakeClock(0.0)),
+    )
+    wrapped = RateLimitMiddleware(app, core=core)
+    seen: list[tuple[str, list]] = []
+
+    def start_response(status: str, headers: list, exc_info: Any = None) -> None:
+        seen.append((status, headers))
+
+    environ = {
+        "REQUEST_METHOD": "GET",
+        "SCRIPT_NAME": "/mount",
+        "PATH_INFO": "/api/x",
+        "REMOTE_ADDR": "192.0.2.1",
+        "HTTP_X_API_KEY": "k",
+        "CONTENT_TYPE": "text/plain",
+    }
+    assert wrapped(dict(environ), start_response) == [b"bare"]
+    body = wrapped(dict(environ), start_response)
+    assert seen[0][0] == "200 OK" and ("X-RateLimit-Limit", "1") in seen[0][1]
+    assert seen[1][0] == "429 Too Many Requests" and b"rate_limit_exceeded" in b"".join(body)
+    assert calls == ["/api/x"]  # the denied request never reached the app
+    other = dict(environ, PATH_INFO="/other")
+    wrapped(other, start_response)
+    assert seen[2][1] == [("Content-Type", "text/plain")]  # no rule: untouched
+    view = request_from_environ(environ)
+    assert view.path == "/mount/api/x" and view.client == "192.0.2.1"
+    assert view.headers.get("x-api-key") == "k" and view.headers["content-type"] == "text/plain"
+    assert set(view.headers) == {"x-api-key", "content-type"} and len(view.headers) == 2
