@@ -544,6 +544,11 @@ def replay(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nanolimit", description=(__doc__ or "").splitlines()[0])
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"nanolimit {nanolimit.__version__} ({nanolimit.IMPLEMENTATION} core)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo", help="replay SPEC §7 through the gateway middleware")
     commands.add_parser("info", help="print which core is loaded")
