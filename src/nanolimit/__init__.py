@@ -86,6 +86,12 @@ from .factory import LimiterFactory  # noqa: E402
 from .keys import ClientKey, DefaultKeyExtractor, KeyExtractor  # noqa: E402
 from .metrics import Metrics  # noqa: E402
 from .middleware import Outcome, RateLimitMiddleware, Request, Response  # noqa: E402
+from .redis_storage import (  # noqa: E402
+    CircuitOpenError,
+    RedisStorage,
+    RedisUnavailableError,
+    StorageUnavailableError,
+)
 from .rules import (  # noqa: E402
     KeyScope,
     Rate,
@@ -101,6 +107,7 @@ __all__ = [
     "IMPLEMENTATION",
     "Algorithm",
     "BatchResult",
+    "CircuitOpenError",
     "ClientKey",
     "Clock",
     "CompoundDecision",
@@ -123,6 +130,8 @@ __all__ = [
     "RateLimitMiddleware",
     "RateLimitRule",
     "RateLimiter",
+    "RedisStorage",
+    "RedisUnavailableError",
     "Request",
     "Response",
     "RuleNotFoundError",
@@ -131,6 +140,7 @@ __all__ = [
     "SlidingWindowCounter",
     "SlidingWindowLog",
     "Storage",
+    "StorageUnavailableError",
     "SystemClock",
     "TokenBucket",
     "UnknownAlgorithmError",

@@ -8,7 +8,7 @@ from typing_extensions import disjoint_base
 from ._shared import DUPLICATE_COMPOUND as DUPLICATE_COMPOUND
 from ._shared import MAX_KEY_BYTES as MAX_KEY_BYTES
 from ._shared import MAX_TIME as MAX_TIME
-from ._shared import Algorithm, BatchResult, Clock, CompoundDecision, LimiterState, Storage
+from ._shared import Algorithm, BatchResult, Clock, CompoundDecision, LimiterConfig, LimiterState, Storage
 
 IMPLEMENTATION: Final[str]
 
@@ -107,6 +107,8 @@ class _Limiter:
     def burst(self) -> int | None: ...
     @property
     def rule(self) -> str: ...
+    @property
+    def config(self) -> LimiterConfig: ...
     @property
     def storage(self) -> Storage: ...
     @property

@@ -979,6 +979,11 @@ cdef class _Limiter:
         return self._rule
 
     @property
+    def config(self):
+        """The validated configuration (what a KernelStorage is given)."""
+        return self._config
+
+    @property
     def storage(self):
         return self._storage
 

@@ -12,9 +12,9 @@ import enum
 import math
 import time
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ._decision_py import Decision
@@ -25,15 +25,15 @@ __all__ = [
     "MAX_LIMIT",
     "MAX_LOG_CAPACITY",
     "MAX_TIME",
-    "MIN_WINDOW",
     "MAX_WINDOW",
+    "MIN_WINDOW",
     "Algorithm",
     "BatchResult",
     "Clock",
     "CompoundDecision",
+    "FakeClock",
     "KernelStorage",
     "KernelVerdict",
-    "FakeClock",
     "LimiterConfig",
     "LimiterState",
     "RateLimiter",
@@ -92,9 +92,7 @@ class Algorithm(str, enum.Enum):
             return cls(name)
         except ValueError:
             known = ", ".join(a.value for a in cls)
-            raise UnknownAlgorithmError(
-                f"unknown algorithm {name!r}; expected one of: {known}"
-            ) from None
+            raise UnknownAlgorithmError(f"unknown algorithm {name!r}; expected one of: {known}") from None
 
 
 # Algorithms whose capacity is the burst rather than the limit (SPEC §1).
@@ -174,9 +172,8 @@ def check_bounds(
     max_keys: object, on_full: object, evict_idle_after: object
 ) -> tuple[int | None, str, float | None]:
     """Validate the bounded-memory options of an InMemoryStorage."""
-    if max_keys is not None:
-        if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1:
-            raise ValidationError(f"max_keys must be an int >= 1 or None, got {max_keys!r}")
+    if max_keys is not None and (isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1):
+        raise ValidationError(f"max_keys must be an int >= 1 or None, got {max_keys!r}")
     if on_full not in ON_FULL_POLICIES:
         raise ValidationError(f"on_full must be one of {ON_FULL_POLICIES}, got {on_full!r}")
     idle: float | None = None
@@ -241,9 +238,7 @@ class LimiterConfig:
         algo = Algorithm.parse(algorithm)
         lim = _check_count("limit", limit)
         if isinstance(window_seconds, bool) or not isinstance(window_seconds, (int, float)):
-            raise ValidationError(
-                f"window_seconds must be a number, got {type(window_seconds).__name__}"
-            )
+            raise ValidationError(f"window_seconds must be a number, got {type(window_seconds).__name__}")
         window = float(window_seconds)
         if not math.isfinite(window) or window <= 0:
             raise ValidationError(f"window_seconds must be finite and > 0, got {window!r}")
@@ -254,9 +249,7 @@ class LimiterConfig:
         if burst is not None:
             burst = _check_count("burst", burst)
             if algo not in BURST_ALGORITHMS:
-                raise ValidationError(
-                    f"burst applies to token_bucket and gcra only, not {algo.value}"
-                )
+                raise ValidationError(f"burst applies to token_bucket and gcra only, not {algo.value}")
         if not isinstance(rule, str):
             raise ValidationError(f"rule must be a str, got {type(rule).__name__}")
         capacity = burst if (burst is not None and algo in BURST_ALGORITHMS) else lim
@@ -289,9 +282,7 @@ def check_cost(cost: object, capacity: int) -> int:
     if cost <= 0:
         raise ValidationError(f"cost must be >= 1, got {cost}")
     if cost > capacity:
-        raise ValidationError(
-            f"cost {cost} exceeds the capacity {capacity}: it could never pass"
-        )
+        raise ValidationError(f"cost {cost} exceeds the capacity {capacity}: it could never pass")
     return cost
 
 
@@ -307,9 +298,7 @@ def check_key(key: object, max_key_bytes: int) -> bytes:
     if not raw:
         raise ValidationError("key must not be empty")
     if len(raw) > max_key_bytes:
-        raise ValidationError(
-            f"key is {len(raw)} bytes of UTF-8, over the limit of {max_key_bytes}"
-        )
+        raise ValidationError(f"key is {len(raw)} bytes of UTF-8, over the limit of {max_key_bytes}")
     return raw
 
 
@@ -506,7 +495,7 @@ class CompoundDecision:
     (with its limit and rule) and the longest retry_after and reset_after.
     """
 
-    __slots__ = ("allowed", "decisions", "denied_by", "_tightest")
+    __slots__ = ("_tightest", "allowed", "decisions", "denied_by")
 
     def __init__(self, decisions: Sequence[Decision]) -> None:
         if not decisions:

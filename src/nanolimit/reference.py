@@ -19,11 +19,14 @@ from typing import Any, ClassVar
 
 from ._decision_py import Decision
 from ._shared import (
+    DUPLICATE_COMPOUND,
     MAX_KEY_BYTES,
     Algorithm,
     BatchResult,
     Clock,
+    CompoundDecision,
     FakeClock,
+    KernelStorage,
     KernelVerdict,
     LimiterConfig,
     LimiterState,
@@ -32,15 +35,12 @@ from ._shared import (
     SystemClock,
     UnknownAlgorithmError,
     ValidationError,
-    DUPLICATE_COMPOUND,
-    CompoundDecision,
-    KernelStorage,
     check_bounds,
     check_cost,
     check_cutoff,
-    compound_items,
     check_key,
     check_now,
+    compound_items,
     storage_key,
 )
 
@@ -310,7 +310,7 @@ def _rest_at(s: _KeyState, cfg: LimiterConfig) -> float:
     if algo is Algorithm.LEAKY_BUCKET:
         return float(s.updated_at + s.a / cfg.rate)
     if algo is Algorithm.GCRA:
-        return s.a / 1000000.0
+        return float(s.a / 1000000.0)
     if algo is Algorithm.SLIDING_LOG:
         return s.log[-1] + window if s.log else s.updated_at
     if algo is Algorithm.FIXED_WINDOW:
@@ -362,7 +362,11 @@ class InMemoryStorage:
             or stripes & (stripes - 1)
         ):
             raise ValidationError(f"stripes must be a power of two in [1, {MAX_STRIPES}], got {stripes!r}")
-        if isinstance(max_key_bytes, bool) or not isinstance(max_key_bytes, int) or not 1 <= max_key_bytes <= 1 << 20:
+        if (
+            isinstance(max_key_bytes, bool)
+            or not isinstance(max_key_bytes, int)
+            or not 1 <= max_key_bytes <= 1 << 20
+        ):
             raise ValidationError(f"max_key_bytes must be an int in [1, 1048576], got {max_key_bytes!r}")
         self.max_keys, self.on_full, self.evict_idle_after = check_bounds(max_keys, on_full, evict_idle_after)
         self._locks = [threading.Lock() for _ in range(stripes)]
@@ -453,9 +457,9 @@ class InMemoryStorage:
             state = None if entry is None else entry[1]
             if not commit and state is not None:
                 state = state.copy()
-            if commit and entry is None and self._bounded:
-                if not self._room_for_new_key(hash(full_key) % len(self._maps), now):
-                    return STORAGE_FULL
+            stripe = hash(full_key) % len(self._maps)
+            if commit and entry is None and self._bounded and not self._room_for_new_key(stripe, now):
+                return STORAGE_FULL
             state, verdict = _decide(state, now, cost, cfg)
             if commit:
                 table[full_key] = [state.updated_at, state]
@@ -597,8 +601,15 @@ class _Limiter:
         self._storage = storage
         self._clock = clock
         self._ns = (self.algorithm.value, self._cfg.rule)
+        # The storage's kind is fixed: decide it once (a runtime Protocol
+        # check costs ~10 µs, more than a whole near-cache answer).
+        self._memory_store: InMemoryStorage | None = None
+        self._kernel_store: KernelStorage | None = None
         if isinstance(storage, InMemoryStorage):
+            self._memory_store = storage
             storage._register(self._ns, self._cfg)
+        elif isinstance(storage, KernelStorage):
+            self._kernel_store = storage
         self._max_key_bytes: int = getattr(storage, "max_key_bytes", MAX_KEY_BYTES)
 
     # -- properties --------------------------------------------------------
@@ -621,6 +632,11 @@ class _Limiter:
     @property
     def rule(self) -> str:
         return self._cfg.rule
+
+    @property
+    def config(self) -> LimiterConfig:
+        """The validated configuration (what a KernelStorage is given)."""
+        return self._cfg
 
     @property
     def storage(self) -> Storage:
@@ -660,12 +676,14 @@ class _Limiter:
             if len(stamps) != len(keys):
                 raise ValidationError(f"{len(keys)} keys but {len(stamps)} times")
         n = len(keys)
-        storage = self._storage
-        if isinstance(storage, KernelStorage) and not isinstance(storage, InMemoryStorage):
+        kernel_store = self._kernel_store
+        if kernel_store is not None:
             if stamps is None:
-                verdicts = storage.run_kernel_many(self._cfg, keys, costs, self._kernel_now())
+                verdicts = kernel_store.run_kernel_many(self._cfg, keys, costs, self._kernel_now())
             else:
-                verdicts = [storage.run_kernel(self._cfg, k, c, t, True) for k, c, t in zip(keys, costs, stamps)]
+                verdicts = [
+                    kernel_store.run_kernel(self._cfg, k, c, t, True) for k, c, t in zip(keys, costs, stamps)
+                ]
         elif stamps is None:
             now = check_now(self._clock.now())
             verdicts = [self._verdict(key, cost, True, now) for key, cost in zip(keys, costs)]
@@ -687,7 +705,16 @@ class _Limiter:
             delay[i] = wait
         cfg = self._cfg
         return BatchResult(
-            Decision, cfg.capacity, cfg.rule, cfg.window_seconds, allowed, remaining, retry, reset, delay, degraded
+            Decision,
+            cfg.capacity,
+            cfg.rule,
+            cfg.window_seconds,
+            allowed,
+            remaining,
+            retry,
+            reset,
+            delay,
+            degraded,
         )
 
     def reset(self, key: str) -> None:
@@ -696,8 +723,8 @@ class _Limiter:
         storage = self._storage
         if isinstance(storage, InMemoryStorage):
             storage._forget(self._ns, key)
-        elif isinstance(storage, KernelStorage):
-            storage.forget(self._cfg, key)
+        elif self._kernel_store is not None:
+            self._kernel_store.forget(self._cfg, key)
         else:
             storage.apply(self._storage_key(key), check_now(self._clock.now()), lambda _s: (None, None))
 
@@ -707,8 +734,8 @@ class _Limiter:
         storage = self._storage
         if isinstance(storage, InMemoryStorage):
             raw = storage._state(self._ns, key)
-        elif isinstance(storage, KernelStorage):
-            return storage.snapshot(self._cfg, key, self._kernel_now())
+        elif self._kernel_store is not None:
+            return self._kernel_store.snapshot(self._cfg, key, self._kernel_now())
         else:
             found: list[_KeyState | None] = [None]
 
@@ -737,10 +764,12 @@ class _Limiter:
         check_cost(cost, self._cfg.capacity)
         storage = self._storage
         cfg = self._cfg
-        if isinstance(storage, InMemoryStorage):
-            return storage._run(self._ns, key, check_now(self._clock.now()) if now is None else now, cost, cfg, commit)
-        if isinstance(storage, KernelStorage):
-            return storage.run_kernel(cfg, key, cost, self._kernel_now() if now is None else now, commit)
+        if self._memory_store is not None:
+            clock_now = check_now(self._clock.now()) if now is None else now
+            return self._memory_store._run(self._ns, key, clock_now, cost, cfg, commit)
+        if self._kernel_store is not None:
+            kernel_now = self._kernel_now() if now is None else now
+            return self._kernel_store.run_kernel(cfg, key, cost, kernel_now, commit)
         if now is None:
             now = check_now(self._clock.now())
         # Any other Storage: the generic (slow) seam of SPEC §5.
@@ -760,7 +789,16 @@ class _Limiter:
         degraded = len(v) > 5 and bool(v[5])
         reason = v[6] if len(v) > 6 else ""
         return Decision(
-            v[0], cfg.capacity, max(0, math.floor(v[1])), v[2], v[3], cfg.rule, cfg.window_seconds, v[4], degraded, reason
+            v[0],
+            cfg.capacity,
+            max(0, math.floor(v[1])),
+            v[2],
+            v[3],
+            cfg.rule,
+            cfg.window_seconds,
+            v[4],
+            degraded,
+            reason,
         )
 
     def __repr__(self) -> str:

