@@ -40,7 +40,7 @@ VALUES = st.one_of(
     st.lists(st.integers(), max_size=3),
     st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
 )
-RULES = st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=8)
+RULES = st.dictionaries(st.one_of(st.sampled_from(FIELDS), st.text(max_size=3)), VALUES, max_size=8)
 DOCUMENTS = st.one_of(
     st.fixed_dictionaries({"rules": st.lists(RULES, max_size=5)}),
     st.dictionaries(

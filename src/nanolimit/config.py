@@ -88,6 +88,14 @@ class Problem:
         return f"rule {self.rule!r}: {self.field}: {self.message}"
 
 
+def _field_name(key: object) -> str:
+    """A field name as a message can show it: an odd one (empty, blank,
+    not a str) is quoted so the reader sees what was there."""
+    if isinstance(key, str) and key.strip() and key.isprintable():
+        return key
+    return repr(key)
+
+
 class ConfigError(ValidationError):
     """A rules file that cannot be used; ``problems`` lists every fault."""
 
@@ -121,7 +129,7 @@ def _rule(table: Any, label: str, problems: list[Problem], defaults: dict[str, A
     name = name if isinstance(name, str) else label
     unknown = sorted(set(table) - _RULE_FIELDS)
     for key in unknown:
-        problems.append(Problem(name, key, "unknown field"))
+        problems.append(Problem(name, _field_name(key), "unknown field"))
     before = len(problems)
     limit: Any = table.get("limit")
     window: Any = table.get("window_seconds")
@@ -171,7 +179,7 @@ def parse_rules(data: Any, source: str = "<rules>") -> LoadedRules:
     if not isinstance(data, dict):
         raise ConfigError(source, [Problem("-", "-", "the document must be a table/object")])
     for key in sorted(set(data) - _TOP_FIELDS):
-        problems.append(Problem("-", key, "unknown top-level field"))
+        problems.append(Problem("-", _field_name(key), "unknown top-level field"))
     stacked = data.get("stacked", False)
     if not isinstance(stacked, bool):
         problems.append(Problem("-", "stacked", f"must be a bool, got {stacked!r}"))
