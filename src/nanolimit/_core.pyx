@@ -55,6 +55,7 @@ from nanolimit._shared import (
     check_key,
     check_now,
     compound_items,
+    decide_async,
     render_headers,
     storage_key,
 )
@@ -1026,6 +1027,22 @@ cdef class _Limiter:
     def peek(self, key, cost=1):
         """What ``allow`` would answer now, spending nothing and storing nothing."""
         return self.decide(key, cost, False)
+
+    def allow_async(self, key, cost=1):
+        """``await limiter.allow_async(key)``: awaits an async storage
+        (``AsyncRedisStorage``); on any other it answers at once."""
+        return decide_async(self, key, cost, True)
+
+    def peek_async(self, key, cost=1):
+        """``await limiter.peek_async(key)``: ``peek`` for async code."""
+        return decide_async(self, key, cost, False)
+
+    def _decision(self, verdict):
+        """A Decision from a storage's KernelVerdict tuple."""
+        return Decision(verdict[0], self.p.capacity, max(0, floor(verdict[1])), verdict[2], verdict[3],
+                        self._rule, self.p.window, verdict[4],
+                        verdict[5] if len(verdict) > 5 else False,
+                        verdict[6] if len(verdict) > 6 else "")
 
     def allow_many(self, keys, costs=None, *, times=None):
         """Decide a batch in order with the GIL released; every key and cost is

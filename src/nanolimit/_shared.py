@@ -45,6 +45,7 @@ __all__ = [
     "check_cutoff",
     "check_now",
     "compound_items",
+    "decide_async",
     "render_headers",
     "storage_key",
 ]
@@ -576,6 +577,26 @@ def compound_items(requests: Any) -> list[tuple[Any, str, int]]:
 
 
 DUPLICATE_COMPOUND = "the same rule and key appear twice in one compound request"
+
+
+async def decide_async(limiter: Any, key: str, cost: int, commit: bool) -> Any:
+    """``allow_async`` / ``peek_async`` of either twin.
+
+    A storage with ``run_kernel_async`` (``AsyncRedisStorage``) is awaited;
+    any other answers at once through the synchronous path (the in-memory
+    store decides in well under a microsecond and does no I/O, so it never
+    blocks the event loop).
+    """
+    storage = limiter.storage
+    run = getattr(storage, "run_kernel_async", None)
+    if run is None:
+        return limiter.allow(key, cost) if commit else limiter.peek(key, cost)
+    check_key(key, getattr(storage, "max_key_bytes", MAX_KEY_BYTES))
+    check_cost(cost, limiter.capacity)
+    clock = limiter.clock
+    now = None if type(clock) is SystemClock else check_now(clock.now())
+    verdict = await run(limiter.config, key, cost, now, commit)
+    return limiter._decision(verdict)
 
 
 @runtime_checkable

@@ -14,7 +14,7 @@ import sys
 import threading
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, ClassVar
 
 from ._decision_py import Decision
@@ -41,6 +41,7 @@ from ._shared import (
     check_key,
     check_now,
     compound_items,
+    decide_async,
     storage_key,
 )
 
@@ -654,6 +655,15 @@ class _Limiter:
     def peek(self, key: str, cost: int = 1) -> Decision:
         """What ``allow`` would answer now, spending nothing and storing nothing."""
         return self._decision(self._verdict(key, cost, False))
+
+    def allow_async(self, key: str, cost: int = 1) -> Coroutine[Any, Any, Decision]:
+        """``await limiter.allow_async(key)``: awaits an async storage
+        (``AsyncRedisStorage``); on any other it answers at once."""
+        return decide_async(self, key, cost, True)
+
+    def peek_async(self, key: str, cost: int = 1) -> Coroutine[Any, Any, Decision]:
+        """``await limiter.peek_async(key)``: ``peek`` for async code."""
+        return decide_async(self, key, cost, False)
 
     def allow_many(
         self, keys: Sequence[str], costs: Sequence[int] | None = None, *, times: Sequence[float] | None = None
