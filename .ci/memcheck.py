@@ -49,7 +49,8 @@ def main(pytest_args: list[str]) -> int:
     ours = [e for e in root.iter("error") if frames_are_ours(e)]
     total = sum(1 for _ in root.iter("error"))
     for error in ours:
-        print("memcheck:", error.findtext("kind"), "-", error.findtext("what") or error.findtext("xwhat/text"))
+        what = error.findtext("what") or error.findtext("xwhat/text")
+        print("memcheck:", error.findtext("kind"), "-", what)
         for frame in list(error.iter("frame"))[:8]:
             print("   ", frame.findtext("fn"), frame.findtext("file"), frame.findtext("line"))
     print(f"memcheck: {total} reports in all, {len(ours)} in nanolimit's native code")

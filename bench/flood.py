@@ -46,7 +46,8 @@ def main() -> int:
             )
     print(f"rss after: {rss_mib():.1f} MiB; stats {storage.stats()}")
     print(f"victim got budget back {victim_refilled} times (must be 0)")
-    print(f"throughput: first million {sum(rates[:10]) / 10 / 1e6:.2f} M/s, last million {sum(rates[-10:]) / 10 / 1e6:.2f} M/s")
+    first, last = sum(rates[:10]) / 10 / 1e6, sum(rates[-10:]) / 10 / 1e6
+    print(f"throughput: first million {first:.2f} M/s, last million {last:.2f} M/s")
     return 1 if victim_refilled else 0
 
 

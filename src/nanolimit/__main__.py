@@ -543,6 +543,13 @@ def replay(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["bench"]:
+        # routed before parsing: the bench engine has options of its own
+        from . import _bench
+
+        return _bench.main(args_list[1:])
+    argv = args_list
     parser = argparse.ArgumentParser(prog="nanolimit", description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "--version",
@@ -552,6 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo", help="replay SPEC §7 through the gateway middleware")
     commands.add_parser("info", help="print which core is loaded")
+    commands.add_parser("bench", help="nanolimit and its peers side by side (nanolimit bench --help)")
     check = commands.add_parser("check-config", help="validate a rules file (TOML or JSON)")
     check.add_argument("path")
     rp = commands.add_parser("replay", help="replay a request log (timestamp,key[,cost]) through a limit")

@@ -1,0 +1,259 @@
+"""A deterministic regression gate: CPU instructions per decision, per algorithm.
+
+Why instructions and not time: a shared CI runner's timings move by tens of
+percent with its neighbours, so a timed gate either cries wolf or sleeps
+through a real regression. The instruction count of the same program on the
+same interpreter is the same on every run, whatever else the machine does, so
+a 10 % growth is a real change in the code that runs per decision.
+
+How: for each algorithm and each hot path (``allow`` on a hot key, ``peek`` on
+a hot key, ``allow_many`` over 1,000 stored keys) a tiny driver runs under
+``valgrind --tool=callgrind`` twice, with N1 and N2 decisions. Interpreter
+start-up, imports and set-up are the same in both runs, so
+
+    instructions per decision = (count(N2) - count(N1)) / (N2 - N1)
+
+counts only the per-decision work: our native code, the clock read, the
+Decision allocation, and the Python loop that calls it (the ``loop`` row shows
+that floor on its own). What keeps it repeatable: ``PYTHONHASHSEED=0``, the
+gc disabled in the driver, the table's hash seed pinned (the driver replaces
+``os.urandom`` before ``nanolimit._core`` draws its seed), and limits and a
+window (10^9 s) chosen so every decision takes the same branch whatever the
+wall clock reads: nothing refills to the brim, drains to empty, expires or
+crosses a window.
+
+Usage (from the repository root, with nanolimit importable: installed, or
+``PYTHONPATH=src`` with the extension built in place):
+
+    python bench/instructions.py            # compare with the baseline; exit 1 on > 10 % growth
+    python bench/instructions.py --update   # rewrite bench/instructions_baseline.json
+
+Update the baseline deliberately, in its own commit, saying why the count moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BASELINE = HERE / "instructions_baseline.json"
+ALGORITHMS = {
+    "token_bucket": "TokenBucket",
+    "leaky_bucket": "LeakyBucket",
+    "fixed_window": "FixedWindowCounter",
+    "sliding_log": "SlidingWindowLog",
+    "sliding_counter": "SlidingWindowCounter",
+    "gcra": "GCRA",
+}
+PATHS = ("allow", "peek", "allow_many")
+N1, N2 = 10_000, 110_000
+TOLERANCE = 0.10
+
+# The driver: as little as possible besides the decisions themselves. Its
+# argv: algorithm (or "loop"), path, decisions.
+DRIVER = r"""
+import gc, os, sys
+os.urandom = lambda n: bytes(range(1, n + 1))  # pin the table's hash seed: probes repeat
+from itertools import repeat
+import nanolimit
+if nanolimit.IMPLEMENTATION != "native":
+    sys.exit("the native twin is not built: nothing to count")
+
+
+def drive(f, arg, n):  # locals only: the loop costs the same in every run
+    for _ in repeat(None, n):
+        f(arg)
+
+
+def main(alg, path, n):
+    key = "user:42"
+    if alg == "loop":
+        return drive(len, key, n)
+    # 16M units per 10^9 s: never refills to capacity, never drains, never expires
+    limiter = getattr(nanolimit, alg)(1 << 24, 1e9, clock=nanolimit.SystemClock())
+    if path == "allow":
+        return drive(limiter.allow, key, n)
+    if path == "peek":
+        limiter.allow(key)
+        return drive(limiter.peek, key, n)
+    keys = ["user:%d" % i for i in range(1000)]
+    limiter.allow_many(keys)
+    return drive(limiter.allow_many, keys, n // 1000)
+
+
+gc.disable()
+main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+"""
+
+
+def count(cls_name: str, path: str, n: int, scratch: str) -> int:
+    """Instructions executed by one driver run (callgrind's ``summary``)."""
+    out = os.path.join(scratch, f"cg.{cls_name}.{path}.{n}")
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    command = [
+        "valgrind",
+        "--tool=callgrind",
+        f"--callgrind-out-file={out}",
+        sys.executable,
+        "-c",
+        DRIVER,
+        cls_name,
+        path,
+        str(n),
+    ]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"driver {cls_name} {path} {n} failed:\n{proc.stdout}{proc.stderr[-3000:]}")
+    with open(out) as f:
+        for line in f:
+            if line.startswith("summary:") or line.startswith("totals:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no instruction total in {out}")
+
+
+def measure(algorithms: list[str], jobs: int) -> dict[str, dict[str, float]]:
+    """Instructions per decision for every algorithm and path, plus the bare loop."""
+    runs: list[tuple[str, str, str]] = [("loop", "loop", "allow")]
+    runs += [(alg, ALGORITHMS[alg], path) for alg in algorithms for path in PATHS]
+    with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {
+            (name, path, n): pool.submit(count, cls_name, path, n, scratch)
+            for name, cls_name, path in runs
+            for n in (N1, N2)
+        }
+        results: dict[str, dict[str, float]] = {}
+        for name, _cls, path in runs:
+            low, high = futures[(name, path, N1)].result(), futures[(name, path, N2)].result()
+            results.setdefault(name, {})[path] = round((high - low) / (N2 - N1), 1)
+    return results
+
+
+def extension_digest() -> str:
+    """sha256 of the native extension the drivers import: the counts belong to
+    that build, and a digest that changes mid-run (a rebuild in a working tree)
+    means the N1 and N2 runs measured different code."""
+    where = subprocess.run(
+        [sys.executable, "-c", "import nanolimit._core as c; print(c.__file__)"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if where.returncode != 0:
+        return "unavailable"
+    return hashlib.sha256(Path(where.stdout.strip()).read_bytes()).hexdigest()
+
+
+def environment() -> dict[str, str]:
+    version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True, check=False)
+    return {
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "machine": platform.machine(),
+        "valgrind": version.stdout.strip(),
+    }
+
+
+def table(current: dict[str, dict[str, float]], baseline: dict[str, dict[str, float]] | None) -> list[str]:
+    lines = [f"{'algorithm':<16} {'path':<11} {'instr/decision':>15} {'baseline':>10} {'change':>8}"]
+    lines.append("-" * len(lines[0]))
+    for alg, paths in current.items():
+        for path, value in paths.items():
+            base = (baseline or {}).get(alg, {}).get(path)
+            change = f"{(value - base) / base:+.1%}" if base else ""
+            shown = f"{base:,.1f}" if base else "-"
+            lines.append(f"{alg:<16} {path:<11} {value:>15,.1f} {shown:>10} {change:>8}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--update", action="store_true", help=f"write {BASELINE.name} instead of comparing")
+    parser.add_argument("--tolerance", type=float, default=TOLERANCE, help="allowed growth (default 0.10)")
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="comma-separated subset")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="valgrind runs in parallel")
+    parser.add_argument("--json", metavar="PATH", help="also write the measured counts here")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=BASELINE,
+        help="compare with this record instead (CI: counts of the base commit, same runner)",
+    )
+    parser.add_argument("--measure-only", action="store_true", help="print and --json the counts; no verdict")
+    args = parser.parse_args(argv)
+    if shutil.which("valgrind") is None:
+        print("instructions: valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    algorithms = [a for a in args.algorithms.split(",") if a]
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown:
+        parser.error(f"unknown algorithm(s): {', '.join(unknown)}")
+    before = extension_digest()
+    current = measure(algorithms, max(1, args.jobs))
+    env = environment()
+    env["extension_sha256"] = extension_digest()
+    if env["extension_sha256"] != before:
+        print("instructions: the extension was rebuilt during the measurement; run again", file=sys.stderr)
+        return 2
+    record = {"environment": env, "n1": N1, "n2": N2, "instructions_per_decision": current}
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
+    if args.measure_only:
+        print("\n".join(table(current, None)))
+        return 0
+    if args.update:
+        BASELINE.write_text(json.dumps(record, indent=2) + "\n")
+        print("\n".join(table(current, None)))
+        print(f"\ninstructions: baseline written to {BASELINE.relative_to(HERE.parent)}")
+        return 0
+    if not args.baseline.exists():
+        print("\n".join(table(current, None)))
+        print(
+            f"\ninstructions: no baseline at {args.baseline}; run with --update to record one",
+            file=sys.stderr,
+        )
+        return 1
+    saved = json.loads(args.baseline.read_text())
+    baseline = saved["instructions_per_decision"]
+    print("\n".join(table(current, baseline)))
+    if saved["environment"].get("python", "").rsplit(".", 1)[0] != env["python"].rsplit(".", 1)[0]:
+        print(
+            f"\ninstructions: warning: baseline recorded on Python {saved['environment'].get('python')}, "
+            f"this is {env['python']}; the interpreter's share of each count differs between versions"
+        )
+    grown = [
+        f"{alg} {path}: {base:,.1f} -> {current[alg][path]:,.1f}"
+        for alg, paths in baseline.items()
+        if alg in current and alg != "loop"
+        for path, base in paths.items()
+        if path in current[alg] and current[alg][path] > base * (1 + args.tolerance)
+    ]
+    if grown:
+        print(f"\ninstructions: FAILED, grew more than {args.tolerance:.0%}:\n  " + "\n  ".join(grown))
+        print("If the growth is deliberate, run `python bench/instructions.py --update` and commit the")
+        print("baseline on its own, saying why.")
+        return 1
+    shrunk = [
+        f"{alg} {path}"
+        for alg, paths in baseline.items()
+        if alg in current and alg != "loop"
+        for path, base in paths.items()
+        if path in current[alg] and current[alg][path] < base * (1 - args.tolerance)
+    ]
+    if shrunk:
+        print(f"\ninstructions: faster than the baseline ({', '.join(shrunk)}): consider --update")
+    print(f"\ninstructions: OK, no algorithm grew more than {args.tolerance:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
