@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 FIELDS = (
     "allowed",
@@ -20,6 +21,18 @@ FIELDS = (
 def fields(decision: Any) -> tuple[Any, ...]:
     """A Decision as a plain tuple, so twins' Decisions compare by value."""
     return tuple(getattr(decision, name) for name in FIELDS)
+
+
+def assert_same_decisions(got: Any, want: Any, tolerance: float = 1e-9) -> None:
+    """Decisions field by field: exact, but floats to ``tolerance``."""
+    got, want = list(got), list(want)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        for name, a, b in zip(FIELDS, fields(g), fields(w)):
+            if isinstance(a, float) and not isinstance(a, bool):
+                assert abs(a - b) <= tolerance, (i, name, a, b)
+            else:
+                assert a == b, (i, name, a, b)
 
 
 def batch_fields(result: Any) -> list[tuple[Any, ...]]:

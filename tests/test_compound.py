@@ -125,8 +125,12 @@ def test_no_rule_is_charged_for_a_denied_request(backend, trace) -> None:
     storage = backend.InMemoryStorage()
     shadow_clock = backend.FakeClock(100.0)
     specs = [(backend.TokenBucket, 4, 1.0), (backend.FixedWindowCounter, 5, 2.0), (backend.GCRA, 3, 1.0)]
-    limiters = [cls(limit, window, storage, clock, rule=f"r{i}") for i, (cls, limit, window) in enumerate(specs)]
-    shadows = [cls(limit, window, None, shadow_clock, rule=f"r{i}") for i, (cls, limit, window) in enumerate(specs)]
+    limiters = [
+        cls(limit, window, storage, clock, rule=f"r{i}") for i, (cls, limit, window) in enumerate(specs)
+    ]
+    shadows = [
+        cls(limit, window, None, shadow_clock, rule=f"r{i}") for i, (cls, limit, window) in enumerate(specs)
+    ]
     for chosen, cost, dt in trace:
         clock.advance(dt)
         shadow_clock.advance(dt)

@@ -27,9 +27,10 @@ if os.environ.get("NANOLIMIT_NO_EXTENSIONS"):
         allow_module_level=True,
     )
 
-import nanolimit.reference as reference  # noqa: E402
-from _helpers import DictStorage  # noqa: E402
-from nanolimit._shared import FakeClock  # noqa: E402
+from _helpers import DictStorage
+
+import nanolimit.reference as reference
+from nanolimit._shared import FakeClock
 
 pytestmark = pytest.mark.native
 

@@ -16,19 +16,37 @@ import types
 from pathlib import Path
 
 import pytest
-
 from conftest import ALGORITHM_CLASSES, TWIN_NAMES, native_skip_reason
 
 LIMITER_NAMES = tuple(ALGORITHM_CLASSES.values())
 
 # Arguments by the reference's parameter names, for the constructor checks.
 LIMITER_ARGS = {
-    "limit": 5, "window_seconds": 60.0, "storage": None, "clock": None, "rule": "r", "burst": None,
+    "limit": 5,
+    "window_seconds": 60.0,
+    "storage": None,
+    "clock": None,
+    "rule": "r",
+    "burst": None,
 }
-STORAGE_ARGS = {"stripes": 4, "max_key_bytes": 100, "max_keys": 1000, "on_full": "evict", "evict_idle_after": 60.0}
+STORAGE_ARGS = {
+    "stripes": 4,
+    "max_key_bytes": 100,
+    "max_keys": 1000,
+    "on_full": "evict",
+    "evict_idle_after": 60.0,
+}
 DECISION_ARGS = {
-    "allowed": True, "limit": 5, "remaining": 4, "retry_after": 0.0, "reset_after": 1.0,
-    "rule": "r", "window": 60.0, "delay": 0.0, "degraded": False, "reason": "",
+    "allowed": True,
+    "limit": 5,
+    "remaining": 4,
+    "retry_after": 0.0,
+    "reset_after": 1.0,
+    "rule": "r",
+    "window": 60.0,
+    "delay": 0.0,
+    "degraded": False,
+    "reason": "",
 }
 
 
@@ -53,9 +71,7 @@ def run_python(code: str, **env_changes: str | None) -> list[str]:
         else:
             env[name] = value
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root(), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
 
@@ -112,7 +128,7 @@ def test_env_switch_after_reimport(monkeypatch):
     finally:
         monkeypatch.undo()
         importlib.reload(nanolimit)
-    assert nanolimit.IMPLEMENTATION == original
+    assert original == nanolimit.IMPLEMENTATION
 
 
 def test_shared_names_are_the_same_objects():
@@ -120,8 +136,18 @@ def test_shared_names_are_the_same_objects():
     import nanolimit._shared as shared
     import nanolimit.reference as reference
 
-    for name in ("Algorithm", "BatchResult", "FakeClock", "SystemClock", "LimiterState",
-                 "ValidationError", "UnknownAlgorithmError", "Storage", "RateLimiter", "Clock"):
+    for name in (
+        "Algorithm",
+        "BatchResult",
+        "FakeClock",
+        "SystemClock",
+        "LimiterState",
+        "ValidationError",
+        "UnknownAlgorithmError",
+        "Storage",
+        "RateLimiter",
+        "Clock",
+    ):
         assert getattr(nanolimit, name) is getattr(shared, name) is getattr(reference, name), name
     assert set(nanolimit.__all__) <= set(dir(nanolimit))
 

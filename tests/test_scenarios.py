@@ -10,7 +10,6 @@ import math
 
 import pytest
 from _helpers import DictStorage, batch_fields, fields
-
 from conftest import BURST_ALGORITHMS
 
 WALL = 1_700_000_000.0

@@ -28,9 +28,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 if os.environ.get("NANOLIMIT_NO_EXTENSIONS"):
     pytest.skip("NANOLIMIT_NO_EXTENSIONS is set: no native twin to compare", allow_module_level=True)
 
-import nanolimit._core as native  # noqa: E402
-import nanolimit.reference as reference  # noqa: E402
-from nanolimit._shared import FakeClock  # noqa: E402
+import nanolimit._core as native
+import nanolimit.reference as reference
+from nanolimit._shared import FakeClock
 
 pytestmark = pytest.mark.native
 
@@ -48,7 +48,9 @@ TOLERANCE = 1e-9
 
 
 def _same(n, r, where: str) -> None:
-    assert (n.allowed, n.remaining, n.degraded, n.reason) == (r.allowed, r.remaining, r.degraded, r.reason), where
+    assert (n.allowed, n.remaining, n.degraded, n.reason) == (r.allowed, r.remaining, r.degraded, r.reason), (
+        where
+    )
     assert abs(n.retry_after - r.retry_after) <= TOLERANCE, where
     assert abs(n.reset_after - r.reset_after) <= TOLERANCE, where
     assert abs(n.delay - r.delay) <= TOLERANCE, where
@@ -115,7 +117,10 @@ class TwinMachine(RuleBasedStateMachine):
         cost = min(cost, nat.capacity)
         _same(nat.peek(key, cost), ref.peek(key, cost), f"peek {name} {key}")
 
-    @rule(name=st.sampled_from([r for _, r in RULES]), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5))
+    @rule(
+        name=st.sampled_from([r for _, r in RULES]),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5),
+    )
     def allow_many(self, name: str, keys: list[str]) -> None:
         nat, ref = self.limiters[name]
         n, r = nat.allow_many(keys), ref.allow_many(keys)

@@ -7,7 +7,6 @@ import math
 
 import pytest
 from _helpers import SettableClock, fields
-
 from conftest import BURST_ALGORITHMS
 
 T0 = 1000.0

@@ -125,8 +125,12 @@ def _rule(table: Any, label: str, problems: list[Problem], defaults: dict[str, A
     if not isinstance(table, dict):
         problems.append(Problem(label, "-", f"a rule must be a table, got {type(table).__name__}"))
         return None
-    name = table.get("name", defaults.get("name", label))
-    name = name if isinstance(name, str) else label
+    raw_name = table.get("name", defaults.get("name", label))
+    # problems are reported under the rule's name, or its position when the
+    # name itself is unusable (not a string, or blank)
+    name = raw_name if isinstance(raw_name, str) and raw_name.strip() else label
+    if name is label and "name" in table:
+        problems.append(Problem(label, "name", f"must be a non-empty string, got {raw_name!r}"))
     unknown = sorted(set(table) - _RULE_FIELDS)
     for key in unknown:
         problems.append(Problem(name, _field_name(key), "unknown field"))
