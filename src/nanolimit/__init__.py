@@ -87,6 +87,7 @@ from .keys import ClientKey, DefaultKeyExtractor, KeyExtractor  # noqa: E402
 from .metrics import Metrics  # noqa: E402
 from .middleware import Outcome, RateLimitMiddleware, Request, Response  # noqa: E402
 from .redis_storage import (  # noqa: E402
+    AsyncRedisStorage,
     CircuitOpenError,
     RedisStorage,
     RedisUnavailableError,
@@ -106,6 +107,7 @@ __all__ = [
     "GCRA",
     "IMPLEMENTATION",
     "Algorithm",
+    "AsyncRedisStorage",
     "BatchResult",
     "CircuitOpenError",
     "ClientKey",

@@ -46,7 +46,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Final, Literal
+from typing import Any, ClassVar, Final, Literal
 
 from ._shared import (
     DUPLICATE_COMPOUND,
@@ -66,6 +66,7 @@ from ._shared import (
 )
 
 __all__ = [
+    "AsyncRedisStorage",
     "CircuitOpenError",
     "RedisStorage",
     "RedisUnavailableError",
@@ -464,14 +465,22 @@ def is_cluster_client(client: Any) -> bool:
     return hasattr(client, "nodes_manager") and hasattr(client, "get_nodes")
 
 
+def is_asyncio_client(client: Any) -> bool:
+    """A ``redis.asyncio`` (or ``valkey.asyncio``) client: its commands are coroutines."""
+    return inspect.iscoroutinefunction(getattr(client, "execute_command", None))
+
+
 def derive_client(client: Any, timeout: float) -> Any:
     """A client with the caller's connection settings but a short socket
     timeout and **no retries**: a retried script can charge twice, and
     redis-py's defaults (seconds of timeout, several retries) blocked a caller
     for over 25 s on a frozen server. The caller's own client is left as it is.
+    Works for the synchronous and the ``asyncio`` clients alike (each has its
+    own ``Retry`` class, next to its client module).
     """
     pkg = _client_package(client)
-    retry_mod = importlib.import_module(pkg.__name__ + ".retry")
+    home = type(client).__module__.rsplit(".", 1)[0]  # "redis" or "redis.asyncio"
+    retry_mod = importlib.import_module(home + ".retry")
     backoff_mod = importlib.import_module(pkg.__name__ + ".backoff")
 
     def no_retry() -> Any:
@@ -490,7 +499,14 @@ def derive_client(client: Any, timeout: float) -> Any:
         kwargs.update(overrides)
         kwargs.pop("retry_on_timeout", None)
         kwargs.pop("retry_on_error", None)
-        nodes = [pkg.cluster.ClusterNode(n.host, n.port) for n in client.get_nodes()]
+        params = inspect.signature(type(client).__init__).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            # the asyncio cluster keeps internal settings there that its constructor refuses
+            kwargs = {name: value for name, value in kwargs.items() if name in params}
+        node_type = importlib.import_module(home + ".cluster").ClusterNode
+        # an asyncio cluster not used yet knows only its startup nodes
+        known = client.get_nodes() or list(client.nodes_manager.startup_nodes.values())
+        nodes = [node_type(n.host, n.port) for n in known]
         return type(client)(startup_nodes=nodes, retry=no_retry(), **kwargs)
     pool = client.connection_pool
     kwargs = dict(pool.connection_kwargs)
@@ -499,7 +515,10 @@ def derive_client(client: Any, timeout: float) -> Any:
     new_pool = type(pool)(
         connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
     )
-    return type(client)(connection_pool=new_pool)
+    derived = type(client)(connection_pool=new_pool)
+    if is_asyncio_client(client):
+        derived.auto_close_connection_pool = True  # our pool: ``aclose()`` disconnects it
+    return derived
 
 
 # --------------------------------------------------------------------------
@@ -610,50 +629,25 @@ class _NearCache:
 
 
 # --------------------------------------------------------------------------
-# The storage
+# The storages: what the synchronous and the asyncio one share, then each one's I/O
 
 
 def _digest(text: str, salt: bytes) -> str:
     return "#" + hashlib.blake2b(text.encode("utf-8"), digest_size=16, key=salt).hexdigest()
 
 
-class RedisStorage:
-    """Per-key limiter state in Redis/Valkey, decided by Lua scripts.
+# One script call of a batch: script, its keys, its arguments, the batch positions it decides.
+_Call = tuple[_Script, list[str], list[str], list[int]]
 
-    ``client`` is your redis-py client (``redis.Redis``, ``redis.RedisCluster``)
-    or a valkey-py one (duck typed). Decisions go through a *derived* client:
-    the same connection settings with ``timeout`` seconds of socket timeout
-    and no retries (``derive=False`` uses yours unchanged — then the timeouts
-    and retries are your responsibility).
 
-    Keys: ``<prefix><algorithm>:<rule>:{<identity>}``. The identity is the
-    cluster hash tag, so every limit on one identity lives in one slot (and a
-    compound request on one identity is one script on one node). An identity
-    is replaced by ``#`` + a BLAKE2b digest (keyed with ``key_salt``) when it
-    is longer than ``max_identity_bytes``, contains ``{``/``}``, starts with
-    ``#``, or belongs to a rule named in ``secret_rules`` (API keys must not
-    show in ``SCAN``/``MONITOR``); ``hash_identities=True`` hashes them all.
-    Rule names with braces, a leading ``#`` or over 128 bytes are hashed too.
+class _RedisBase:
+    """Everything but the I/O, shared by :class:`RedisStorage` and
+    :class:`AsyncRedisStorage`: options, key layout, argument caches, verdict
+    parsing, the failure policy, the circuit breaker, the near-cache and the
+    metrics. A subclass sends what these methods prepare and hands the
+    replies back; see :class:`RedisStorage` for the options."""
 
-    ``clock``: ``"server"`` (default) — a limiter on the default SystemClock
-    is judged by Redis's ``TIME``, one clock for every gateway instance; an
-    injected clock (FakeClock, replays) is always passed through.
-    ``"client"`` sends the local wall clock instead (not recommended: clients
-    disagree).
-
-    Failures (``on_error``, overridable per rule with ``rule_on_error``):
-    ``"allow"`` answers allowed, ``"deny"`` answers denied with
-    ``deny_retry_after`` seconds, both marked ``degraded``; ``"raise"`` raises
-    :class:`RedisUnavailableError`. After ``breaker_threshold`` consecutive
-    failures the breaker opens for ``breaker_cooldown`` seconds (no round
-    trips), then lets one probe through.
-
-    ``batch``: ``"script"`` (default) decides an ``allow_many`` with one
-    batch script per node/slot (about twice the throughput), ``"pipeline"``
-    with one ``EVALSHA`` per key; both are one round trip.
-    ``near_cache=True`` denies a key the store has just denied locally until
-    its ``retry_after`` (see :class:`_NearCache`).
-    """
+    _asyncio: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -695,6 +689,14 @@ class RedisStorage:
             raise ValidationError("breaker_threshold must be an int >= 1")
         if len(key_salt) > 64:
             raise ValidationError("key_salt is at most 64 bytes (BLAKE2b key)")
+        if is_asyncio_client(client) is not self._asyncio:
+            want, other = (
+                ("an asyncio", "RedisStorage") if self._asyncio else ("a synchronous", "AsyncRedisStorage")
+            )
+            raise ValidationError(
+                f"{type(self).__name__} needs {want} client, got {type(client).__module__}."
+                f"{type(client).__name__} (use {other} for that one)"
+            )
         self.user_client = client
         self.client = derive_client(client, float(timeout)) if derive else client
         self.cluster = is_cluster_client(client)
@@ -737,6 +739,41 @@ class RedisStorage:
         except (ImportError, AttributeError):
             pass
 
+    def _setup_direct(self) -> None:
+        """Decide whether single calls may talk to a pooled connection directly.
+
+        redis-py 8 wraps every ``execute_command`` in retry and observability
+        machinery that costs about 25 µs on this machine — most of what a
+        decision costs above a ``PING``. The decision call needs none of it
+        (it must not be retried), so on a standalone client we take a
+        connection from the client's pool, send, read and give it back, as
+        redis-py itself does underneath (the asyncio client alike, awaiting
+        each step). Clusters (routing) and single-connection clients go
+        through ``execute_command``.
+        """
+        self._pool: Any = None
+        self._conn_args: tuple[str, ...] = ()
+        pool = getattr(self.client, "connection_pool", None)
+        if self.cluster or pool is None or getattr(self.client, "connection", None) is not None:
+            return
+        if not (hasattr(pool, "get_connection") and hasattr(pool, "release")):
+            return
+        try:
+            params = list(inspect.signature(pool.get_connection).parameters.values())
+        except (TypeError, ValueError):
+            return
+        if (
+            params
+            and params[0].default is inspect.Parameter.empty
+            and params[0].kind
+            in (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            )
+        ):
+            self._conn_args = ("EVALSHA",)  # older redis-py and valkey-py want a command name
+        self._pool = pool
+
     # -- keys -------------------------------------------------------------------
     def _rule_prefix(self, cfg: LimiterConfig) -> str:
         ident = (cfg.algorithm, cfg.rule)
@@ -764,6 +801,10 @@ class RedisStorage:
             identity = _digest(key, self.key_salt)
         return self._rule_prefix(cfg) + "{" + identity + "}"
 
+    def _scan_match(self) -> str:
+        special = "*?[]\\"
+        return "".join("\\" + c if c in special else c for c in self.prefix) + "*"
+
     # -- metrics ------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
         with self._count_lock:
@@ -780,78 +821,14 @@ class RedisStorage:
         out["breaker_opened"] = self._breaker.opened
         return out
 
-    # -- script calls -------------------------------------------------------------
-    def load_scripts(self) -> None:
-        """``SCRIPT LOAD`` every script (on every primary of a cluster)."""
-        for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), COMPOUND_SCRIPT):
-            self._load(script)
-
-    def _load(self, script: _Script) -> None:
-        sha = self.client.script_load(script.source)
+    # -- what a decision sends, and what it makes of the answer --------------------
+    def _loaded(self, script: _Script, sha: Any) -> None:
+        """Check the SHA a ``SCRIPT LOAD`` answered."""
         if isinstance(sha, bytes):
             sha = sha.decode()
         if sha != script.sha:  # pragma: no cover - a server that hashes differently
             raise RedisUnavailableError(f"server computed SHA {sha} for a script we know as {script.sha}")
         self._count("script_loads")
-
-    def _setup_direct(self) -> None:
-        """Decide whether single calls may talk to a pooled connection directly.
-
-        redis-py 8 wraps every ``execute_command`` in retry and observability
-        machinery that costs about 25 µs on this machine — most of what a
-        decision costs above a ``PING``. The decision call needs none of it
-        (it must not be retried), so on a standalone client we take a
-        connection from the client's pool, send, read and give it back, as
-        redis-py itself does underneath. Clusters (routing) and
-        single-connection clients go through ``execute_command``.
-        """
-        self._pool: Any = None
-        self._conn_args: tuple[str, ...] = ()
-        pool = getattr(self.client, "connection_pool", None)
-        if self.cluster or pool is None or getattr(self.client, "connection", None) is not None:
-            return
-        if not (hasattr(pool, "get_connection") and hasattr(pool, "release")):
-            return
-        try:
-            params = list(inspect.signature(pool.get_connection).parameters.values())
-        except (TypeError, ValueError):
-            return
-        if (
-            params
-            and params[0].default is inspect.Parameter.empty
-            and params[0].kind
-            in (
-                inspect.Parameter.POSITIONAL_ONLY,
-                inspect.Parameter.POSITIONAL_OR_KEYWORD,
-            )
-        ):
-            self._conn_args = ("EVALSHA",)  # older redis-py and valkey-py want a command name
-        self._pool = pool
-
-    def _call(self, *args: Any) -> Any:
-        """One command, one attempt. A socket error or timeout disconnects
-        the connection (redis-py's ``read_response`` does it) before it goes
-        back to the pool, so the next call starts on a fresh socket."""
-        pool = self._pool
-        if pool is None:
-            return self.client.execute_command(*args)
-        conn = pool.get_connection(*self._conn_args)
-        try:
-            conn.send_command(*args)
-            return conn.read_response()
-        finally:
-            pool.release(conn)
-
-    def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[str]) -> Any:
-        """One ``EVALSHA``; on ``NOSCRIPT`` load and retry once (safe: the
-        script did not run). Never retried otherwise."""
-        try:
-            return self._call("EVALSHA", script.sha, len(keys), *keys, *args)
-        except self._errors as exc:
-            if not _is_noscript(exc):
-                raise
-        self._load(script)
-        return self._call("EVALSHA", script.sha, len(keys), *keys, *args)
 
     def _params(self, cfg: LimiterConfig) -> tuple[str, str]:
         """The kernel constants of ``cfg`` as exact strings, formatted once."""
@@ -884,6 +861,11 @@ class RedisStorage:
             self._count("timeouts")
         self._breaker.failure()
 
+    def _error_verdict(self, cfg: LimiterConfig, exc: BaseException) -> KernelVerdict:
+        """A decision call failed: count it, feed the breaker, apply the policy."""
+        self._failed(exc)
+        return self._fallback(cfg, exc)
+
     def _now_arg(self, now: float | None) -> str:
         if now is None:
             return repr(time.time()) if self.clock == "client" else ""
@@ -892,11 +874,9 @@ class RedisStorage:
     def _floor_ms(self, now: float | None) -> str:
         return "0" if now is None else str(INJECTED_EXPIRY_FLOOR_MS)
 
-    # -- KernelStorage --------------------------------------------------------------
-    def run_kernel(
-        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
-    ) -> KernelVerdict:
-        """One decision: one ``EVALSHA`` (two after a ``SCRIPT FLUSH``)."""
+    def _early(self, config: LimiterConfig, key: str, cost: int, now: float | None) -> KernelVerdict | None:
+        """The answer that needs no round trip, if any: a near-cache denial,
+        or the policy's while the breaker is open."""
         near = self._near
         if near is not None:
             t = time.monotonic() if now is None else now
@@ -907,50 +887,51 @@ class RedisStorage:
         if not self._breaker.allow_call():
             self._count("breaker_open_skips")
             return self._fallback(config, None)
+        return None
+
+    def _single_args(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> tuple[tuple[str], tuple[str, ...]]:
+        """``KEYS`` and ``ARGV`` of one decision's ``EVALSHA``."""
         p1, p2 = self._params(config)
-        try:
-            reply = self._evalsha(
-                SCRIPTS[config.algorithm],
-                (self.redis_key(config, key),),
-                (self._now_arg(now), str(cost), "1" if commit else "0", self._floor_ms(now), p1, p2),
-            )
-        except self._errors as exc:
-            self._failed(exc)
-            return self._fallback(config, exc)
+        return (self.redis_key(config, key),), (
+            self._now_arg(now),
+            str(cost),
+            "1" if commit else "0",
+            self._floor_ms(now),
+            p1,
+            p2,
+        )
+
+    def _answered(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, reply: Any
+    ) -> KernelVerdict:
+        """The store answered: a verdict, remembered by the near-cache if a denial."""
         self._breaker.success()
         self._count("decisions")
         verdict = _parse_verdict(reply)
+        near = self._near
         if near is not None and not verdict[0]:
             t = time.monotonic() if now is None else now
             near.remember((config.algorithm, config.rule, key, now is None), cost, t, verdict[2], verdict[3])
         return verdict
 
-    def run_kernel_many(
+    def _batch_start(
         self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
-    ) -> list[KernelVerdict]:
-        """A batch in one round trip: one pipeline (``transaction=False``).
-
-        ``batch="script"`` (default) sends one batch script per node — per
-        slot on a cluster, at most ``BATCH_CHUNK`` keys each — which runs the
-        kernel key after key with one clock reading, as the in-memory batch
-        does; ``batch="pipeline"`` sends one ``EVALSHA`` per key (each reads
-        the server clock itself). Either way keys are decided in order, a
-        repeated key sees its earlier charge, and a script that hit
-        ``NOSCRIPT`` (it did not run) is sent again after a load; nothing
-        else is retried.
-        """
+    ) -> _BatchRun | list[KernelVerdict]:
+        """The script calls of a batch (see ``RedisStorage.run_kernel_many``),
+        or the whole answer when nothing is to be sent."""
         n = len(keys)
         if n == 0:
             return []
         if not self._breaker.allow_call():
             self._count("breaker_open_skips")
-            fallback = self._fallback(config, None)
-            return [fallback] * n
+            return [self._fallback(config, None)] * n
         p1, p2 = self._params(config)
         now_arg = self._now_arg(now)
         floor_ms = self._floor_ms(now)
         rkeys = [self.redis_key(config, key) for key in keys]
-        calls: list[tuple[_Script, list[str], list[str], list[int]]] = []
+        calls: list[_Call] = []
         if self.batch == "script":
             script = BATCH_SCRIPTS[config.algorithm]
             groups: dict[int, list[int]] = {}
@@ -969,43 +950,246 @@ class RedisStorage:
             script = SCRIPTS[config.algorithm]
             for i, (rkey, cost) in enumerate(zip(rkeys, costs)):
                 calls.append((script, [rkey], [now_arg, str(cost), "1", floor_ms, p1, p2], [i]))
-        out: list[KernelVerdict | None] = [None] * n
-        todo = calls
-        failed = 0
+        return _BatchRun(self, config, calls, n)
+
+    def _forget_local(self, config: LimiterConfig, key: str) -> str:
+        """Drop ``key``'s near-cache entries; the Redis key to ``DEL``."""
+        if self._near is not None:
+            for server_time in (True, False):  # entries are per time base (monotonic or injected)
+                self._near.forget((config.algorithm, config.rule, key, server_time))
+        return self.redis_key(config, key)
+
+    def _snapshot_command(self, config: LimiterConfig, key: str) -> tuple[str, ...]:
+        """The one read command that fetches ``key``'s raw state."""
+        rkey = self.redis_key(config, key)
+        algo = config.algorithm
+        if algo is Algorithm.GCRA:
+            return ("GET", rkey)
+        if algo is Algorithm.SLIDING_LOG:
+            return ("LRANGE", rkey, "0", "-1")
+        if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
+            return ("HMGET", rkey, "l", "u")
+        return ("HMGET", rkey, "k", "n", "p", "u")
+
+    @staticmethod
+    def _parse_snapshot(algo: Algorithm, raw: Any) -> LimiterState | None:
+        """The state read by :meth:`_snapshot_command` (not brought up to now), or ``None``."""
+        if algo is Algorithm.GCRA:
+            if raw is None:
+                return None
+            tat, updated = (raw.decode() if isinstance(raw, bytes) else raw).split(" ")
+            return LimiterState(algo, float(updated), tat=int(float(tat)))
+        if algo is Algorithm.SLIDING_LOG:
+            if not raw:
+                return None
+            return LimiterState(algo, float(raw[0]), log=tuple(float(x) for x in raw[1:]))
+        if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
+            level, updated = raw
+            if level is None:
+                return None
+            return LimiterState(algo, float(updated), level=float(level))
+        k, count, previous, updated = raw
+        if k is None:
+            return None
+        if algo is Algorithm.FIXED_WINDOW:
+            return LimiterState(algo, float(updated), window_index=int(float(k)), count=int(float(count)))
+        return LimiterState(
+            algo,
+            float(updated),
+            window_index=int(float(k)),
+            count=int(float(count)),
+            previous=int(float(previous)),
+        )
+
+    # -- Storage protocol ---------------------------------------------------------
+    def apply(self, key: str, now: float, mutate: Callable[[Any], tuple[Any, Any]]) -> Any:
+        """Not supported: a Python closure cannot run atomically inside Redis
+        (a WATCH/MULTI loop would retry under contention and could not keep
+        SPEC §5's one-step contract cheaply). Built-in algorithms never call it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} runs the built-in algorithms only; "
+            "a custom algorithm needs its own Lua script"
+        )
+
+    def evict_idle(self, cutoff: float) -> int:
+        """A no-op that returns 0: every key carries an expiry equal to the time
+        until its state is back to "never seen", so Redis evicts idle keys
+        itself, on every node, without a scan."""
+        check_cutoff(cutoff)
+        return 0
+
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        return f"<{name} prefix={self.prefix!r} cluster={self.cluster} on_error={self.on_error!r}>"
+
+
+class _BatchRun:
+    """One batch in flight, for either storage: the script calls still to
+    send and the verdicts so far. ``absorb`` takes a pipeline's replies and
+    answers the script to load when some calls hit ``NOSCRIPT`` (those did not
+    run, and are sent once more); nothing else is ever retried."""
+
+    __slots__ = ("config", "failed", "out", "storage", "todo")
+
+    def __init__(self, storage: _RedisBase, config: LimiterConfig, calls: list[_Call], n: int) -> None:
+        self.storage = storage
+        self.config = config
+        self.todo = calls
+        self.out: list[KernelVerdict | None] = [None] * n
+        self.failed = 0
+
+    def queue(self, pipe: Any) -> None:
+        for script, call_keys, args, _ in self.todo:
+            pipe.execute_command("EVALSHA", script.sha, len(call_keys), *call_keys, *args)
+
+    def absorb(self, replies: Sequence[Any], attempt: int) -> _Script | None:
+        storage, config, out = self.storage, self.config, self.out
+        again = []
+        for call, reply in zip(self.todo, replies):
+            members = call[3]
+            if isinstance(reply, BaseException):
+                if attempt == 0 and _is_noscript(reply):
+                    again.append(call)
+                    continue
+                self.failed += len(members)
+                storage._failed(reply)
+                for i in members:
+                    out[i] = storage._fallback(config, reply)
+            elif isinstance(reply, list):
+                for i, part in zip(members, reply):
+                    out[i] = _parse_verdict(part)
+            else:
+                out[members[0]] = _parse_verdict(reply)
+        self.todo = again
+        return again[0][0] if again else None
+
+    def abort(self, exc: BaseException) -> list[KernelVerdict]:
+        """The round trip itself failed: the policy answers what is still open."""
+        fallback = self.storage._error_verdict(self.config, exc)
+        return [fallback if v is None else v for v in self.out]
+
+    def result(self) -> list[KernelVerdict]:
+        if not self.failed:
+            self.storage._breaker.success()
+        self.storage._count("decisions", len(self.out) - self.failed)
+        return [v for v in self.out if v is not None]
+
+
+class RedisStorage(_RedisBase):
+    """Per-key limiter state in Redis/Valkey, decided by Lua scripts.
+
+    ``client`` is your redis-py client (``redis.Redis``, ``redis.RedisCluster``)
+    or a valkey-py one (duck typed). Decisions go through a *derived* client:
+    the same connection settings with ``timeout`` seconds of socket timeout
+    and no retries (``derive=False`` uses yours unchanged — then the timeouts
+    and retries are your responsibility).
+
+    Keys: ``<prefix><algorithm>:<rule>:{<identity>}``. The identity is the
+    cluster hash tag, so every limit on one identity lives in one slot (and a
+    compound request on one identity is one script on one node). An identity
+    is replaced by ``#`` + a BLAKE2b digest (keyed with ``key_salt``) when it
+    is longer than ``max_identity_bytes``, contains ``{``/``}``, starts with
+    ``#``, or belongs to a rule named in ``secret_rules`` (API keys must not
+    show in ``SCAN``/``MONITOR``); ``hash_identities=True`` hashes them all.
+    Rule names with braces, a leading ``#`` or over 128 bytes are hashed too.
+
+    ``clock``: ``"server"`` (default) — a limiter on the default SystemClock
+    is judged by Redis's ``TIME``, one clock for every gateway instance; an
+    injected clock (FakeClock, replays) is always passed through.
+    ``"client"`` sends the local wall clock instead (not recommended: clients
+    disagree).
+
+    Failures (``on_error``, overridable per rule with ``rule_on_error``):
+    ``"allow"`` answers allowed, ``"deny"`` answers denied with
+    ``deny_retry_after`` seconds, both marked ``degraded``; ``"raise"`` raises
+    :class:`RedisUnavailableError`. After ``breaker_threshold`` consecutive
+    failures the breaker opens for ``breaker_cooldown`` seconds (no round
+    trips), then lets one probe through.
+
+    ``batch``: ``"script"`` (default) decides an ``allow_many`` with one
+    batch script per node/slot (about twice the throughput), ``"pipeline"``
+    with one ``EVALSHA`` per key; both are one round trip.
+    ``near_cache=True`` denies a key the store has just denied locally until
+    its ``retry_after`` (see :class:`_NearCache`).
+    """
+
+    # -- script calls -------------------------------------------------------------
+    def load_scripts(self) -> None:
+        """``SCRIPT LOAD`` every script (on every primary of a cluster)."""
+        for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), COMPOUND_SCRIPT):
+            self._load(script)
+
+    def _load(self, script: _Script) -> None:
+        self._loaded(script, self.client.script_load(script.source))
+
+    def _call(self, *args: Any) -> Any:
+        """One command, one attempt. A socket error or timeout disconnects
+        the connection (redis-py's ``read_response`` does it) before it goes
+        back to the pool, so the next call starts on a fresh socket."""
+        pool = self._pool
+        if pool is None:
+            return self.client.execute_command(*args)
+        conn = pool.get_connection(*self._conn_args)
+        try:
+            conn.send_command(*args)
+            return conn.read_response()
+        finally:
+            pool.release(conn)
+
+    def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[str]) -> Any:
+        """One ``EVALSHA``; on ``NOSCRIPT`` load and retry once (safe: the
+        script did not run). Never retried otherwise."""
+        try:
+            return self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+        except self._errors as exc:
+            if not _is_noscript(exc):
+                raise
+        self._load(script)
+        return self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    # -- KernelStorage --------------------------------------------------------------
+    def run_kernel(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> KernelVerdict:
+        """One decision: one ``EVALSHA`` (two after a ``SCRIPT FLUSH``)."""
+        early = self._early(config, key, cost, now)
+        if early is not None:
+            return early
+        keys, args = self._single_args(config, key, cost, now, commit)
+        try:
+            reply = self._evalsha(SCRIPTS[config.algorithm], keys, args)
+        except self._errors as exc:
+            return self._error_verdict(config, exc)
+        return self._answered(config, key, cost, now, reply)
+
+    def run_kernel_many(
+        self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
+    ) -> list[KernelVerdict]:
+        """A batch in one round trip: one pipeline (``transaction=False``).
+
+        ``batch="script"`` (default) sends one batch script per node — per
+        slot on a cluster, at most ``BATCH_CHUNK`` keys each — which runs the
+        kernel key after key with one clock reading, as the in-memory batch
+        does; ``batch="pipeline"`` sends one ``EVALSHA`` per key (each reads
+        the server clock itself). Either way keys are decided in order, a
+        repeated key sees its earlier charge, and a script that hit
+        ``NOSCRIPT`` (it did not run) is sent again after a load; nothing
+        else is retried.
+        """
+        run = self._batch_start(config, keys, costs, now)
+        if isinstance(run, list):
+            return run
         try:
             for attempt in range(2):
                 pipe = self.client.pipeline(transaction=False)
-                for script, call_keys, args, _ in todo:
-                    pipe.execute_command("EVALSHA", script.sha, len(call_keys), *call_keys, *args)
-                replies = pipe.execute(raise_on_error=False)
-                again = []
-                for call, reply in zip(todo, replies):
-                    members = call[3]
-                    if isinstance(reply, BaseException):
-                        if attempt == 0 and _is_noscript(reply):
-                            again.append(call)
-                            continue
-                        failed += len(members)
-                        self._failed(reply)
-                        for i in members:
-                            out[i] = self._fallback(config, reply)
-                    elif isinstance(reply, list):
-                        for i, part in zip(members, reply):
-                            out[i] = _parse_verdict(part)
-                    else:
-                        out[members[0]] = _parse_verdict(reply)
-                if not again:
+                run.queue(pipe)
+                reload = run.absorb(pipe.execute(raise_on_error=False), attempt)
+                if reload is None:
                     break
-                self._load(script)
-                todo = again
+                self._load(reload)
         except self._errors as exc:
-            self._failed(exc)
-            fallback = self._fallback(config, exc)
-            return [fallback if v is None else v for v in out]
-        if not failed:
-            self._breaker.success()
-        self._count("decisions", n - failed)
-        return [v for v in out if v is not None]
+            return run.abort(exc)
+        return run.result()
 
     def run_kernel_all(
         self, items: Sequence[tuple[LimiterConfig, str, int]], now: float | None
@@ -1039,8 +1223,7 @@ class RedisStorage:
         try:
             reply = self._evalsha(COMPOUND_SCRIPT, keys, args)
         except self._errors as exc:
-            self._failed(exc)
-            first = self._fallback(cfg0, exc)
+            first = self._error_verdict(cfg0, exc)
             return [first] + [self._fallback(cfg, exc) for cfg, _, _, _ in items[1:]]
         self._breaker.success()
         self._count("decisions", len(items))
@@ -1058,64 +1241,13 @@ class RedisStorage:
 
     def forget(self, config: LimiterConfig, key: str) -> None:
         """``DEL`` the key (a reset is an admin action: errors raise)."""
-        if self._near is not None:
-            for server_time in (True, False):  # entries are per time base (monotonic or injected)
-                self._near.forget((config.algorithm, config.rule, key, server_time))
-        self.client.delete(self.redis_key(config, key))
+        self.client.delete(self._forget_local(config, key))
 
     def snapshot(self, config: LimiterConfig, key: str, now: float | None) -> LimiterState | None:
         """The raw stored state (not brought up to ``now``), or ``None``."""
-        rkey = self.redis_key(config, key)
-        algo = config.algorithm
-        client = self.client
-        if algo is Algorithm.GCRA:
-            raw = client.get(rkey)
-            if raw is None:
-                return None
-            tat, updated = (raw.decode() if isinstance(raw, bytes) else raw).split(" ")
-            return LimiterState(algo, float(updated), tat=int(float(tat)))
-        if algo is Algorithm.SLIDING_LOG:
-            items = client.lrange(rkey, 0, -1)
-            if not items:
-                return None
-            return LimiterState(algo, float(items[0]), log=tuple(float(x) for x in items[1:]))
-        if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
-            level, updated = client.hmget(rkey, ["l", "u"])
-            if level is None:
-                return None
-            return LimiterState(algo, float(updated), level=float(level))
-        k, count, previous, updated = client.hmget(rkey, ["k", "n", "p", "u"])
-        if k is None:
-            return None
-        if algo is Algorithm.FIXED_WINDOW:
-            return LimiterState(algo, float(updated), window_index=int(float(k)), count=int(float(count)))
-        return LimiterState(
-            algo,
-            float(updated),
-            window_index=int(float(k)),
-            count=int(float(count)),
-            previous=int(float(previous)),
+        return self._parse_snapshot(
+            config.algorithm, self.client.execute_command(*self._snapshot_command(config, key))
         )
-
-    # -- Storage protocol ---------------------------------------------------------
-    def apply(self, key: str, now: float, mutate: Callable[[Any], tuple[Any, Any]]) -> Any:
-        """Not supported: a Python closure cannot run atomically inside Redis
-        (a WATCH/MULTI loop would retry under contention and could not keep
-        SPEC §5's one-step contract cheaply). Built-in algorithms never call it."""
-        raise NotImplementedError(
-            "RedisStorage runs the built-in algorithms only; a custom algorithm needs its own Lua script"
-        )
-
-    def evict_idle(self, cutoff: float) -> int:
-        """A no-op that returns 0: every key carries an expiry equal to the time
-        until its state is back to "never seen", so Redis evicts idle keys
-        itself, on every node, without a scan."""
-        check_cutoff(cutoff)
-        return 0
-
-    def _scan_match(self) -> str:
-        special = "*?[]\\"
-        return "".join("\\" + c if c in special else c for c in self.prefix) + "*"
 
     def keys(self) -> list[str]:
         """Every key under the prefix (``SCAN``; every primary of a cluster)."""
@@ -1169,8 +1301,174 @@ class RedisStorage:
         if self.client is not self.user_client:
             self.client.close()
 
-    def __repr__(self) -> str:
-        return f"<RedisStorage prefix={self.prefix!r} cluster={self.cluster} on_error={self.on_error!r}>"
+
+_ASYNC_ONLY = (
+    "AsyncRedisStorage answers coroutines only: use `await limiter.allow_async(key, cost)` / "
+    "`await limiter.peek_async(key, cost)` (and the storage's *_async methods), or RedisStorage "
+    "with a synchronous client"
+)
+
+
+class AsyncRedisStorage(_RedisBase):
+    """:class:`RedisStorage` for ``asyncio``: the same scripts, keys, options,
+    failure policy, breaker, near-cache and metrics, over a ``redis.asyncio``
+    client (``redis.asyncio.Redis``, ``redis.asyncio.RedisCluster``, or the
+    valkey-py equivalents), so a decision never blocks the event loop::
+
+        storage = AsyncRedisStorage(redis.asyncio.Redis(host="10.0.0.5"))
+        limiter = TokenBucket(100, 60.0, storage, rule="api-user")
+        decision = await limiter.allow_async("user:42")
+
+    Limiters reach it through ``allow_async``/``peek_async``
+    (:meth:`run_kernel_async`). The synchronous entry points (``allow``,
+    ``peek``, ``allow_many``, ``reset``, ``state``, ``len()``) raise a
+    ``TypeError`` that names the async one to use; batches, resets, reads
+    and counts are :meth:`run_kernel_many_async`, :meth:`forget_async`,
+    :meth:`snapshot_async` and :meth:`count`. The derived client (short
+    timeout, no retries) is bound to the event loop that first uses it:
+    build the storage per loop, and ``await storage.close()`` at the end.
+    """
+
+    _asyncio: ClassVar[bool] = True
+
+    # -- script calls -------------------------------------------------------------
+    async def load_scripts(self) -> None:
+        """``SCRIPT LOAD`` every script (on every primary of a cluster)."""
+        for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values()):
+            await self._load(script)
+
+    async def _load(self, script: _Script) -> None:
+        self._loaded(script, await self.client.script_load(script.source))
+
+    async def _call(self, *args: Any) -> Any:
+        """One command, one attempt. A timeout, a socket error or a
+        cancellation disconnects the connection (redis-py's ``send_command``
+        and ``read_response`` do it) before it goes back to the pool, so no
+        late reply is ever read by the next caller."""
+        pool = self._pool
+        if pool is None:
+            return await self.client.execute_command(*args)
+        conn = await pool.get_connection(*self._conn_args)
+        try:
+            await conn.send_command(*args)
+            return await conn.read_response()
+        finally:
+            await pool.release(conn)
+
+    async def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[str]) -> Any:
+        """One ``EVALSHA``; on ``NOSCRIPT`` load and retry once (safe: the
+        script did not run). Never retried otherwise."""
+        try:
+            return await self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+        except self._errors as exc:
+            if not _is_noscript(exc):
+                raise
+        await self._load(script)
+        return await self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    # -- decisions ------------------------------------------------------------------
+    async def run_kernel_async(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> KernelVerdict:
+        """One decision (what ``allow_async``/``peek_async`` await): one
+        ``EVALSHA``, two after a ``SCRIPT FLUSH``; a near-cache denial or an
+        open breaker answers without a round trip."""
+        early = self._early(config, key, cost, now)
+        if early is not None:
+            return early
+        keys, args = self._single_args(config, key, cost, now, commit)
+        try:
+            reply = await self._evalsha(SCRIPTS[config.algorithm], keys, args)
+        except self._errors as exc:
+            return self._error_verdict(config, exc)
+        return self._answered(config, key, cost, now, reply)
+
+    async def run_kernel_many_async(
+        self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
+    ) -> list[KernelVerdict]:
+        """A batch in one round trip, as ``RedisStorage.run_kernel_many``
+        (``now``: ``None`` for the server's clock, else the injected reading)."""
+        run = self._batch_start(config, keys, costs, now)
+        if isinstance(run, list):
+            return run
+        try:
+            for attempt in range(2):
+                pipe = self.client.pipeline(transaction=False)
+                run.queue(pipe)
+                reload = run.absorb(await pipe.execute(raise_on_error=False), attempt)
+                if reload is None:
+                    break
+                await self._load(reload)
+        except self._errors as exc:
+            return run.abort(exc)
+        return run.result()
+
+    async def forget_async(self, config: LimiterConfig, key: str) -> None:
+        """``DEL`` the key (a reset is an admin action: errors raise)."""
+        await self.client.delete(self._forget_local(config, key))
+
+    async def snapshot_async(self, config: LimiterConfig, key: str) -> LimiterState | None:
+        """The raw stored state (not brought up to now), or ``None``."""
+        raw = await self.client.execute_command(*self._snapshot_command(config, key))
+        return self._parse_snapshot(config.algorithm, raw)
+
+    async def keys(self) -> list[str]:
+        """Every key under the prefix (``SCAN``; every primary of a cluster)."""
+        return [
+            raw.decode() if isinstance(raw, bytes) else raw
+            async for raw in self.client.scan_iter(match=self._scan_match(), count=1000)
+        ]
+
+    async def count(self) -> int:
+        """Keys under the prefix, counted with ``SCAN`` (O(keys): not for a hot path)."""
+        return len(await self.keys())
+
+    async def clear(self) -> int:
+        """Delete every key under the prefix; returns how many."""
+        names = await self.keys()
+        for name in names:
+            await self.client.delete(name)
+        return len(names)
+
+    async def close(self) -> None:
+        """Close the derived client's connections (never the caller's client)."""
+        if self.client is not self.user_client:
+            closer = getattr(self.client, "aclose", None) or self.client.close
+            await closer()
+
+    # -- the synchronous protocols: present, so limiters accept the storage ----------
+    def run_kernel(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> KernelVerdict:
+        """Refused: a synchronous decision would block the event loop."""
+        raise TypeError(_ASYNC_ONLY)
+
+    def run_kernel_many(
+        self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
+    ) -> list[KernelVerdict]:
+        """Refused: ``await storage.run_kernel_many_async(limiter.config, keys, costs, None)``."""
+        raise TypeError(_ASYNC_ONLY + "; a batch: `await storage.run_kernel_many_async(...)`")
+
+    def run_kernel_all(
+        self, items: Sequence[tuple[LimiterConfig, str, int]], now: float | None
+    ) -> list[KernelVerdict]:
+        """Refused: compound limits are synchronous only (``RedisStorage.allow_all``)."""
+        raise TypeError("AsyncRedisStorage has no compound decisions yet; use RedisStorage.allow_all")
+
+    def forget(self, config: LimiterConfig, key: str) -> None:
+        """Refused: ``await storage.forget_async(limiter.config, key)``."""
+        raise TypeError(_ASYNC_ONLY + "; a reset: `await storage.forget_async(limiter.config, key)`")
+
+    def snapshot(self, config: LimiterConfig, key: str, now: float | None) -> LimiterState | None:
+        """Refused: ``await storage.snapshot_async(limiter.config, key)``."""
+        raise TypeError(_ASYNC_ONLY + "; a state: `await storage.snapshot_async(limiter.config, key)`")
+
+    def __len__(self) -> int:
+        """Refused: counting keys is I/O; ``await storage.count()``."""
+        raise TypeError("use await storage.count()")
+
+    def __bool__(self) -> bool:
+        return True  # ``__len__`` refuses: truthiness must not ask it
 
 
 # --------------------------------------------------------------------------
