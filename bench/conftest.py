@@ -8,15 +8,10 @@ import types
 
 import pytest
 
+from nanolimit._shared import LIMITER_CLASS_NAMES
+
 TWINS = ("native", "reference")
-ALGORITHMS = {
-    "token_bucket": "TokenBucket",
-    "leaky_bucket": "LeakyBucket",
-    "fixed_window": "FixedWindowCounter",
-    "sliding_log": "SlidingWindowLog",
-    "sliding_counter": "SlidingWindowCounter",
-    "gcra": "GCRA",
-}
+ALGORITHMS = LIMITER_CLASS_NAMES
 
 
 @pytest.fixture(scope="session", params=TWINS)

@@ -45,16 +45,11 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from nanolimit._shared import LIMITER_CLASS_NAMES
+
 HERE = Path(__file__).resolve().parent
 BASELINE = HERE / "instructions_baseline.json"
-ALGORITHMS = {
-    "token_bucket": "TokenBucket",
-    "leaky_bucket": "LeakyBucket",
-    "fixed_window": "FixedWindowCounter",
-    "sliding_log": "SlidingWindowLog",
-    "sliding_counter": "SlidingWindowCounter",
-    "gcra": "GCRA",
-}
+ALGORITHMS = LIMITER_CLASS_NAMES
 PATHS = ("allow", "peek", "allow_many")
 N1, N2 = 10_000, 110_000
 TOLERANCE = 0.10

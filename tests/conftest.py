@@ -51,6 +51,8 @@ SHARED_NAMES = (
 )
 
 # algorithm name -> limiter class name, in SPEC §4 order
+# (a copy of nanolimit._shared.LIMITER_CLASS_NAMES: importing it here would
+# load nanolimit before --no-c-extensions can take effect)
 ALGORITHM_CLASSES = {
     "token_bucket": "TokenBucket",
     "leaky_bucket": "LeakyBucket",

@@ -21,6 +21,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from nanolimit._shared import LIMITER_CLASS_NAMES
+
 if os.environ.get("NANOLIMIT_NO_EXTENSIONS"):
     pytest.skip(
         "NANOLIMIT_NO_EXTENSIONS is set: no native twin to compare with the reference",
@@ -50,14 +52,7 @@ ALGORITHMS = (
     "sliding_counter",
     "gcra",
 )
-CLASS_NAMES = {
-    "token_bucket": "TokenBucket",
-    "leaky_bucket": "LeakyBucket",
-    "fixed_window": "FixedWindowCounter",
-    "sliding_log": "SlidingWindowLog",
-    "sliding_counter": "SlidingWindowCounter",
-    "gcra": "GCRA",
-}
+CLASS_NAMES = LIMITER_CLASS_NAMES
 BURST_ALGORITHMS = ("token_bucket", "gcra")
 KEYS = ("a", "b", "ключ")
 START = 1.8e9

@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
+from ._shared import LIMITER_CLASS_NAMES
+
 __all__ = [
     "ALGORITHMS",
     "LIBRARIES",
@@ -142,14 +144,7 @@ def _importable(module: str) -> bool:
 
 
 def _nanolimit_makers(module_name: str) -> Callable[[], dict[str, Maker]]:
-    names = {
-        "token_bucket": "TokenBucket",
-        "leaky_bucket": "LeakyBucket",
-        "fixed_window": "FixedWindowCounter",
-        "sliding_log": "SlidingWindowLog",
-        "sliding_counter": "SlidingWindowCounter",
-        "gcra": "GCRA",
-    }
+    names = LIMITER_CLASS_NAMES
 
     def makers() -> dict[str, Maker]:
         module = importlib.import_module(module_name)

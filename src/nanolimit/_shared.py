@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from ._decision_py import Decision
 
 __all__ = [
+    "LIMITER_CLASS_NAMES",
     "MAX_COST",
     "MAX_KEY_BYTES",
     "MAX_LIMIT",
@@ -95,6 +96,16 @@ class Algorithm(str, enum.Enum):
             known = ", ".join(a.value for a in cls)
             raise UnknownAlgorithmError(f"unknown algorithm {name!r}; expected one of: {known}") from None
 
+
+# The limiter class of each algorithm, by name: both twins export these.
+LIMITER_CLASS_NAMES: dict[str, str] = {
+    "token_bucket": "TokenBucket",
+    "leaky_bucket": "LeakyBucket",
+    "fixed_window": "FixedWindowCounter",
+    "sliding_log": "SlidingWindowLog",
+    "sliding_counter": "SlidingWindowCounter",
+    "gcra": "GCRA",
+}
 
 # Algorithms whose capacity is the burst rather than the limit (SPEC §1).
 BURST_ALGORITHMS = frozenset({Algorithm.TOKEN_BUCKET, Algorithm.GCRA})
