@@ -470,13 +470,18 @@ cdef class InMemoryStorage:
         cdef int run = 0
         cdef const Bounds* bounds = self.bounds_or_null()
         cdef Py_ssize_t AHEAD = 8
+        cdef Py_ssize_t j
         # Hashing here, without the GIL, keeps the GIL-held part of a batch
-        # to the key checks, so batches on several threads overlap more.
+        # to the key checks, so batches on several threads overlap more. A
+        # key is hashed 2*AHEAD requests before its decision, so its bytes
+        # are still in cache for the comparison in the probe.
+        for j in range(min(n, 2 * AHEAD)):
+            hashes[j] = nl_hash_seeded(seed, keys[j], <size_t>sizes[j]) & self.hash_mask
         for i in range(n):
-            hashes[i] = nl_hash_seeded(seed, keys[i], <size_t>sizes[i]) & self.hash_mask
-        for i in range(n):
-            if i + 2 * AHEAD < n:
-                prefetch_slot(self.stripe_for(hashes[i + 2 * AHEAD]), hashes[i + 2 * AHEAD])
+            j = i + 2 * AHEAD
+            if j < n:
+                hashes[j] = nl_hash_seeded(seed, keys[j], <size_t>sizes[j]) & self.hash_mask
+                prefetch_slot(self.stripe_for(hashes[j]), hashes[j])
             if i + AHEAD < n:
                 prefetch_entry(self.stripe_for(hashes[i + AHEAD]), hashes[i + AHEAD])
             h = hashes[i]
