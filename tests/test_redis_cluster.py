@@ -94,3 +94,50 @@ def test_script_flush_on_every_node(backend: types.SimpleNamespace, storage: Any
     storage.client.script_flush()
     result = limiter.allow_many(keys)
     assert not result.degraded and result.allowed_count == 10
+
+
+def _node_client(cluster: Any, index: int) -> Any:
+    return cluster.nodes[index].client(socket_timeout=5.0)
+
+
+def test_a_slot_moving_loses_and_double_charges_nothing(backend: types.SimpleNamespace, cluster: Any) -> None:
+    """A key's slot migrates to another master mid-run (IMPORTING/MIGRATING,
+    MIGRATE, SETSLOT NODE): decisions follow it, its state moves with it, and
+    no request is charged twice or lost (fail-open answers charge nothing)."""
+    client = cluster.client()
+    storage = RedisStorage(client, timeout=2.0, on_error="allow")
+    clock = backend.FakeClock(50.0)
+    limiter = backend.TokenBucket(6, 3600.0, storage, clock, rule="move")
+    admitted = sum(limiter.allow("mover").allowed for _ in range(3))
+    assert admitted == 3
+    redis_key = storage.redis_key(limiter.config, "mover")
+    slot = client.keyslot(redis_key)
+    nodes = [_node_client(cluster, i) for i in range(len(cluster.nodes))]
+    ids = [n.execute_command("CLUSTER", "MYID") for n in nodes]
+    ids = [i.decode() if isinstance(i, bytes) else i for i in ids]
+    owner = next(i for i, n in enumerate(nodes) if n.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) > 0)
+    target = (owner + 1) % len(nodes)
+    nodes[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
+    nodes[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+    keys = nodes[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+    assert keys
+    nodes[owner].execute_command(
+        "MIGRATE", "127.0.0.1", cluster.nodes[target].port, "", 0, 5000, "KEYS", *keys
+    )
+    for n in nodes:
+        n.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+    degraded = 0
+    for _ in range(6):
+        d = limiter.allow("mover")
+        if d.degraded:
+            degraded += 1  # a redirect the client had not learned yet: fail-open, charged nothing
+        else:
+            admitted += d.allowed
+    assert admitted == 6  # exactly the capacity: the 3 spent before the move were not lost
+    assert nodes[target].execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) >= 1
+    assert nodes[owner].execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+    assert degraded <= 2
+    for n in nodes:
+        n.close()
+    storage.client.close()
+    client.close()
