@@ -102,6 +102,7 @@ from .rules import (  # noqa: E402
     RuleValidationError,
     parse_rate,
 )
+from .two_tier import TwoTierStorage  # noqa: E402
 
 __all__ = [
     "GCRA",
@@ -145,6 +146,7 @@ __all__ = [
     "StorageUnavailableError",
     "SystemClock",
     "TokenBucket",
+    "TwoTierStorage",
     "UnknownAlgorithmError",
     "ValidationError",
     "__version__",

@@ -1,0 +1,604 @@
+"""Two-tier limits for fleets: local decisions, reconciled through Redis.
+
+A gateway instance deciding 100,000 requests per second cannot spend a Redis
+round trip on each. :class:`TwoTierStorage` decides every request in process,
+against this instance's *lease* for the key, and a background thread
+reconciles with Redis once per ``sync_interval`` (or sooner when a key runs
+out of lease): one pipelined round trip writes what this instance admitted per
+key and window, reads the fleet totals back and takes a new lease.
+
+Leases: a Lua script per (key, window) writes this instance's count, then
+grants it ``ceil(remaining / N)`` where ``remaining = L - all counts - the
+other instances' leases``. A lease never exceeds what remains, so the counts
+plus the leases of the instances that have synced in a window never pass the
+limit. Before its first sync of a window, an instance spends a default share
+``ceil(L / N)`` that nobody else has seen yet: that is the only overshoot.
+
+Error bound (``L`` = the limit, ``N`` = live instances, ``I`` = sync interval,
+``r_j`` = the rate instance ``j`` admits a key at)::
+
+    admitted per key and window  <=  L + sum over all but the first instance to sync of u_j
+    u_j = min(ceil(L / N), r_j * I)     (what j admits in the window before its first sync)
+    so the over-admission is at most (N - 1) * min(ceil(L / N), r * I)
+
+``sync_interval`` is the knob: shorter means fewer units admitted unseen.
+See ``docs/two_tier.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._shared import (
+    LIMITER_CLASS_NAMES,
+    Algorithm,
+    FakeClock,
+    KernelVerdict,
+    LimiterConfig,
+    LimiterState,
+    ValidationError,
+    check_now,
+)
+from .redis_storage import RedisStorage, _Script, derive_client
+
+__all__ = ["SUPPORTED_ALGORITHMS", "TwoTierStorage"]
+
+# Counter-shaped algorithms: their state merges across instances by adding the
+# units each instance consumed, so a per-instance counter in Redis is enough.
+SUPPORTED_ALGORITHMS = frozenset({Algorithm.FIXED_WINDOW, Algorithm.SLIDING_COUNTER, Algorithm.TOKEN_BUCKET})
+
+_REFUSED = (
+    "TwoTierStorage supports fixed_window, sliding_counter and token_bucket only: their state merges "
+    "across instances by adding consumed units. {algo} keeps per-request state (timestamps, a "
+    "theoretical arrival time or a queue) that cannot be summed, so it cannot be approximated locally; "
+    "use RedisStorage (one round trip per decision) for it"
+)
+
+# Register this instance and count the live ones, by the server's clock (one
+# clock for the fleet): score = expiry in ms; expired members are dropped.
+_HEARTBEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('PEXPIRE', KEYS[1], ttl * 4)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+# One (key, window) per call, atomically: write this instance's absolute count,
+# sum every instance's count and every *other* instance's lease (units it may
+# still admit before its next sync), and grant this instance a lease of
+# ceil(remaining / N). The lease never exceeds what remains, so the counts plus
+# the leases of instances that have synced never pass the limit.
+_RECONCILE = r"""
+local h = KEYS[1]
+local id = ARGV[1]
+local lid = 'lease:' .. id
+redis.call('HSET', h, id, ARGV[2])
+local n = tonumber(ARGV[3])
+local limit = tonumber(ARGV[4])
+local prev = tonumber(ARGV[5])
+local flat = redis.call('HGETALL', h)
+local counts, leases = 0, 0
+for i = 1, #flat, 2 do
+  local f = flat[i]
+  if string.sub(f, 1, 6) == 'lease:' then
+    if f ~= lid then leases = leases + tonumber(flat[i + 1]) end
+  else
+    counts = counts + tonumber(flat[i + 1])
+  end
+end
+local lease = 0
+local rem = limit - prev - counts - leases
+if ARGV[7] == '1' and rem > 0 then lease = math.ceil(rem / n) end
+redis.call('HSET', h, lid, lease)
+redis.call('PEXPIRE', h, ARGV[6])
+return {counts, lease}
+"""
+
+_Window = int
+
+
+@dataclass
+class _Track:
+    """What one instance knows about one (limit, key): per window index, its
+    own cumulative admitted units, what it last pushed, and the fleet total it
+    last read back."""
+
+    config: LimiterConfig
+    key: str
+    base: str  # Redis key prefix for this (rule, key); the window index follows
+    limit: int
+    window: float
+    sliding: bool
+    last_now: float = 0.0
+    touched: float = field(default_factory=time.monotonic)  # idle eviction: real time, any clock
+    own: dict[_Window, int] = field(default_factory=dict)
+    pushed: dict[_Window, int] = field(default_factory=dict)
+    seen_total: dict[_Window, int] = field(default_factory=dict)
+    seen_own: dict[_Window, int] = field(default_factory=dict)
+    lease: dict[_Window, int] = field(default_factory=dict)  # granted at our last sync of the window
+
+
+class TwoTierStorage:
+    """A :class:`~nanolimit.KernelStorage` deciding locally, reconciled through Redis.
+
+    ``remote`` is a :class:`~nanolimit.redis_storage.RedisStorage` (its key
+    layout is reused; the sync talks through a client derived from its client
+    with ``timeout`` seconds — default ``max(0.25, 2 * sync_interval)`` — and
+    no retries) or a redis-py client (wrapped in one). ``local`` is the in-memory
+    storage used while Redis is unreachable (default: ``InMemoryStorage()`` of
+    the native twin when built).
+
+    Algorithms: fixed window and sliding window counter exactly as SPEC §4
+    but with fleet-wide counts; the token bucket is enforced as a sliding
+    window counter of ``capacity`` units over ``capacity / rate`` seconds (the
+    same long-run rate and burst; a bucket's cap is not a sum of consumed
+    units). Sliding log, GCRA and leaky bucket raise :class:`ValidationError`
+    on first use.
+
+    Bound: per key and window the fleet admits at most
+    ``L + (N - 1) * min(ceil(L / N), r * I)``: only what instances admit
+    before their first sync of a window goes unseen (module docstring).
+
+    Partitions: when a sync fails, every instance enforces ``limit // N``
+    locally with the native kernel (``N`` = live instances last seen), on top
+    of the fleet total it last saw; it keeps counting what it admits, and the
+    first successful sync re-writes its cumulative per-window counts (``HSET``
+    of an absolute value per instance field: idempotent, so a retried or lost
+    reply never counts a unit twice, and a restarted empty server gets the
+    fleet's counts back). The window in which Redis returns can hold the
+    blind units on top of the limit (at most ``2 * L``): the first instances
+    back lease before the others' blind counts arrive.
+
+    Instances register in a sorted set scored by heartbeat expiry (server
+    clock), refreshed each sync; an instance that stops syncing stops counting
+    toward ``N`` ``heartbeat_ttl`` seconds later. Its admitted units still count.
+    ``instances`` is the ``N`` assumed until the first sync answers (an
+    instance started while Redis is down has nothing better to divide by).
+    """
+
+    def __init__(
+        self,
+        local: Any = None,
+        remote: Any = None,
+        *,
+        sync_interval: float = 0.05,
+        instance_id: str | None = None,
+        instances: int = 1,
+        heartbeat_ttl: float = 2.0,
+        prefix: str = "tt:",
+        timeout: float | None = None,
+        start: bool = True,
+    ) -> None:
+        if remote is None:
+            raise ValidationError("TwoTierStorage needs a remote: a RedisStorage or a redis client")
+        if not (isinstance(sync_interval, (int, float)) and 0 < sync_interval <= 60):
+            raise ValidationError(f"sync_interval must be seconds in (0, 60], got {sync_interval!r}")
+        if not (isinstance(heartbeat_ttl, (int, float)) and heartbeat_ttl >= 2 * sync_interval):
+            raise ValidationError("heartbeat_ttl must be seconds >= 2 * sync_interval")
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+            raise ValidationError("prefix must be a str without '{' or '}'")
+        if local is None:
+            import nanolimit  # the native twin when built; imported late (nanolimit may export us)
+
+            local = nanolimit.InMemoryStorage()
+        self.local = local
+        self.remote: RedisStorage = remote if isinstance(remote, RedisStorage) else RedisStorage(remote)
+        self.sync_interval = float(sync_interval)
+        # The sync is off the request path: it may wait longer than a decision
+        # call would, but never retries (a pipeline is not replayed blindly).
+        self.timeout = float(timeout) if timeout is not None else max(0.25, 2 * self.sync_interval)
+        self.client = derive_client(self.remote.user_client, self.timeout)
+        self.heartbeat_ttl = float(heartbeat_ttl)
+        self.instance_id = instance_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        if self.instance_id.startswith("lease:"):
+            raise ValidationError("instance_id must not start with 'lease:' (the lease fields' prefix)")
+        self.prefix = prefix
+        self._id_bytes = self.instance_id.encode()
+        # the client package's own error base and OSError, as RedisStorage catches them
+        self._errors: tuple[type[BaseException], ...] = self.remote._errors
+        self.max_key_bytes: int = getattr(self.remote, "max_key_bytes", 1024)
+        self._members_key = f"{self.remote.prefix}{prefix}instances"
+        self._twin = importlib.import_module(type(local).__module__)
+        self._lock = threading.Lock()
+        self._tracks: dict[tuple[LimiterConfig, str], _Track] = {}
+        if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
+            raise ValidationError(f"instances must be an int >= 1, got {instances!r}")
+        # N until the first sync answers: an instance born during a partition has
+        # no live count to divide by, so the operator's estimate stands in
+        self._instances = instances
+        self._n_floor: tuple[int, float] = (1, 0.0)
+        self._blind = False
+        self._blind_clock = FakeClock()
+        self._blind_limiters: dict[tuple[LimiterConfig, int], Any] = {}
+        self._blind_keys: dict[tuple[LimiterConfig, str], Any] = {}  # -> the limiter that holds it
+        self._blind_units = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._sync_lock = threading.Lock()
+        self._script_loaded = False
+        self._stats: dict[str, Any] = {
+            "syncs": 0,
+            "sync_failures": 0,
+            "early_syncs": 0,
+            "sync_latency_last": 0.0,
+            "sync_latency_max": 0.0,
+            "sync_latency_total": 0.0,
+            "units_pushed": 0,
+            "units_reconciled": 0,
+            "partitions": 0,
+            "decisions": 0,
+        }
+        self._thread: threading.Thread | None = None
+        if start:
+            self.sync_now()
+            self._thread = threading.Thread(target=self._run, name="nanolimit-two-tier", daemon=True)
+            self._thread.start()
+
+    # -- the KernelStorage protocol ------------------------------------------------
+    def run_kernel(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> KernelVerdict:
+        """Decide locally: never waits for Redis."""
+        t = time.time() if now is None else now
+        with self._lock:
+            return self._decide(config, key, cost, t, commit)
+
+    def run_kernel_many(
+        self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
+    ) -> list[KernelVerdict]:
+        t = time.time() if now is None else now
+        with self._lock:
+            return [self._decide(config, k, c, t, True) for k, c in zip(keys, costs)]
+
+    def run_kernel_all(
+        self, items: Sequence[tuple[LimiterConfig, str, int]], now: float | None
+    ) -> list[KernelVerdict]:
+        """All-or-nothing: every item is checked first, and charged only if all pass."""
+        t = time.time() if now is None else now
+        with self._lock:
+            probe = [self._decide(cfg, k, c, t, False) for cfg, k, c in items]
+            if not all(v[0] for v in probe):
+                return probe
+            return [self._decide(cfg, k, c, t, True) for cfg, k, c in items]
+
+    def forget(self, config: LimiterConfig, key: str) -> None:
+        """Forget ``key`` here and delete its window hashes in Redis (the other
+        instances re-write their own counts at their next sync)."""
+        with self._lock:
+            track = self._tracks.pop((config, key), None)
+        if track is not None:
+            names = [self._hash_key(track, k) for k in (*track.own, *track.seen_total)]
+            if names:
+                with contextlib.suppress(*self._errors):  # unreachable: the keys expire
+                    self.client.delete(*set(names))
+
+    def snapshot(self, config: LimiterConfig, key: str, now: float | None) -> LimiterState | None:
+        """The fleet view of ``key``: window index, fleet count, previous window count."""
+        t = time.time() if now is None else check_now(now)
+        with self._lock:
+            track = self._tracks.get((config, key))
+            if track is None:
+                return None
+            k = math.floor(t / track.window)
+            return LimiterState(
+                config.algorithm,
+                track.last_now,
+                window_index=k,
+                count=self._fleet(track, k),
+                previous=self._fleet(track, k - 1) if track.sliding else None,
+            )
+
+    def apply(self, key: str, now: float, mutate: Any) -> Any:
+        raise ValidationError("TwoTierStorage runs the built-in kernels only (it has no generic apply())")
+
+    def evict_idle(self, cutoff: float) -> int:
+        """Drop keys not decided since ``cutoff`` whose counts are all pushed."""
+        with self._lock:
+            idle = [
+                ident
+                for ident, tr in self._tracks.items()
+                if tr.last_now < cutoff and all(tr.pushed.get(k) == v for k, v in tr.own.items())
+            ]
+            for ident in idle:
+                del self._tracks[ident]
+        return len(idle)
+
+    def __len__(self) -> int:
+        return len(self._tracks)
+
+    # -- the local decision ------------------------------------------------------
+    def _track(self, config: LimiterConfig, key: str, now: float) -> _Track:
+        track = self._tracks.get((config, key))
+        if track is None:
+            algo = config.algorithm
+            if algo not in SUPPORTED_ALGORITHMS:
+                raise ValidationError(_REFUSED.format(algo=algo.value))
+            if algo is Algorithm.TOKEN_BUCKET:
+                # capacity units over the time the bucket takes to refill from empty
+                limit, window, sliding = config.capacity, config.capacity / config.rate, True
+            else:
+                limit, window = config.limit, config.window_seconds
+                sliding = algo is Algorithm.SLIDING_COUNTER
+            base = f"{self.remote.redis_key(config, key)}:{self.prefix}"
+            track = _Track(config, key, base, limit, window, sliding, now)
+            self._tracks[(config, key)] = track
+        return track
+
+    def _fleet(self, track: _Track, k: int) -> int:
+        """Fleet units in window ``k``: the others as last read, plus our own now."""
+        others = track.seen_total.get(k, 0) - track.seen_own.get(k, 0)
+        return others + track.own.get(k, 0)
+
+    def _decide(self, config: LimiterConfig, key: str, cost: int, now: float, commit: bool) -> KernelVerdict:
+        track = self._track(config, key, now)
+        now = max(now, track.last_now)  # per key, time never runs backwards (SPEC §4)
+        if commit:
+            track.last_now = now
+            track.touched = time.monotonic()
+            self._stats["decisions"] += 1
+        limit, window = track.limit, track.window
+        k = math.floor(now / window)
+        start = k * window
+        current = self._fleet(track, k)
+        previous = self._fleet(track, k - 1) if track.sliding else 0
+        weight = 1.0 - (now - start) / window
+        estimate = previous * weight + current
+        # Our units since our last sync of this window, against the lease that
+        # sync granted (before any: an even share of the whole limit).
+        since = track.own.get(k, 0) - track.pushed.get(k, 0)
+        share = track.lease.get(k)
+        if share is None:
+            share = math.ceil(limit / self._instances)
+        fits = estimate + cost <= limit
+        degraded = False
+        if self._blind:
+            degraded = True
+            ok = fits and self._blind_allow(track, cost, now, commit)
+        else:
+            ok = fits and since + cost <= share
+            if fits and not ok:
+                self._stats["early_syncs"] += 1
+                self._wake.set()
+        reset_after = start + window - now if current > 0 or previous > 0 else 0.0
+        if current > 0 and track.sliding:
+            reset_after = start + 2 * window - now
+        if ok:
+            if commit:
+                track.own[k] = track.own.get(k, 0) + cost
+                if self._blind:
+                    self._blind_units += cost
+            return (True, limit - estimate - cost, 0.0, max(reset_after, start + window - now), 0.0, degraded)
+        retry_after = start + window - now
+        if fits:  # out of allowance, not of budget: the next sync resizes it
+            retry_after = min(retry_after, self.sync_interval)
+        elif track.sliding and previous > 0:
+            room = limit - current - cost
+            if room >= 0:
+                retry_after = start + window * (1 - room / previous) - now
+        return (False, limit - estimate, max(0.0, retry_after), reset_after, 0.0, degraded)
+
+    def _previous_weighted(self, track: _Track, k: int) -> float:
+        """The sliding estimate's share of window ``k - 1``, at our key's time."""
+        if not track.sliding:
+            return 0.0
+        weight = 1.0 - (track.last_now - k * track.window) / track.window
+        return self._fleet(track, k - 1) * min(1.0, max(0.0, weight))
+
+    def _blind_allow(self, track: _Track, cost: int, now: float, commit: bool) -> bool:
+        """While Redis is unreachable: the native kernel with ``limit // N``."""
+        n = max(1, self._instances)
+        config = track.config
+        limiter: Any = self._blind_limiters.get((config, n))
+        if limiter is None:
+            cls = getattr(self._twin, LIMITER_CLASS_NAMES[config.algorithm.value])
+            burst = None if config.burst is None else max(1, config.burst // n)
+            self._blind_clock.set(now)
+            limiter = cls(
+                max(1, config.limit // n),
+                config.window_seconds,
+                self.local,
+                self._blind_clock,
+                config.rule,
+                burst=burst,
+            )
+            self._blind_limiters[(config, n)] = limiter
+        if cost > limiter.capacity:
+            return False
+        self._blind_clock.set(now)
+        ident = (config, track.key)
+        if self._blind_keys.get(ident) is not limiter:  # a fresh share each blind episode
+            limiter.reset(track.key)
+            self._blind_keys[ident] = limiter
+        decision = limiter.allow(track.key, cost) if commit else limiter.peek(track.key, cost)
+        return bool(decision.allowed)
+
+    # -- the sync ------------------------------------------------------------------
+    def _hash_key(self, track: _Track, k: int) -> str:
+        return f"{track.base}{k}"
+
+    def _run(self) -> None:
+        gap = self.sync_interval / 4  # early syncs, at most this often
+        while not self._stop.is_set():
+            self._wake.wait(self.sync_interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            self.sync_now()
+            self._stop.wait(gap)
+
+    def sync_now(self) -> bool:
+        """One pipelined round trip: heartbeat, push our per-window counts,
+        read the fleet totals. True if Redis answered."""
+        with self._sync_lock:
+            return self._sync()
+
+    def _sync(self) -> bool:
+        with self._lock:
+            work: list[tuple[_Track, int, int, bool]] = []  # track, window, own count, current?
+            for ident in [
+                ident
+                for ident, tr in self._tracks.items()
+                if time.monotonic() - tr.touched > max(3 * tr.window, 10.0)
+                and all(tr.pushed.get(w) == v for w, v in tr.own.items())
+            ]:
+                del self._tracks[ident]  # idle and fully pushed: nothing left to reconcile
+            for track in self._tracks.values():
+                k = math.floor(track.last_now / track.window)
+                windows = {k, k - 1} if track.sliding else {k}
+                # keep the previous window for the sliding estimate; drop older ones once pushed
+                for old in [w for w in track.own if w < k - 1 and track.pushed.get(w) == track.own[w]]:
+                    for table in (track.own, track.pushed, track.seen_total, track.seen_own, track.lease):
+                        table.pop(old, None)
+                for w in sorted(windows | set(track.own)):
+                    work.append((track, w, track.own.get(w, 0), w == k))
+            n = self._instances
+            load = not self._script_loaded
+        ttl_ms = max(1, math.ceil(self.heartbeat_ttl * 1000))
+        began = time.perf_counter()
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            if load:  # first sync, or the server may have restarted: same connection, runs first
+                pipe.script_load(_RECONCILE_SCRIPT.source)
+            pipe.eval(_HEARTBEAT, 1, self._members_key, self.instance_id, ttl_ms)
+            wall = time.time()
+            for track, w, value, current in work:
+                # alive until the window can no longer matter, by the wall clock (an injected
+                # clock gets an hour's floor, as RedisStorage does)
+                left = (w + 2) * track.window - wall
+                near = abs(left) < 1e5  # a window of the wall clock, not of an injected one
+                ms = math.ceil(max(left, 0.0) * 1000) + 1000 if near else 3_600_000
+                pipe.evalsha(
+                    _RECONCILE_SCRIPT.sha,
+                    1,
+                    self._hash_key(track, w),
+                    self.instance_id,
+                    value,
+                    n,
+                    track.limit,
+                    repr(self._previous_weighted(track, w) if current else 0.0),
+                    ms,
+                    "1" if current else "0",
+                )
+            replies = pipe.execute()[1 if load else 0 :]
+        except self._errors:
+            self._script_loaded = False
+            self._failed()
+            return False
+        latency = time.perf_counter() - began
+        pushed_units = 0
+        with self._lock:
+            live = max(1, int(replies[0]))
+            if self._blind:
+                # a restarted server knows only the instances that synced since: keep
+                # the N we knew until every live instance has had time to heartbeat
+                self._n_floor = (self._instances, time.monotonic() + self.heartbeat_ttl)
+            floor, until = self._n_floor
+            self._instances = max(live, floor) if time.monotonic() < until else live
+            self._script_loaded = True
+            for (track, w, value, current), (total, lease) in zip(work, replies[1:]):
+                pushed_units += value - track.pushed.get(w, 0)
+                track.pushed[w] = value
+                track.seen_total[w] = int(total)
+                track.seen_own[w] = value
+                if current:
+                    track.lease[w] = int(lease)
+            if self._blind:
+                self._blind = False
+                for (_, key), limiter in self._blind_keys.items():
+                    limiter.reset(key)  # the local share state is not needed until the next partition
+                self._blind_keys.clear()
+                # every unit admitted blind: those admitted during this round trip
+                # are in our counts and go with the next sync
+                self._stats["units_reconciled"] += self._blind_units
+                self._blind_units = 0
+            stats = self._stats
+            stats["syncs"] += 1
+            stats["units_pushed"] += pushed_units
+            stats["sync_latency_last"] = latency
+            stats["sync_latency_max"] = max(stats["sync_latency_max"], latency)
+            stats["sync_latency_total"] += latency
+        return True
+
+    def _failed(self) -> None:
+        """Redis unreachable: enforce our share locally until it answers again."""
+        with self._lock:
+            self._stats["sync_failures"] += 1
+            if not self._blind:
+                self._blind = True
+                self._stats["partitions"] += 1
+                # the server may come back empty: re-write every count we hold
+                for track in self._tracks.values():
+                    track.pushed.clear()
+                    track.lease.clear()
+
+    # -- introspection and lifecycle -----------------------------------------------
+    @property
+    def instances(self) -> int:
+        """Live instances at the last sync (the ``N`` of the shares)."""
+        return self._instances
+
+    @property
+    def partitioned(self) -> bool:
+        return self._blind
+
+    def fleet_counts(self, config: LimiterConfig, key: str) -> dict[int, int]:
+        """This instance's view of the fleet's units for ``key``, per window
+        index it still holds: the others as last read, plus its own now."""
+        with self._lock:
+            track = self._tracks.get((config, key))
+            if track is None:
+                return {}
+            return {k: self._fleet(track, k) for k in sorted(set(track.own) | set(track.seen_total))}
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters: syncs, sync latency (s), keys tracked, units pushed and
+        reconciled after a partition, partition mode, live instances."""
+        with self._lock:
+            out = dict(self._stats)
+            out["keys_tracked"] = len(self._tracks)
+            out["partition"] = self._blind
+            out["instances"] = self._instances
+            out["sync_latency_avg"] = out["sync_latency_total"] / out["syncs"] if out["syncs"] else 0.0
+        return out
+
+    def close(self, *, deregister: bool = True) -> None:
+        """Stop the sync thread, push what is left and (``deregister``) leave
+        the fleet at once rather than after ``heartbeat_ttl``."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if not deregister:
+            return
+        self.sync_now()
+        with contextlib.suppress(*self._errors):  # unreachable: our heartbeat simply expires
+            self.client.zrem(self._members_key, self.instance_id)
+
+    def __enter__(self) -> TwoTierStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<TwoTierStorage {self.instance_id!r} keys={len(self._tracks)} "
+            f"instances={self._instances} partition={self._blind}>"
+        )
+
+
+_RECONCILE_SCRIPT = _Script(_RECONCILE)

@@ -1,0 +1,357 @@
+"""TwoTierStorage against real servers: a fleet of separate processes, a
+partition (the server killed and restarted mid-run), instance churn, and the
+refused algorithms.
+
+The fleet tests run on Redis only (each costs several seconds of real time);
+the in-process ones on every server kind available.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest_plugins = ["redis_servers"]  # the server fixtures
+
+WORKER = Path(__file__).with_name("two_tier_worker.py")
+HASH_NAME = re.compile(rb"\{(.+)\}:tt:(-?\d+)$")
+
+K = 3  # instances
+LIMIT = 300
+WINDOW = 1.0
+SYNC = 0.05
+
+
+def bound(limit: int, n: int) -> int:
+    """The documented per-window ceiling: L + (N - 1) * ceil(L / N)."""
+    return limit + (n - 1) * math.ceil(limit / n)
+
+
+def run_fleet(
+    port: int, *, duration: float, schedule: Any = None, keys: tuple[str, ...] = ("a", "b")
+) -> list[dict[str, Any]]:
+    """Start K worker processes against ``port``; ``schedule(t0)`` runs in
+    this process meanwhile (kill/restart). Returns each worker's report."""
+    t0 = time.time() + 2.5  # time to start K interpreters on a busy 2-core machine
+    env = dict(os.environ)
+    # the workers import the very nanolimit this process tests (source tree or installed wheel)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    procs = []
+    for i in range(K):
+        args = {
+            "port": port,
+            "instance_id": f"inst-{i}",
+            "limiter": "FixedWindowCounter",
+            "limit": LIMIT,
+            "window": WINDOW,
+            "keys": list(keys),
+            "t0": t0,
+            "duration": duration,
+            "converge_at": t0 + duration + 0.8,
+            "sync_interval": SYNC,
+            "heartbeat_ttl": 2.0,
+            "pace": 0.001,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), json.dumps(args)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+            )
+        )
+    try:
+        if schedule is not None:
+            schedule(t0)
+        reports = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=duration + 20)
+            assert proc.returncode == 0, err.decode()[-2000:]
+            reports.append(json.loads(out.decode().strip().splitlines()[-1]))
+        return reports
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def totals(reports: list[dict[str, Any]], field: str = "admitted") -> dict[tuple[str, int], int]:
+    out: dict[tuple[str, int], int] = defaultdict(int)
+    for report in reports:
+        for key, per in report[field].items():
+            for k, n in per.items():
+                out[(key, int(k))] += n
+    return out
+
+
+def redis_fields(client: Any) -> dict[tuple[str, int], dict[str, int]]:
+    """Every two-tier hash in the server: (key, window) -> instance -> units."""
+    out: dict[tuple[str, int], dict[str, int]] = {}
+    for name in client.scan_iter(match="*:tt:*"):
+        match = HASH_NAME.search(name)
+        if match is None:
+            continue
+        fields = client.hgetall(name)
+        out[(match.group(1).decode(), int(match.group(2)))] = {f.decode(): int(v) for f, v in fields.items()}
+    return out
+
+
+def check_redis_matches(reports: list[dict[str, Any]], stored: dict[tuple[str, int], dict[str, int]]) -> int:
+    """Every stored per-instance count equals what that instance says it
+    admitted: nothing lost, nothing counted twice. Returns windows checked."""
+    for (key, k), fields in stored.items():
+        for report in reports:
+            admitted = report["admitted"].get(key, {}).get(str(k), 0)
+            assert fields.get(report["instance_id"], 0) == admitted, (key, k, report["instance_id"])
+    return len(stored)
+
+
+@pytest.mark.parametrize("server_kind", ["redis"])
+def test_fleet_stays_within_bound_and_converges(redis_server: Any) -> None:
+    duration = 3.5
+    reports = run_fleet(redis_server.port, duration=duration)
+    per_window = totals(reports)
+    ceiling = bound(LIMIT, K)
+    print("\nadmitted per (key, window):", dict(sorted(per_window.items())), "bound", ceiling)
+    assert per_window
+    for (key, k), admitted in per_window.items():
+        assert admitted <= ceiling, (key, k, admitted)
+    # windows wholly inside the load are used, not starved
+    t0 = min(min(int(k) for k in r["admitted"]["a"]) for r in reports)
+    full = [v for (key, k), v in per_window.items() if t0 < k < max(kk for _, kk in per_window)]
+    assert full and min(full) >= LIMIT // 2, full
+    # one view after a sync: every instance sees the same fleet counts, and they are exact
+    for key in ("a", "b"):
+        views = [r["view"][key] for r in reports]
+        assert all(v == views[0] for v in views), views
+        for k, n in views[0].items():
+            assert n == per_window[(key, int(k))]
+    for report in reports:
+        assert 3 in report["instances_seen"]
+        assert report["metrics"]["syncs"] > 10
+        assert report["metrics"]["partition"] is False
+    client = redis_server.client()
+    assert check_redis_matches(reports, redis_fields(client)) >= 2
+    client.close()
+
+
+@pytest.mark.parametrize("server_kind", ["redis"])
+def test_partition_falls_back_to_share_and_reconciles(own_server: Any) -> None:
+    duration = 5.0
+
+    def schedule(t0: float) -> None:
+        time.sleep(max(0.0, t0 + 1.3 - time.time()))
+        own_server.kill()
+        time.sleep(max(0.0, t0 + 3.0 - time.time()))
+        own_server.start()
+
+    reports = run_fleet(own_server.port, duration=duration, schedule=schedule)
+    per_window = totals(reports)
+    blind = totals(reports, "blind")
+    print("\nadmitted per (key, window):", dict(sorted(per_window.items())))
+    print("admitted blind per (key, window):", dict(sorted(blind.items())))
+    assert sum(blind.values()) > 0, "no instance noticed the partition"
+    for (key, k), admitted in blind.items():
+        assert admitted <= LIMIT, (key, k, admitted)  # the fleet, while blind
+    for report in reports:
+        for per in report["blind"].values():
+            assert all(n <= LIMIT // K for n in per.values())  # each instance: its share
+        metrics = report["metrics"]
+        assert metrics["partitions"] >= 1 and metrics["partition"] is False
+        assert metrics["units_reconciled"] == sum(sum(per.values()) for per in report["blind"].values())
+    for (key, k), admitted in per_window.items():
+        # the window Redis returns in may hold its blind units on top of the limit (docs)
+        assert admitted <= max(bound(LIMIT, K), LIMIT + blind.get((key, k), 0)), (key, k, admitted)
+    # the restarted (empty) server holds exactly what each instance admitted
+    client = own_server.client()
+    assert check_redis_matches(reports, redis_fields(client)) >= 2
+    client.close()
+    for key in ("a", "b"):
+        views = [r["view"][key] for r in reports]
+        assert all(v == views[0] for v in views), views
+
+
+def make_tier(server: Any, instance_id: str, **kwargs: Any) -> Any:
+    from nanolimit.two_tier import TwoTierStorage
+
+    kwargs.setdefault("sync_interval", SYNC)
+    return TwoTierStorage(None, server.client(), instance_id=instance_id, **kwargs)
+
+
+def test_dead_instance_stops_counting_after_ttl(redis_server: Any) -> None:
+    import nanolimit
+
+    a = make_tier(redis_server, "a", heartbeat_ttl=0.4)
+    b = make_tier(redis_server, "b", heartbeat_ttl=0.4)
+    try:
+        clock = nanolimit.FakeClock(1000.0)  # one window for the whole test
+        limiter_b = nanolimit.FixedWindowCounter(100, 30.0, storage=b, clock=clock)
+        assert sum(limiter_b.allow("k").allowed for _ in range(5)) == 5
+        b.sync_now()
+        a.sync_now()
+        assert a.instances == 2 and b.instances == 2
+        b.close(deregister=False)  # dies: no more heartbeats
+        deadline = time.monotonic() + 3.0
+        while a.instances != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a.instances == 1
+        limiter_a = nanolimit.FixedWindowCounter(100, 30.0, storage=a, clock=clock)
+        limiter_a.allow("k")
+        a.sync_now()
+        assert a.fleet_counts(limiter_a.config, "k") == {33: 6}  # b's units stay
+    finally:
+        a.close()
+
+
+def test_single_instance_is_exact(backend: Any, redis_server: Any) -> None:
+    clock = backend.FakeClock(1000.0)
+    tier = make_tier(redis_server, "solo", start=False)
+    try:
+        tier.sync_now()
+        for cls, limit in (("FixedWindowCounter", 10), ("SlidingWindowCounter", 10), ("TokenBucket", 10)):
+            limiter = getattr(backend, cls)(limit, 1.0, storage=tier, clock=clock, rule=cls)
+            assert not limiter.peek("k").degraded
+            got = [limiter.allow("k").allowed for _ in range(limit + 2)]
+            assert got == [True] * limit + [False, False], cls
+            tier.sync_now()
+            assert (
+                tier.fleet_counts(limiter.config, "k")[math.floor(1000.0 / limiter.window_seconds)] == limit
+            )
+        clock.advance(2.0)
+        fixed = backend.FixedWindowCounter(10, 1.0, storage=tier, clock=clock, rule="FixedWindowCounter")
+        assert fixed.allow("k").allowed
+        batch = fixed.allow_many(["k"] * 12)
+        assert batch.allowed_count == 9
+        metrics = tier.metrics()
+        for name in ("syncs", "sync_latency_avg", "keys_tracked", "units_reconciled", "partition"):
+            assert name in metrics
+        assert metrics["keys_tracked"] == 3 and metrics["partition"] is False
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("cls", ["SlidingWindowLog", "GCRA", "LeakyBucket"])
+def test_unsupported_algorithms_are_refused(backend: Any, redis_server: Any, cls: str) -> None:
+    tier = make_tier(redis_server, "x", start=False)
+    try:
+        limiter = getattr(backend, cls)(10, 1.0, storage=tier)
+        with pytest.raises(backend.ValidationError, match="cannot be summed"):
+            limiter.allow("k")
+    finally:
+        tier.close()
+
+
+def test_decisions_never_wait_for_a_dead_server(own_server: Any) -> None:
+    """Kill the server: decisions keep answering at local speed, degraded,
+    within the share; the thread notices within a sync."""
+    import nanolimit
+
+    tier = make_tier(own_server, "lonely")
+    try:
+        limiter = nanolimit.FixedWindowCounter(1000, 60.0, storage=tier)
+        assert limiter.allow("k").allowed
+        own_server.kill()
+        deadline = time.monotonic() + 3.0
+        while not tier.partitioned and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert tier.metrics()["partition"] is True
+        began = time.perf_counter()
+        decisions = [limiter.allow("k") for _ in range(200)]
+        assert time.perf_counter() - began < 0.5
+        assert all(d.degraded for d in decisions)
+        own_server.start()
+        deadline = time.monotonic() + 3.0
+        while tier.partitioned and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not tier.partitioned
+        assert tier.metrics()["units_reconciled"] == 200
+    finally:
+        done = threading.Event()
+        threading.Thread(target=lambda: (tier.close(), done.set()), daemon=True).start()
+        assert done.wait(5.0)
+
+
+@pytest.mark.parametrize("cls", ["FixedWindowCounter", "SlidingWindowCounter", "TokenBucket"])
+def test_leases_between_syncs_are_deterministic(backend: Any, redis_server: Any, cls: str) -> None:
+    """Two instances, explicit syncs, one injected clock: each spends at most
+    its lease between syncs; only units spent before an instance's first sync
+    of a window can overshoot, and once both have synced the fleet lands
+    exactly on the limit."""
+    clock = backend.FakeClock(5000.0)
+    a = make_tier(redis_server, "a", start=False)
+    b = make_tier(redis_server, "b", start=False)
+    try:
+        lim_a = getattr(backend, cls)(10, 1.0, storage=a, clock=clock)
+        lim_b = getattr(backend, cls)(10, 1.0, storage=b, clock=clock)
+        a.sync_now()
+        b.sync_now()
+        a.sync_now()
+        assert a.instances == b.instances == 2
+
+        def admit(limiter: Any, n: int) -> int:
+            return sum(limiter.allow("k").allowed for _ in range(n))
+
+        # window 5000: before any sync of it, an even share ceil(10 / 2) = 5 each
+        assert admit(lim_a, 8) == 5
+        refused = lim_a.allow("k")
+        assert not refused.allowed and refused.retry_after <= SYNC  # out of lease, not of budget
+        assert a.metrics()["early_syncs"] >= 1
+        assert admit(lim_b, 3) == 3  # b's default share, not yet visible to anyone
+        a.sync_now()  # counts 5, no leases: lease ceil(5 / 2) = 3
+        assert admit(lim_a, 5) == 3
+        b.sync_now()  # counts 5 + 3, a's lease 3: nothing left
+        assert admit(lim_b, 5) == 0
+        a.sync_now()
+        b.sync_now()
+        # b's 3 units spent before its first sync of the window are the overshoot
+        assert a.fleet_counts(lim_a.config, "k")[5000] == b.fleet_counts(lim_b.config, "k")[5000] == 11
+        assert 11 <= 10 + (2 - 1) * 5  # L + (N - 1) * ceil(L / N)
+
+        # window 5002 (5001 empty, so the sliding estimate starts clean)
+        clock.set(5002.0)
+        assert admit(lim_a, 1) == 1 and admit(lim_b, 1) == 1
+        a.sync_now()  # counts 1: lease ceil(9 / 2) = 5
+        b.sync_now()  # counts 2, a's lease 5: lease ceil(3 / 2) = 2
+        assert admit(lim_a, 9) == 5 and admit(lim_b, 9) == 2  # 9 in all, 1 left
+        a.sync_now()  # counts 6 + 1, b's lease 2: lease 1
+        b.sync_now()  # counts 6 + 3, a's lease 1: lease 0
+        a.sync_now()  # counts 9, b's lease 0: lease 1
+        assert admit(lim_a, 9) == 1 and admit(lim_b, 9) == 0
+        for tier in (a, b, a, b):
+            tier.sync_now()
+        assert a.fleet_counts(lim_a.config, "k")[5002] == b.fleet_counts(lim_b.config, "k")[5002] == 10
+        assert admit(lim_a, 3) + admit(lim_b, 3) == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_reset_state_and_eviction(backend: Any, redis_server: Any) -> None:
+    clock = backend.FakeClock(7000.0)
+    tier = make_tier(redis_server, "solo", start=False)
+    try:
+        limiter = backend.SlidingWindowCounter(5, 1.0, storage=tier, clock=clock)
+        assert sum(limiter.allow("k").allowed for _ in range(7)) == 5
+        tier.sync_now()
+        state = limiter.state("k")
+        assert state is not None and state.window_index == 7000 and state.count == 5 and state.previous == 0
+        limiter.reset("k")  # fleet-wide: the Redis hashes go too
+        assert limiter.state("k") is None
+        assert not list(redis_server.client().scan_iter(match="*}:tt:*"))
+        assert sum(limiter.allow("k").allowed for _ in range(7)) == 5
+        tier.sync_now()
+        assert tier.evict_idle(7000.5) == 1 and len(tier) == 0
+    finally:
+        tier.close()
