@@ -18,30 +18,23 @@ import os
 from typing import NamedTuple
 
 import pytest
+from _helpers import DictStorage
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from nanolimit._shared import LIMITER_CLASS_NAMES
-
-if os.environ.get("NANOLIMIT_NO_EXTENSIONS"):
-    pytest.skip(
-        "NANOLIMIT_NO_EXTENSIONS is set: no native twin to compare with the reference",
-        allow_module_level=True,
-    )
-
-from _helpers import DictStorage
-
 import nanolimit.reference as reference
-from nanolimit._shared import FakeClock
+from nanolimit._shared import LIMITER_CLASS_NAMES, FakeClock
 
 pytestmark = pytest.mark.native
 
 
 @pytest.fixture(scope="module")
-def native():
-    # Unguarded on purpose: a native twin that fails to import is an ERROR of
-    # every test here (as in conftest), never a skip; `-k "not native"` still
-    # deselects this module while the extension is being built.
+def native(request: pytest.FixtureRequest):
+    # A native twin that fails to import is an ERROR of every test here (as
+    # in conftest), never a skip, unless the pure twin was asked for; the
+    # `native` marker lets `-m "not native"` deselect the whole module.
+    if os.environ.get("NANOLIMIT_NO_EXTENSIONS"):
+        pytest.skip("NANOLIMIT_NO_EXTENSIONS is set: no native twin to compare with the reference")
     return importlib.import_module("nanolimit._core")
 
 ALGORITHMS = (

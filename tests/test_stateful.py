@@ -17,22 +17,28 @@ the other.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
+import types
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-if os.environ.get("NANOLIMIT_NO_EXTENSIONS"):
-    pytest.skip("NANOLIMIT_NO_EXTENSIONS is set: no native twin to compare", allow_module_level=True)
-
-import nanolimit._core as native
 import nanolimit.reference as reference
 from nanolimit._shared import FakeClock
 
 pytestmark = pytest.mark.native
+
+
+def _native() -> types.ModuleType:
+    """The native twin, imported on use: ``-m "not native"`` deselects this
+    module without importing it (a pure-Python install has no ``_core``)."""
+    if os.environ.get("NANOLIMIT_NO_EXTENSIONS"):
+        pytest.skip("NANOLIMIT_NO_EXTENSIONS is set: no native twin to compare")
+    return importlib.import_module("nanolimit._core")
 
 KEYS = ("a", "b", "c", "d", "e", "f")
 RULES = (
@@ -61,6 +67,8 @@ class TwinMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        native = _native()
+        self.twins = (native, reference)
         self.t = START
         self.clocks = (FakeClock(START), FakeClock(START))
         self.storages = (
@@ -77,7 +85,7 @@ class TwinMachine(RuleBasedStateMachine):
         cls_name = dict((rule, cls) for cls, rule in RULES)[name]
         self.limiters[name] = tuple(
             getattr(twin, cls_name)(limit, window, storage, clock, rule=name)
-            for twin, storage, clock in zip((native, reference), self.storages, self.clocks)
+            for twin, storage, clock in zip(self.twins, self.storages, self.clocks)
         )
         self.configs[name] = (limit, window)
 
