@@ -12,22 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanolimit import ConfigError, ValidationError, load_rules, parse_rate
+from nanolimit.config import _RULE_FIELDS
 
-FIELDS = [
-    "name",
-    "method",
-    "path_prefix",
-    "scope",
-    "algorithm",
-    "rate",
-    "limit",
-    "window_seconds",
-    "burst",
-    "tier",
-    "dry_run",
-    "shape",
-    "colour",
-]
+# every field a rule may have, and one it may not
+FIELDS = [*sorted(_RULE_FIELDS), "colour"]
 VALUES = st.one_of(
     st.none(),
     st.booleans(),
