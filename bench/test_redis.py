@@ -132,12 +132,15 @@ def test_near_cache_denial(benchmark: Any, server: Server) -> None:
     _record(benchmark, server.kind)
 
 
-def test_near_cache_denial_via_limiter(benchmark: Any, server: Server) -> None:
-    """The same denial through ``limiter.allow`` (reference glue included)."""
-    from nanolimit import reference
+@pytest.mark.parametrize("twin", ["native", "reference"])
+def test_near_cache_denial_via_limiter(benchmark: Any, server: Server, twin: str) -> None:
+    """The same denial through ``limiter.allow``: the native limiter calls the
+    storage directly, the reference one through its Python glue."""
+    import importlib
 
+    module = importlib.import_module("nanolimit._core" if twin == "native" else "nanolimit.reference")
     store = RedisStorage(server.client(), near_cache=True, near_cache_ttl=60.0)
-    limiter = reference.TokenBucket(1, 3600.0, store, FakeClock(0.0), rule="abuse")
+    limiter = module.TokenBucket(1, 3600.0, store, FakeClock(0.0), rule="abuse")
     limiter.allow("abuser")
     assert not limiter.allow("abuser").allowed
     benchmark(limiter.allow, "abuser")

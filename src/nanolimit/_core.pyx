@@ -46,6 +46,7 @@ from nanolimit._shared import (
     CompoundDecision,
     LimiterConfig,
     LimiterState,
+    KernelStorage,
     Storage,
     SystemClock,
     ValidationError,
@@ -918,6 +919,7 @@ cdef class _Limiter:
     cdef object _clock
     cdef object _config
     cdef object _fallback               # reference limiter over a foreign storage
+    cdef object kernel_run              # storage.run_kernel of a KernelStorage (Redis), else None
     cdef bint system_clock
     cdef uint32_t ns
     cdef uint64_t seed
@@ -962,6 +964,9 @@ cdef class _Limiter:
                 limit, window_seconds, storage, clock, rule, burst=burst
             )
             self.max_key_bytes = getattr(storage, "max_key_bytes", MAX_KEY_BYTES)
+            # A storage that runs the kernels itself is called directly for
+            # single decisions: the checks stay in C, one Python call remains.
+            self.kernel_run = storage.run_kernel if isinstance(storage, KernelStorage) else None
 
     # -- properties ------------------------------------------------------------
     @property
@@ -1011,7 +1016,12 @@ cdef class _Limiter:
         cdef double now
         cdef int status
         if self.store is None:
-            return self.foreign(key, cost, commit)
+            if self.kernel_run is None:
+                return self.foreign(key, cost, commit)
+            key_bytes(key, self.max_key_bytes, &klen)
+            units = cost_value(cost, self.p.capacity)
+            return self._decision(self.kernel_run(
+                self._config, key, units, None if self.system_clock else self.read_clock(), commit))
         data = key_bytes(key, self.max_key_bytes, &klen)
         units = cost_value(cost, self.p.capacity)
         now = self.read_clock()
