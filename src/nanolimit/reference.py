@@ -731,8 +731,8 @@ class _Limiter:
         """Forget ``key``: its next request sees a full budget."""
         check_key(key, self._max_key_bytes)
         storage = self._storage
-        if isinstance(storage, InMemoryStorage):
-            storage._forget(self._ns, key)
+        if self._memory_store is not None:
+            self._memory_store._forget(self._ns, key)
         elif self._kernel_store is not None:
             self._kernel_store.forget(self._cfg, key)
         else:
@@ -742,8 +742,8 @@ class _Limiter:
         """A snapshot of ``key``'s state, or ``None`` if the storage holds none."""
         check_key(key, self._max_key_bytes)
         storage = self._storage
-        if isinstance(storage, InMemoryStorage):
-            raw = storage._state(self._ns, key)
+        if self._memory_store is not None:
+            raw = self._memory_store._state(self._ns, key)
         elif self._kernel_store is not None:
             return self._kernel_store.snapshot(self._cfg, key, self._kernel_now())
         else:
