@@ -10,12 +10,13 @@ the whole batch. No Python object is touched while a stripe lock is held.
 
 cimport cython
 from cpython.array cimport array, clone
-from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.dict cimport PyDict_GetItem
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsSsize_t
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.math cimport floor, isfinite
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
-from libc.stdlib cimport calloc, free, malloc
+from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
 
 from nanolimit._kernels cimport init_state, log_at, log_ring_size, run_kernel
@@ -908,6 +909,234 @@ cdef class InMemoryStorage:
         return f"<native InMemoryStorage keys={len(self)} stripes={self.stripe_mask + 1}>"
 
 
+# ============================================================== two-tier leases
+
+# The hot window of one key's lease (TwoTierStorage): enough to decide a
+# request in C exactly as the storage's Python path would.
+ctypedef struct LeaseRecord:
+    double last_now                 # the key's own time floor (SPEC §4)
+    int64_t window_index            # the window described below; LEASE_NONE: Python decides
+    int64_t own                     # this instance's units in it (authoritative while loaded)
+    int64_t ceiling                 # own + cost must stay <= ceiling: units pushed + the lease
+    int64_t others                  # the other instances' units in it, as last read
+    int64_t previous                # fleet units of the window before (sliding), else 0
+    int64_t decisions               # committed here since the storage last pulled
+
+cdef int64_t LEASE_NONE = INT64_MIN
+
+
+@cython.final
+cdef class LeaseGate:
+    """One per TwoTierStorage. While it is closed (the storage's Python code
+    holds its lock, or Redis is unreachable) every decision takes the Python
+    path; closing waits out a C decision in flight, so the Python side never
+    sees a record half-updated."""
+
+    cdef uint8_t lock
+    cdef bint is_open
+    cdef bint wake_pending
+    cdef int64_t early
+    cdef int64_t decided
+    cdef object wake
+
+    def __cinit__(self, wake):
+        if not callable(wake):
+            raise ValidationError("wake must be callable")
+        self.wake = wake
+        self.is_open = False
+
+    def close(self):
+        nl_lock_spin(&self.lock)
+        self.is_open = False
+        nl_unlock(&self.lock)
+
+    def open(self):
+        nl_lock_spin(&self.lock)
+        self.is_open = True
+        nl_unlock(&self.lock)
+
+    def rearm(self):
+        """Called by each sync: the next lease to run out wakes the sync again."""
+        self.wake_pending = False
+
+    @property
+    def early_syncs(self):
+        """Requests that found their lease spent while the budget had room."""
+        return self.early
+
+    @property
+    def decided(self):
+        """Requests (and peeks) answered in C, without the Python path."""
+        return self.decided
+
+
+@cython.final
+cdef class LeaseBook:
+    """Per (TwoTierStorage, limiter config): each key's current-window lease,
+    where a native limiter decides a request without leaving C. A new key, a
+    new window, a partition or a sync in progress goes to the storage's
+    Python path, which loads the record again afterwards. Every method but
+    ``decide`` must be called with the gate closed."""
+
+    cdef LeaseGate gate
+    cdef dict index                 # key -> slot
+    cdef LeaseRecord* records
+    cdef Py_ssize_t used
+    cdef Py_ssize_t allocated
+    cdef list free_slots
+    cdef readonly int64_t limit
+    cdef readonly double window
+    cdef readonly bint sliding
+    cdef readonly double sync_interval
+
+    def __cinit__(self, LeaseGate gate not None, limit, window, sliding, sync_interval):
+        self.gate = gate
+        self.index = {}
+        self.free_slots = []
+        self.limit = limit
+        self.window = window
+        self.sliding = bool(sliding)
+        self.sync_interval = sync_interval
+        if not (1 <= self.limit and self.window > 0.0 and self.sync_interval > 0.0):
+            raise ValidationError("LeaseBook needs limit >= 1, window > 0 and sync_interval > 0")
+
+    def __dealloc__(self):
+        free(self.records)
+
+    cdef inline void check_closed(self) except *:
+        if self.gate.is_open:
+            raise RuntimeError("LeaseBook changed while its gate is open")
+
+    cdef inline LeaseRecord* record(self, Py_ssize_t slot) except NULL:
+        if not 0 <= slot < self.used:
+            raise IndexError(f"lease slot {slot} out of range")
+        return &self.records[slot]
+
+    def attach(self, key):
+        """A slot for ``key`` (empty until ``load``)."""
+        cdef Py_ssize_t slot
+        cdef LeaseRecord* grown
+        self.check_closed()
+        if key in self.index:
+            return self.index[key]
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            if self.used == self.allocated:
+                grown = <LeaseRecord*>realloc(
+                    self.records, <size_t>(self.allocated * 2 + 16) * sizeof(LeaseRecord))
+                if grown == NULL:
+                    raise MemoryError()
+                self.records = grown
+                self.allocated = self.allocated * 2 + 16
+            slot = self.used
+            self.used += 1
+        memset(&self.records[slot], 0, sizeof(LeaseRecord))
+        self.records[slot].window_index = LEASE_NONE
+        self.index[key] = slot
+        return slot
+
+    def detach(self, key):
+        self.check_closed()
+        slot = self.index.pop(key, None)
+        if slot is not None:
+            self.records[<Py_ssize_t>slot].window_index = LEASE_NONE
+            self.free_slots.append(slot)
+
+    def pull(self, Py_ssize_t slot):
+        """``(window_index or None, own units, last_now, committed decisions)``;
+        the decision count restarts from zero."""
+        self.check_closed()
+        cdef LeaseRecord* r = self.record(slot)
+        cdef int64_t n = r.decisions
+        r.decisions = 0
+        return (None if r.window_index == LEASE_NONE else r.window_index, r.own, r.last_now, n)
+
+    def load(self, Py_ssize_t slot, int64_t window_index, int64_t own, int64_t ceiling,
+             int64_t others, int64_t previous, double last_now):
+        self.check_closed()
+        cdef LeaseRecord* r = self.record(slot)
+        r.window_index = window_index
+        r.own = own
+        r.ceiling = ceiling
+        r.others = others
+        r.previous = previous if self.sliding else 0
+        r.last_now = last_now
+
+    def __len__(self):
+        return len(self.index)
+
+    cdef int decide(self, object key, int64_t cost, double now, bint commit, Verdict* v) except -1:
+        """1 when decided here (``v`` filled), 0 when the Python path must.
+        Mirrors ``TwoTierStorage._decide`` operation for operation."""
+        cdef LeaseGate gate = self.gate
+        cdef PyObject* found
+        cdef LeaseRecord* r
+        cdef int64_t k, current, previous
+        cdef double start, weight, estimate, reset_after, retry_after, end, room
+        cdef bint fits, ok, wake = False
+        nl_lock_spin(&gate.lock)
+        if not gate.is_open:
+            nl_unlock(&gate.lock)
+            return 0
+        found = PyDict_GetItem(self.index, key)
+        if found == NULL:
+            nl_unlock(&gate.lock)
+            return 0
+        r = &self.records[PyLong_AsSsize_t(<object>found)]
+        if r.last_now > now:
+            now = r.last_now
+        k = <int64_t>floor(now / self.window)
+        if k != r.window_index:
+            nl_unlock(&gate.lock)
+            return 0
+        gate.decided += 1
+        if commit:
+            r.last_now = now
+            r.decisions += 1
+        start = <double>k * self.window
+        current = r.others + r.own
+        previous = r.previous
+        weight = 1.0 - (now - start) / self.window
+        estimate = <double>previous * weight + <double>current
+        fits = estimate + <double>cost <= <double>self.limit
+        ok = fits and r.own + cost <= r.ceiling
+        if fits and not ok:
+            gate.early += 1
+            if not gate.wake_pending:
+                gate.wake_pending = True
+                wake = True
+        end = start + self.window - now
+        reset_after = end if (current > 0 or previous > 0) else 0.0
+        if current > 0 and self.sliding:
+            reset_after = start + 2 * self.window - now
+        v.storage_full = False
+        v.delay = 0.0
+        v.allowed = ok
+        if ok:
+            if commit:
+                r.own += cost
+            v.remaining = <double>self.limit - estimate - <double>cost
+            v.retry_after = 0.0
+            v.reset_after = end if end > reset_after else reset_after
+        else:
+            retry_after = end
+            if fits:
+                if self.sync_interval < retry_after:
+                    retry_after = self.sync_interval
+            elif self.sliding and previous > 0:
+                room = <double>(self.limit - current - cost)
+                if room >= 0:
+                    retry_after = start + self.window * (1 - room / <double>previous) - now
+            v.remaining = <double>self.limit - estimate
+            v.retry_after = retry_after if retry_after > 0.0 else 0.0
+            v.reset_after = reset_after
+        nl_unlock(&gate.lock)
+        if wake:
+            gate.wake()
+        return 1
+
+
 # ============================================================== limiters
 
 cdef class _Limiter:
@@ -920,6 +1149,7 @@ cdef class _Limiter:
     cdef object _config
     cdef object _fallback               # reference limiter over a foreign storage
     cdef object kernel_run              # storage.run_kernel of a KernelStorage (Redis), else None
+    cdef LeaseBook book                 # a TwoTierStorage's leases for this config, else None
     cdef bint system_clock
     cdef uint32_t ns
     cdef uint64_t seed
@@ -967,6 +1197,12 @@ cdef class _Limiter:
             # A storage that runs the kernels itself is called directly for
             # single decisions: the checks stay in C, one Python call remains.
             self.kernel_run = storage.run_kernel if isinstance(storage, KernelStorage) else None
+            # A storage that leases budget locally (TwoTierStorage) lets us
+            # decide against the lease in C while the lease holds.
+            hook = getattr(storage, "lease_book", None) if self.kernel_run is not None else None
+            book = hook(cfg) if callable(hook) else None
+            if isinstance(book, LeaseBook):
+                self.book = <LeaseBook>book
 
     # -- properties ------------------------------------------------------------
     @property
@@ -1020,6 +1256,11 @@ cdef class _Limiter:
                 return self.foreign(key, cost, commit)
             key_bytes(key, self.max_key_bytes, &klen)
             units = cost_value(cost, self.p.capacity)
+            if self.book is not None and type(key) is str:
+                now = self.read_clock()
+                if self.book.decide(key, units, now, commit, &v):
+                    return make_decision(&v, self.p.capacity, self._rule, self.p.window)
+                return self._decision(self.kernel_run(self._config, key, units, now, commit))
             return self._decision(self.kernel_run(
                 self._config, key, units, None if self.system_clock else self.read_clock(), commit))
         data = key_bytes(key, self.max_key_bytes, &klen)

@@ -110,6 +110,14 @@ return {counts, lease}
 _Window = int
 
 
+def _shape(config: LimiterConfig) -> tuple[int, float, bool]:
+    """(limit, window, sliding) the fleet enforces for ``config``."""
+    if config.algorithm is Algorithm.TOKEN_BUCKET:
+        # capacity units over the time the bucket takes to refill from empty
+        return config.capacity, config.capacity / config.rate, True
+    return config.limit, config.window_seconds, config.algorithm is Algorithm.SLIDING_COUNTER
+
+
 @dataclass
 class _Track:
     """What one instance knows about one (limit, key): per window index, its
@@ -129,6 +137,31 @@ class _Track:
     seen_total: dict[_Window, int] = field(default_factory=dict)
     seen_own: dict[_Window, int] = field(default_factory=dict)
     lease: dict[_Window, int] = field(default_factory=dict)  # granted at our last sync of the window
+    book: Any = None  # the native LeaseBook holding this key's hot window, if any
+    slot: int = -1
+
+
+class _Guard:
+    """The storage's lock, with the native gate closed while it is held: a
+    native limiter's C decisions (``LeaseBook.decide``) wait for the Python
+    side to finish, and resume unless Redis is unreachable."""
+
+    __slots__ = ("gate", "lock", "storage")
+
+    def __init__(self, storage: TwoTierStorage, gate: Any) -> None:
+        self.storage = storage
+        self.lock = threading.Lock()
+        self.gate = gate
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+        if self.gate is not None:
+            self.gate.close()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.gate is not None and not self.storage._blind:
+            self.gate.open()
+        self.lock.release()
 
 
 class TwoTierStorage:
@@ -212,8 +245,16 @@ class TwoTierStorage:
         self.max_key_bytes: int = getattr(self.remote, "max_key_bytes", 1024)
         self._members_key = f"{self.remote.prefix}{prefix}instances"
         self._twin = importlib.import_module(type(local).__module__)
-        self._lock = threading.Lock()
         self._tracks: dict[tuple[LimiterConfig, str], _Track] = {}
+        # Native limiters decide in C against each key's lease (LeaseBook);
+        # the reference twin, or a build without the extension, uses _decide.
+        try:
+            self._native: Any = importlib.import_module("nanolimit._core")
+        except ImportError:
+            self._native = None
+        self._gate: Any = None if self._native is None else self._native.LeaseGate(self._wake_sync)
+        self._books: dict[LimiterConfig, Any] = {}
+        self._lock = _Guard(self, self._gate)
         if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
             raise ValidationError(f"instances must be an int >= 1, got {instances!r}")
         # N until the first sync answers: an instance born during a partition has
@@ -247,7 +288,28 @@ class TwoTierStorage:
             self._thread = threading.Thread(target=self._run, name="nanolimit-two-tier", daemon=True)
             self._thread.start()
 
+    def _wake_sync(self) -> None:
+        self._wake.set()
+
     # -- the KernelStorage protocol ------------------------------------------------
+    def lease_book(self, config: LimiterConfig) -> Any:
+        """The native lease records a native limiter of ``config`` decides
+        against in C (None when the extension is not built or the algorithm
+        is not supported, and the limiter calls ``run_kernel``)."""
+        if self._native is None or config.algorithm not in SUPPORTED_ALGORITHMS:
+            return None
+        with self._lock:
+            book = self._books.get(config)
+            if book is None:
+                limit, window, sliding = _shape(config)
+                book = self._native.LeaseBook(self._gate, limit, window, sliding, self.sync_interval)
+                self._books[config] = book
+                for (cfg, key), track in self._tracks.items():
+                    if cfg == config:
+                        track.book, track.slot = book, book.attach(key)
+                        self._load(track)
+        return book
+
     def run_kernel(
         self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
     ) -> KernelVerdict:
@@ -279,6 +341,8 @@ class TwoTierStorage:
         instances re-write their own counts at their next sync)."""
         with self._lock:
             track = self._tracks.pop((config, key), None)
+            if track is not None and track.book is not None:
+                track.book.detach(key)
         if track is not None:
             names = [self._hash_key(track, k) for k in (*track.own, *track.seen_total)]
             if names:
@@ -292,6 +356,7 @@ class TwoTierStorage:
             track = self._tracks.get((config, key))
             if track is None:
                 return None
+            self._pull(track)
             k = math.floor(t / track.window)
             return LimiterState(
                 config.algorithm,
@@ -307,13 +372,15 @@ class TwoTierStorage:
     def evict_idle(self, cutoff: float) -> int:
         """Drop keys not decided since ``cutoff`` whose counts are all pushed."""
         with self._lock:
+            for tr in self._tracks.values():
+                self._pull(tr)
             idle = [
                 ident
                 for ident, tr in self._tracks.items()
                 if tr.last_now < cutoff and all(tr.pushed.get(k) == v for k, v in tr.own.items())
             ]
             for ident in idle:
-                del self._tracks[ident]
+                self._drop(ident)
         return len(idle)
 
     def __len__(self) -> int:
@@ -326,16 +393,53 @@ class TwoTierStorage:
             algo = config.algorithm
             if algo not in SUPPORTED_ALGORITHMS:
                 raise ValidationError(_REFUSED.format(algo=algo.value))
-            if algo is Algorithm.TOKEN_BUCKET:
-                # capacity units over the time the bucket takes to refill from empty
-                limit, window, sliding = config.capacity, config.capacity / config.rate, True
-            else:
-                limit, window = config.limit, config.window_seconds
-                sliding = algo is Algorithm.SLIDING_COUNTER
+            limit, window, sliding = _shape(config)
             base = f"{self.remote.redis_key(config, key)}:{self.prefix}"
             track = _Track(config, key, base, limit, window, sliding, now)
+            book = self._books.get(config)
+            if book is not None:
+                track.book, track.slot = book, book.attach(key)
             self._tracks[(config, key)] = track
+        else:
+            self._pull(track)
         return track
+
+    def _drop(self, ident: tuple[LimiterConfig, str]) -> None:
+        track = self._tracks.pop(ident)
+        if track.book is not None:
+            track.book.detach(track.key)
+
+    def _pull(self, track: _Track) -> None:
+        """Fold what native decisions did to the key's hot window into the track."""
+        if track.book is None:
+            return
+        k, own, last_now, decided = track.book.pull(track.slot)
+        if k is not None and own != track.own.get(k, 0):
+            track.own[k] = own
+        if last_now > track.last_now:
+            track.last_now = last_now
+        if decided:
+            track.touched = time.monotonic()
+            self._stats["decisions"] += decided
+
+    def _load(self, track: _Track) -> None:
+        """Hand the key's current window to native decisions: exactly what
+        ``_decide`` would read for a request in that window."""
+        if track.book is None:
+            return
+        k = math.floor(track.last_now / track.window)
+        share = track.lease.get(k)
+        if share is None:
+            share = math.ceil(track.limit / self._instances)
+        track.book.load(
+            track.slot,
+            k,
+            track.own.get(k, 0),
+            track.pushed.get(k, 0) + share,
+            track.seen_total.get(k, 0) - track.seen_own.get(k, 0),
+            self._fleet(track, k - 1) if track.sliding else 0,
+            track.last_now,
+        )
 
     def _fleet(self, track: _Track, k: int) -> int:
         """Fleet units in window ``k``: the others as last read, plus our own now."""
@@ -344,6 +448,11 @@ class TwoTierStorage:
 
     def _decide(self, config: LimiterConfig, key: str, cost: int, now: float, commit: bool) -> KernelVerdict:
         track = self._track(config, key, now)
+        verdict = self._judge(track, cost, now, commit)
+        self._load(track)
+        return verdict
+
+    def _judge(self, track: _Track, cost: int, now: float, commit: bool) -> KernelVerdict:
         now = max(now, track.last_now)  # per key, time never runs backwards (SPEC §4)
         if commit:
             track.last_now = now
@@ -447,14 +556,18 @@ class TwoTierStorage:
 
     def _sync(self) -> bool:
         with self._lock:
+            if self._gate is not None:
+                self._gate.rearm()
             work: list[tuple[_Track, int, int, bool]] = []  # track, window, own count, current?
+            for tr in self._tracks.values():
+                self._pull(tr)
             for ident in [
                 ident
                 for ident, tr in self._tracks.items()
                 if time.monotonic() - tr.touched > max(3 * tr.window, 10.0)
                 and all(tr.pushed.get(w) == v for w, v in tr.own.items())
             ]:
-                del self._tracks[ident]  # idle and fully pushed: nothing left to reconcile
+                self._drop(ident)  # idle and fully pushed: nothing left to reconcile
             for track in self._tracks.values():
                 k = math.floor(track.last_now / track.window)
                 windows = {k, k - 1} if track.sliding else {k}
@@ -508,6 +621,8 @@ class TwoTierStorage:
             floor, until = self._n_floor
             self._instances = max(live, floor) if time.monotonic() < until else live
             self._script_loaded = True
+            for track in self._tracks.values():
+                self._pull(track)  # what native decisions admitted during the round trip
             for (track, w, value, current), (total, lease) in zip(work, replies[1:]):
                 pushed_units += value - track.pushed.get(w, 0)
                 track.pushed[w] = value
@@ -524,6 +639,8 @@ class TwoTierStorage:
                 # are in our counts and go with the next sync
                 self._stats["units_reconciled"] += self._blind_units
                 self._blind_units = 0
+            for track in self._tracks.values():
+                self._load(track)  # new leases, totals and N for native decisions
             stats = self._stats
             stats["syncs"] += 1
             stats["units_pushed"] += pushed_units
@@ -561,13 +678,20 @@ class TwoTierStorage:
             track = self._tracks.get((config, key))
             if track is None:
                 return {}
+            self._pull(track)
             return {k: self._fleet(track, k) for k in sorted(set(track.own) | set(track.seen_total))}
 
     def metrics(self) -> dict[str, Any]:
         """Counters: syncs, sync latency (s), keys tracked, units pushed and
         reconciled after a partition, partition mode, live instances."""
         with self._lock:
+            for track in self._tracks.values():
+                self._pull(track)
             out = dict(self._stats)
+            out["decisions_native"] = 0
+            if self._gate is not None:
+                out["early_syncs"] += self._gate.early_syncs
+                out["decisions_native"] = self._gate.decided
             out["keys_tracked"] = len(self._tracks)
             out["partition"] = self._blind
             out["instances"] = self._instances

@@ -1,0 +1,219 @@
+"""TwoTierStorage's native path: a native limiter decides against each key's
+lease in C (``LeaseBook``) while the lease holds, and the Python path
+(``TwoTierStorage._decide``, which the reference limiters always take)
+handles the rest. The two must give the same answers, bit for bit, and the
+handover between them must lose no unit under threads.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+import pytest
+
+from nanolimit import FakeClock, ValidationError, reference
+
+pytest_plugins = ["redis_servers"]
+pytestmark = pytest.mark.native
+
+ALGORITHMS = ["FixedWindowCounter", "SlidingWindowCounter", "TokenBucket"]
+
+
+def fleet(server: Any, prefix: str, n: int, **kwargs: Any) -> list[Any]:
+    from nanolimit.two_tier import TwoTierStorage
+
+    return [
+        TwoTierStorage(None, server.client(), instance_id=f"i{i}", prefix=prefix, start=False, **kwargs)
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("cls", ALGORITHMS)
+def test_native_leases_answer_like_the_python_path(
+    native: Any, redis_server: Any, cls: str, seed: int
+) -> None:
+    """Two fleets of two instances on one server, the same random script of
+    requests, peeks, costs, clock steps (some backwards) and syncs: one
+    fleet's limiters are native (C decisions on leases), the other's are the
+    reference (the storage's Python path). Every decision and the final
+    fleet view agree exactly."""
+    rng = random.Random(seed)
+    fast = fleet(redis_server, "n:", 2)
+    slow = fleet(redis_server, "r:", 2)
+    try:
+        clock = FakeClock(9000.25)
+        limit = rng.choice([3, 10, 40])
+        window = rng.choice([0.5, 1.0, 2.5])
+        lims_fast = [getattr(native, cls)(limit, window, storage=s, clock=clock) for s in fast]
+        lims_slow = [getattr(reference, cls)(limit, window, storage=s, clock=clock) for s in slow]
+        for tiers in (fast, slow):
+            for tier in (*tiers, *tiers):
+                tier.sync_now()
+        keys = ["a", "b", "ключ"]
+        for step in range(400):
+            i = rng.randrange(2)
+            op = rng.random()
+            if op < 0.08:
+                fast[i].sync_now()
+                slow[i].sync_now()
+            elif op < 0.16:
+                clock.advance(rng.choice([0.01, 0.1, window / 3, window]))
+            elif op < 0.18:
+                clock.set(clock.now() - rng.choice([0.05, window]))
+            else:
+                key = rng.choice(keys)
+                cost = rng.choice([1, 1, 1, 2, limit])
+                method = "peek" if op < 0.26 else "allow"
+                got = getattr(lims_fast[i], method)(key, cost)
+                want = getattr(lims_slow[i], method)(key, cost)
+                assert got == want, (step, method, key, cost, clock.now())
+        for tiers in (fast, slow):
+            for tier in (*tiers, *tiers):
+                tier.sync_now()
+        for key in keys:
+            assert fast[0].fleet_counts(lims_fast[0].config, key) == slow[0].fleet_counts(
+                lims_slow[0].config, key
+            )
+        for a, b in zip(fast, slow):
+            ma, mb = a.metrics(), b.metrics()
+            for name in ("decisions", "early_syncs", "units_pushed", "keys_tracked"):
+                assert ma[name] == mb[name], name
+            assert mb["decisions_native"] == 0
+            assert ma["decisions_native"] > ma["decisions"] // 2  # most took the C path
+    finally:
+        for tier in (*fast, *slow):
+            tier.close()
+
+
+def test_native_decisions_under_threads_lose_no_unit(native: Any, redis_server: Any) -> None:
+    """Four threads decide on three keys while the sync thread pulls and
+    reloads the leases every millisecond: every admitted unit is in the
+    fleet count, each key gets exactly its limit, and every decision is
+    counted."""
+    from nanolimit.two_tier import TwoTierStorage
+
+    tier = TwoTierStorage(None, redis_server.client(), instance_id="t", sync_interval=0.001)
+    limit = 5000
+    limiter = native.FixedWindowCounter(limit, 3600.0, storage=tier)
+    keys = ["x", "y", "z"]
+    admitted = {k: 0 for k in keys}
+    calls = 0
+    guard = threading.Lock()
+
+    def work(seed: int) -> None:
+        nonlocal calls
+        rng = random.Random(seed)
+        mine = {k: 0 for k in keys}
+        for _ in range(6000):
+            key = rng.choice(keys)
+            if limiter.allow(key).allowed:
+                mine[key] += 1
+        with guard:
+            calls += 6000
+            for k, n in mine.items():
+                admitted[k] += n
+
+    try:
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        tier.sync_now()
+        for key in keys:
+            view = tier.fleet_counts(limiter.config, key)
+            assert sum(view.values()) == admitted[key], key
+        assert all(n == limit for n in admitted.values())  # ~8,000 asked per key
+        metrics = tier.metrics()
+        assert metrics["decisions"] == calls
+        assert metrics["decisions_native"] > calls // 2
+    finally:
+        tier.close()
+
+
+def test_tight_limit_is_met_exactly_under_threads(native: Any, redis_server: Any) -> None:
+    """One hot key, more demand than budget: the C path and the sync hand
+    the lease back and forth, and exactly the limit is admitted."""
+    from nanolimit.two_tier import TwoTierStorage
+
+    tier = TwoTierStorage(None, redis_server.client(), instance_id="t", sync_interval=0.002)
+    limiter = native.SlidingWindowCounter(3000, 3600.0, storage=tier)
+    counts = [0] * 4
+
+    def work(i: int) -> None:
+        counts[i] = sum(limiter.allow("hot").allowed for _ in range(2500))
+
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        tier.sync_now()
+        assert sum(counts) == 3000
+        assert sum(tier.fleet_counts(limiter.config, "hot").values()) == 3000
+    finally:
+        tier.close()
+
+
+def test_lease_book_refuses_changes_while_open(native: Any) -> None:
+    woken: list[int] = []
+    gate = native.LeaseGate(lambda: woken.append(1))
+    book = native.LeaseBook(gate, 10, 1.0, False, 0.05)
+    slot = book.attach("k")
+    assert book.attach("k") == slot and len(book) == 1
+    assert book.pull(slot) == (None, 0, 0.0, 0)
+    book.load(slot, 100, 2, 5, 1, 7, 100.5)  # previous is ignored: not sliding
+    assert book.pull(slot) == (100, 2, 100.5, 0)
+    with pytest.raises(IndexError):
+        book.pull(slot + 1)
+    gate.open()
+    with pytest.raises(RuntimeError, match="gate is open"):
+        book.attach("other")
+    with pytest.raises(RuntimeError, match="gate is open"):
+        book.load(slot, 0, 0, 0, 0, 0, 0.0)
+    gate.close()
+    book.detach("k")
+    assert len(book) == 0 and book.attach("again") == slot  # the slot is reused
+    with pytest.raises(ValidationError):
+        native.LeaseBook(gate, 0, 1.0, False, 0.05)
+    with pytest.raises(ValidationError):
+        native.LeaseGate(None)
+
+
+class CountingEvent(threading.Event):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+def test_exhausted_lease_wakes_the_sync_once(native: Any, redis_server: Any) -> None:
+    """Out of lease but not of budget: denied with retry_after at most the
+    sync interval, counted as an early sync, and the sync thread woken once
+    per sync rather than once per request."""
+    tiers = fleet(redis_server, "w:", 2)
+    try:
+        clock = FakeClock(4000.0)
+        limiter = native.FixedWindowCounter(10, 1.0, storage=tiers[0], clock=clock)
+        for tier in (*tiers, *tiers):
+            tier.sync_now()
+        wake = CountingEvent()
+        tiers[0]._wake = wake
+        results = [limiter.allow("k") for _ in range(9)]
+        assert [d.allowed for d in results] == [True] * 5 + [False] * 4  # ceil(10 / 2) each
+        assert all(0 < d.retry_after <= 0.05 for d in results[5:])
+        assert tiers[0].metrics()["early_syncs"] == 4
+        assert wake.sets == 1
+        tiers[0].sync_now()  # lease ceil((10 - 5) / 2) = 3; re-armed: the next spent lease wakes it
+        assert sum(limiter.allow("k").allowed for _ in range(5)) == 3
+        assert wake.sets == 2
+    finally:
+        for tier in tiers:
+            tier.close()
