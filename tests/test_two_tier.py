@@ -355,3 +355,64 @@ def test_reset_state_and_eviction(backend: Any, redis_server: Any) -> None:
         assert tier.evict_idle(7000.5) == 1 and len(tier) == 0
     finally:
         tier.close()
+
+
+def test_a_flushed_script_cache_costs_no_partition(redis_server: Any) -> None:
+    """A server that lost its scripts (restart, failover, SCRIPT FLUSH) answers
+    NOSCRIPT: the sync loads the script and sends again (the reconcile writes
+    absolute values, so a second send counts nothing twice)."""
+    import nanolimit
+
+    tier = make_tier(redis_server, "solo", start=False)
+    try:
+        tier.sync_now()
+        limiter = nanolimit.FixedWindowCounter(10, 60.0, storage=tier, clock=nanolimit.FakeClock(600.0))
+        assert sum(limiter.allow("k").allowed for _ in range(4)) == 4
+        redis_server.client().script_flush()
+        assert tier.sync_now()
+        metrics = tier.metrics()
+        assert metrics["partitions"] == 0 and metrics["sync_failures"] == 0
+        assert tier.fleet_counts(limiter.config, "k") == {10: 4}
+        assert tier.sync_now() and tier.fleet_counts(limiter.config, "k") == {10: 4}
+    finally:
+        tier.close()
+
+
+def test_fleet_on_a_cluster(backend: Any, redis_cluster: Any) -> None:
+    """Two instances on a three-master cluster: keys hash to different nodes,
+    the sync pipelines per node, leases split the limit as on one server, and
+    a script cache flushed on every node is reloaded without a partition."""
+    from nanolimit.two_tier import TwoTierStorage
+
+    clock = backend.FakeClock(8000.0)
+    tiers = [
+        TwoTierStorage(None, redis_cluster.client(), instance_id=name, sync_interval=SYNC, start=False)
+        for name in ("a", "b")
+    ]
+    try:
+        limiters = [backend.FixedWindowCounter(10, 1.0, storage=t, clock=clock) for t in tiers]
+        for tier in (*tiers, *tiers):
+            tier.sync_now()
+        assert [t.instances for t in tiers] == [2, 2]
+        keys = [f"user-{i}" for i in range(12)]
+        for limiter in limiters:
+            for key in keys:
+                assert sum(limiter.allow(key).allowed for _ in range(7)) == 5  # ceil(10 / 2) each
+        for tier in (*tiers, *tiers):
+            tier.sync_now()
+        for key in keys:
+            assert tiers[0].fleet_counts(limiters[0].config, key) == {8000: 10}
+            assert tiers[1].fleet_counts(limiters[1].config, key) == {8000: 10}
+            assert not limiters[0].allow(key).allowed
+        per_node = [server.client().dbsize() for server in redis_cluster.nodes]
+        assert sum(1 for n in per_node if n) >= 2, per_node  # the keys really are spread
+        for server in redis_cluster.nodes:
+            server.client().script_flush()
+        clock.advance(1.0)
+        assert all(limiters[0].allow(key).allowed for key in keys)
+        assert tiers[0].sync_now()
+        assert tiers[0].metrics()["partitions"] == 0
+        assert tiers[0].fleet_counts(limiters[0].config, keys[0])[8001] == 1
+    finally:
+        for tier in tiers:
+            tier.close()

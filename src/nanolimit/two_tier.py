@@ -49,7 +49,7 @@ from ._shared import (
     ValidationError,
     check_now,
 )
-from .redis_storage import RedisStorage, _Script, derive_client
+from .redis_storage import RedisStorage, _is_noscript, _Script, derive_client
 
 __all__ = ["SUPPORTED_ALGORITHMS", "TwoTierStorage"]
 
@@ -582,30 +582,14 @@ class TwoTierStorage:
         ttl_ms = max(1, math.ceil(self.heartbeat_ttl * 1000))
         began = time.perf_counter()
         try:
-            pipe = self.client.pipeline(transaction=False)
-            if load:  # first sync, or the server may have restarted: same connection, runs first
-                pipe.script_load(_RECONCILE_SCRIPT.source)
-            pipe.eval(_HEARTBEAT, 1, self._members_key, self.instance_id, ttl_ms)
-            wall = time.time()
-            for track, w, value, current in work:
-                # alive until the window can no longer matter, by the wall clock (an injected
-                # clock gets an hour's floor, as RedisStorage does)
-                left = (w + 2) * track.window - wall
-                near = abs(left) < 1e5  # a window of the wall clock, not of an injected one
-                ms = math.ceil(max(left, 0.0) * 1000) + 1000 if near else 3_600_000
-                pipe.evalsha(
-                    _RECONCILE_SCRIPT.sha,
-                    1,
-                    self._hash_key(track, w),
-                    self.instance_id,
-                    value,
-                    n,
-                    track.limit,
-                    repr(self._previous_weighted(track, w) if current else 0.0),
-                    ms,
-                    "1" if current else "0",
-                )
-            replies = pipe.execute()[1 if load else 0 :]
+            try:
+                replies = self._exchange(work, n, ttl_ms, load)
+            except self._errors as exc:
+                # a node that restarted or failed over lost the script: the
+                # reconcile writes absolute values, so sending again is safe
+                if not _is_noscript(exc):
+                    raise
+                replies = self._exchange(work, n, ttl_ms, True)
         except self._errors:
             self._script_loaded = False
             self._failed()
@@ -648,6 +632,39 @@ class TwoTierStorage:
             stats["sync_latency_max"] = max(stats["sync_latency_max"], latency)
             stats["sync_latency_total"] += latency
         return True
+
+    def _exchange(
+        self, work: list[tuple[_Track, int, int, bool]], n: int, ttl_ms: int, load: bool
+    ) -> list[Any]:
+        """The sync's round trip: heartbeat and one reconcile per (key, window),
+        pipelined (per node on a cluster). Returns the live count, then the
+        reconcile replies."""
+        if load:  # first sync, or a server lost it; SCRIPT LOAD reaches every primary of a cluster
+            self.client.script_load(_RECONCILE_SCRIPT.source)
+        pipe = self.client.pipeline(transaction=False)
+        # execute_command: a cluster pipeline routes EVAL/EVALSHA by key but has no eval()
+        pipe.execute_command("EVAL", _HEARTBEAT, 1, self._members_key, self.instance_id, ttl_ms)
+        wall = time.time()
+        for track, w, value, current in work:
+            # alive until the window can no longer matter, by the wall clock (an injected
+            # clock gets an hour's floor, as RedisStorage does)
+            left = (w + 2) * track.window - wall
+            near = abs(left) < 1e5  # a window of the wall clock, not of an injected one
+            ms = math.ceil(max(left, 0.0) * 1000) + 1000 if near else 3_600_000
+            pipe.execute_command(
+                "EVALSHA",
+                _RECONCILE_SCRIPT.sha,
+                1,
+                self._hash_key(track, w),
+                self.instance_id,
+                value,
+                n,
+                track.limit,
+                repr(self._previous_weighted(track, w) if current else 0.0),
+                ms,
+                "1" if current else "0",
+            )
+        return list(pipe.execute())
 
     def _failed(self) -> None:
         """Redis unreachable: enforce our share locally until it answers again."""
