@@ -27,7 +27,9 @@ def frames_are_ours(error: ET.Element) -> bool:
 
 def main(pytest_args: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "memcheck.xml")
+        # one report per process: a test that starts a server forks, and the
+        # child writes its own document until it execs
+        report = os.path.join(tmp, "memcheck.%p.xml")
         command = [
             "valgrind",
             "--tool=memcheck",
@@ -44,10 +46,18 @@ def main(pytest_args: list[str]) -> int:
             *pytest_args,
         ]
         env = dict(os.environ, PYTHONMALLOC="malloc")
-        tests = subprocess.run(command, env=env, check=False)
-        root = ET.parse(report).getroot()
-    ours = [e for e in root.iter("error") if frames_are_ours(e)]
-    total = sum(1 for _ in root.iter("error"))
+        tests = subprocess.Popen(command, env=env)
+        tests.wait()
+        errors = []
+        for name in sorted(os.listdir(tmp)):
+            try:
+                errors += list(ET.parse(os.path.join(tmp, name)).getroot().iter("error"))
+            except ET.ParseError:  # a forked child's document, cut short by its exec
+                if name == f"memcheck.{tests.pid}.xml":
+                    raise  # the test process's own report must be whole
+                continue
+    ours = [e for e in errors if frames_are_ours(e)]
+    total = len(errors)
     for error in ours:
         what = error.findtext("what") or error.findtext("xwhat/text")
         print("memcheck:", error.findtext("kind"), "-", what)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -217,3 +218,42 @@ def test_exhausted_lease_wakes_the_sync_once(native: Any, redis_server: Any) -> 
     finally:
         for tier in tiers:
             tier.close()
+
+
+@pytest.mark.parametrize("twin", ["native", "reference"])
+def test_background_sync_covers_only_decided_keys(native: Any, redis_server: Any, twin: str) -> None:
+    """The periodic sync sends only the keys decided since the last one (in C
+    or in Python); every FULL_SYNC_EVERY-th sync, and ``sync_now()``, cover
+    every key."""
+    from nanolimit.two_tier import FULL_SYNC_EVERY, TwoTierStorage
+
+    module = native if twin == "native" else reference
+    tier = TwoTierStorage(None, redis_server.client(), instance_id="inc", start=False)
+    try:
+        limiter = module.FixedWindowCounter(100, 3600.0, storage=tier, clock=FakeClock(36_000.5))
+        for key in ("a", "b", "c"):
+            limiter.allow(key)
+        assert tier.sync_now()
+        assert tier.metrics()["keys_synced_last"] == 3
+        limiter.allow("a")
+        limiter.peek("b")  # spends nothing: nothing to push
+        assert tier._sync(full=False)
+        metrics = tier.metrics()
+        assert metrics["keys_synced_last"] == 1 and metrics["full_syncs"] == 1
+        assert tier.fleet_counts(limiter.config, "a") == {10: 2}
+        assert tier._sync(full=False) and tier.metrics()["keys_synced_last"] == 0
+        assert tier.sync_now() and tier.metrics()["keys_synced_last"] == 3
+    finally:
+        tier.close()
+    tier = TwoTierStorage(None, redis_server.client(), instance_id="thread", sync_interval=0.01)
+    try:
+        limiter = module.FixedWindowCounter(10**6, 3600.0, storage=tier)
+        deadline = time.monotonic() + 10.0
+        while tier.metrics()["syncs"] < 3 * FULL_SYNC_EVERY and time.monotonic() < deadline:
+            limiter.allow("a")
+            time.sleep(0.002)
+        metrics = tier.metrics()
+        # one full sync at start, then one in every FULL_SYNC_EVERY
+        assert 1 < metrics["full_syncs"] <= 1 + metrics["syncs"] // FULL_SYNC_EVERY
+    finally:
+        tier.close()

@@ -921,6 +921,7 @@ ctypedef struct LeaseRecord:
     int64_t others                  # the other instances' units in it, as last read
     int64_t previous                # fleet units of the window before (sliding), else 0
     int64_t decisions               # committed here since the storage last pulled
+    bint listed                     # its slot is in the book's dirty list
 
 cdef int64_t LEASE_NONE = INT64_MIN
 
@@ -981,9 +982,12 @@ cdef class LeaseBook:
     cdef LeaseGate gate
     cdef dict index                 # key -> slot
     cdef LeaseRecord* records
+    cdef Py_ssize_t* dirty          # slots committed to since take_dirty; one entry each
+    cdef Py_ssize_t dirty_len
     cdef Py_ssize_t used
     cdef Py_ssize_t allocated
     cdef list free_slots
+    cdef list keys                  # slot -> key (None when free)
     cdef readonly int64_t limit
     cdef readonly double window
     cdef readonly bint sliding
@@ -993,6 +997,7 @@ cdef class LeaseBook:
         self.gate = gate
         self.index = {}
         self.free_slots = []
+        self.keys = []
         self.limit = limit
         self.window = window
         self.sliding = bool(sliding)
@@ -1002,6 +1007,7 @@ cdef class LeaseBook:
 
     def __dealloc__(self):
         free(self.records)
+        free(self.dirty)
 
     cdef inline void check_closed(self) except *:
         if self.gate.is_open:
@@ -1014,25 +1020,36 @@ cdef class LeaseBook:
 
     def attach(self, key):
         """A slot for ``key`` (empty until ``load``)."""
-        cdef Py_ssize_t slot
+        cdef Py_ssize_t slot, size
         cdef LeaseRecord* grown
+        cdef Py_ssize_t* grown_dirty
+        cdef bint listed = False
         self.check_closed()
         if key in self.index:
             return self.index[key]
         if self.free_slots:
             slot = self.free_slots.pop()
+            listed = self.records[slot].listed  # still in the dirty list: stays there once
+            self.keys[slot] = key
         else:
             if self.used == self.allocated:
-                grown = <LeaseRecord*>realloc(
-                    self.records, <size_t>(self.allocated * 2 + 16) * sizeof(LeaseRecord))
+                size = self.allocated * 2 + 16
+                grown = <LeaseRecord*>realloc(self.records, <size_t>size * sizeof(LeaseRecord))
                 if grown == NULL:
                     raise MemoryError()
                 self.records = grown
-                self.allocated = self.allocated * 2 + 16
+                # the dirty list holds each slot at most once: it never outgrows the records
+                grown_dirty = <Py_ssize_t*>realloc(self.dirty, <size_t>size * sizeof(Py_ssize_t))
+                if grown_dirty == NULL:
+                    raise MemoryError()
+                self.dirty = grown_dirty
+                self.allocated = size
             slot = self.used
             self.used += 1
+            self.keys.append(key)
         memset(&self.records[slot], 0, sizeof(LeaseRecord))
         self.records[slot].window_index = LEASE_NONE
+        self.records[slot].listed = listed
         self.index[key] = slot
         return slot
 
@@ -1041,7 +1058,22 @@ cdef class LeaseBook:
         slot = self.index.pop(key, None)
         if slot is not None:
             self.records[<Py_ssize_t>slot].window_index = LEASE_NONE
+            self.keys[slot] = None
             self.free_slots.append(slot)
+
+    def take_dirty(self):
+        """The keys committed to in C since the last call (each once)."""
+        cdef Py_ssize_t i, slot
+        self.check_closed()
+        out = []
+        for i in range(self.dirty_len):
+            slot = self.dirty[i]
+            self.records[slot].listed = False
+            key = self.keys[slot]
+            if key is not None:
+                out.append(key)
+        self.dirty_len = 0
+        return out
 
     def pull(self, Py_ssize_t slot):
         """``(window_index or None, own units, last_now, committed decisions)``;
@@ -1094,6 +1126,10 @@ cdef class LeaseBook:
         if commit:
             r.last_now = now
             r.decisions += 1
+            if not r.listed:
+                r.listed = True
+                self.dirty[self.dirty_len] = r - self.records
+                self.dirty_len += 1
         start = <double>k * self.window
         current = r.others + r.own
         previous = r.previous

@@ -49,7 +49,7 @@ from ._shared import (
     ValidationError,
     check_now,
 )
-from .redis_storage import RedisStorage, _is_noscript, _Script, derive_client
+from .redis_storage import RedisStorage, _client_package, _is_noscript, _Script, derive_client
 
 __all__ = ["SUPPORTED_ALGORITHMS", "TwoTierStorage"]
 
@@ -76,38 +76,56 @@ redis.call('PEXPIRE', KEYS[1], ttl * 4)
 return redis.call('ZCARD', KEYS[1])
 """
 
-# One (key, window) per call, atomically: write this instance's absolute count,
-# sum every instance's count and every *other* instance's lease (units it may
-# still admit before its next sync), and grant this instance a lease of
-# ceil(remaining / N). The lease never exceeds what remains, so the counts plus
-# the leases of instances that have synced never pass the limit.
+# Per (key, window), atomically, for each KEYS[i] (ARGV: id, N, then five
+# per key: count, limit, weighted previous window, expiry ms, current?):
+# write this instance's absolute count, sum every instance's count and every
+# *other* instance's lease (units it may still admit before its next sync),
+# and grant this instance a lease of ceil(remaining / N). The lease never
+# exceeds what remains, so the counts plus the leases of instances that have
+# synced never pass the limit. Returns count, lease, count, lease, ...
 _RECONCILE = r"""
-local h = KEYS[1]
 local id = ARGV[1]
 local lid = 'lease:' .. id
-redis.call('HSET', h, id, ARGV[2])
-local n = tonumber(ARGV[3])
-local limit = tonumber(ARGV[4])
-local prev = tonumber(ARGV[5])
-local flat = redis.call('HGETALL', h)
-local counts, leases = 0, 0
-for i = 1, #flat, 2 do
-  local f = flat[i]
-  if string.sub(f, 1, 6) == 'lease:' then
-    if f ~= lid then leases = leases + tonumber(flat[i + 1]) end
-  else
-    counts = counts + tonumber(flat[i + 1])
+local n = tonumber(ARGV[2])
+local out = {}
+for i = 1, #KEYS do
+  local h = KEYS[i]
+  local b = 2 + (i - 1) * 5
+  redis.call('HSET', h, id, ARGV[b + 1])
+  local limit = tonumber(ARGV[b + 2])
+  local prev = tonumber(ARGV[b + 3])
+  local flat = redis.call('HGETALL', h)
+  local counts, leases = 0, 0
+  for j = 1, #flat, 2 do
+    local f = flat[j]
+    if string.sub(f, 1, 6) == 'lease:' then
+      if f ~= lid then leases = leases + tonumber(flat[j + 1]) end
+    else
+      counts = counts + tonumber(flat[j + 1])
+    end
   end
+  local lease = 0
+  local rem = limit - prev - counts - leases
+  if ARGV[b + 5] == '1' and rem > 0 then lease = math.ceil(rem / n) end
+  redis.call('HSET', h, lid, lease)
+  redis.call('PEXPIRE', h, ARGV[b + 4])
+  out[#out + 1] = counts
+  out[#out + 1] = lease
 end
-local lease = 0
-local rem = limit - prev - counts - leases
-if ARGV[7] == '1' and rem > 0 then lease = math.ceil(rem / n) end
-redis.call('HSET', h, lid, lease)
-redis.call('PEXPIRE', h, ARGV[6])
-return {counts, lease}
+return out
 """
 
 _Window = int
+
+# Keys per reconcile script call, and tracks handled per lock hold in a sync.
+RECONCILE_CHUNK = 128
+SYNC_CHUNK = 256
+# The background sync covers only keys decided since the last one, and every
+# key (idle leases released, idle keys dropped) once per this many syncs.
+FULL_SYNC_EVERY = 8
+# ... and re-reads a past window's fleet total (the sliding estimate's previous
+# window) this many times after it ends, for the other instances' last pushes.
+SETTLE_READS = 3
 
 
 def _shape(config: LimiterConfig) -> tuple[int, float, bool]:
@@ -137,8 +155,22 @@ class _Track:
     seen_total: dict[_Window, int] = field(default_factory=dict)
     seen_own: dict[_Window, int] = field(default_factory=dict)
     lease: dict[_Window, int] = field(default_factory=dict)  # granted at our last sync of the window
+    settled: dict[_Window, int] = field(default_factory=dict)  # reads of a past window's total
     book: Any = None  # the native LeaseBook holding this key's hot window, if any
     slot: int = -1
+
+
+@dataclass
+class _Work:
+    """One (key, window) of a sync: what is sent, and where the answer goes."""
+
+    track: _Track
+    window: _Window
+    value: int  # our cumulative units in the window
+    current: bool  # the key's current window: a lease is granted
+    hash_key: str
+    previous: str  # the weighted previous window (sliding), as sent
+    ttl_ms: int
 
 
 class _Guard:
@@ -269,6 +301,12 @@ class TwoTierStorage:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._sync_lock = threading.Lock()
+        self._dirty: dict[tuple[LimiterConfig, str], _Track] = {}  # decided in Python since the last sync
+        self._since_full = 0
+        self._need_full = False
+        self._slot_of: Any = None  # a cluster's key -> slot, to group a script's keys
+        if getattr(self.remote, "cluster", False):
+            self._slot_of = _client_package(self.remote.user_client).crc.key_slot
         self._script_loaded = False
         self._stats: dict[str, Any] = {
             "syncs": 0,
@@ -281,6 +319,8 @@ class TwoTierStorage:
             "units_reconciled": 0,
             "partitions": 0,
             "decisions": 0,
+            "full_syncs": 0,
+            "keys_synced_last": 0,
         }
         self._thread: threading.Thread | None = None
         if start:
@@ -449,6 +489,8 @@ class TwoTierStorage:
     def _decide(self, config: LimiterConfig, key: str, cost: int, now: float, commit: bool) -> KernelVerdict:
         track = self._track(config, key, now)
         verdict = self._judge(track, cost, now, commit)
+        if commit:
+            self._dirty[(config, key)] = track
         self._load(track)
         return verdict
 
@@ -545,40 +587,55 @@ class TwoTierStorage:
             self._wake.clear()
             if self._stop.is_set():
                 break
-            self.sync_now()
+            with self._sync_lock:
+                self._since_full += 1
+                self._sync(full=self._since_full >= FULL_SYNC_EVERY or self._need_full)
             self._stop.wait(gap)
 
     def sync_now(self) -> bool:
-        """One pipelined round trip: heartbeat, push our per-window counts,
-        read the fleet totals. True if Redis answered."""
+        """One full sync: heartbeat, push our per-window counts of every key
+        and read the fleet totals back. True if Redis answered. (The
+        background thread syncs only the keys decided since its last sync,
+        and every key once per ``FULL_SYNC_EVERY`` syncs.)"""
         with self._sync_lock:
-            return self._sync()
+            return self._sync(full=True)
 
-    def _sync(self) -> bool:
+    def _candidates(self, full: bool) -> list[_Track]:
+        """The tracks a sync covers: all of them, or those decided since the
+        last sync (Python path and C path alike)."""
+        if full:
+            self._dirty.clear()
+            for book in self._books.values():
+                book.take_dirty()
+            return list(self._tracks.values())
+        picked = dict(self._dirty)
+        self._dirty.clear()
+        for config, book in self._books.items():
+            for key in book.take_dirty():
+                track = self._tracks.get((config, key))
+                if track is not None:
+                    picked[(config, key)] = track
+        return list(picked.values())
+
+    def _sync(self, full: bool) -> bool:
         with self._lock:
             if self._gate is not None:
                 self._gate.rearm()
-            work: list[tuple[_Track, int, int, bool]] = []  # track, window, own count, current?
-            for tr in self._tracks.values():
-                self._pull(tr)
-            for ident in [
-                ident
-                for ident, tr in self._tracks.items()
-                if time.monotonic() - tr.touched > max(3 * tr.window, 10.0)
-                and all(tr.pushed.get(w) == v for w, v in tr.own.items())
-            ]:
-                self._drop(ident)  # idle and fully pushed: nothing left to reconcile
-            for track in self._tracks.values():
-                k = math.floor(track.last_now / track.window)
-                windows = {k, k - 1} if track.sliding else {k}
-                # keep the previous window for the sliding estimate; drop older ones once pushed
-                for old in [w for w in track.own if w < k - 1 and track.pushed.get(w) == track.own[w]]:
-                    for table in (track.own, track.pushed, track.seen_total, track.seen_own, track.lease):
-                        table.pop(old, None)
-                for w in sorted(windows | set(track.own)):
-                    work.append((track, w, track.own.get(w, 0), w == k))
+            if full:
+                self._since_full = 0
+                self._need_full = False
+            candidates = self._candidates(full)
             n = self._instances
             load = not self._script_loaded
+        # Built in chunks, the lock (and the gate) released in between: native
+        # decisions wait at most one chunk, not a whole sync of many keys.
+        work: list[_Work] = []
+        wall = time.time()
+        for c in range(0, len(candidates), SYNC_CHUNK):
+            with self._lock:
+                for track in candidates[c : c + SYNC_CHUNK]:
+                    if self._tracks.get((track.config, track.key)) is track:
+                        self._plan(track, full, wall, work)
         ttl_ms = max(1, math.ceil(self.heartbeat_ttl * 1000))
         began = time.perf_counter()
         try:
@@ -605,15 +662,30 @@ class TwoTierStorage:
             floor, until = self._n_floor
             self._instances = max(live, floor) if time.monotonic() < until else live
             self._script_loaded = True
-            for track in self._tracks.values():
-                self._pull(track)  # what native decisions admitted during the round trip
-            for (track, w, value, current), (total, lease) in zip(work, replies[1:]):
-                pushed_units += value - track.pushed.get(w, 0)
-                track.pushed[w] = value
-                track.seen_total[w] = int(total)
-                track.seen_own[w] = value
-                if current:
-                    track.lease[w] = int(lease)
+            changed_n = self._instances != n
+        answered = list(zip(work, replies[1:]))
+        for c in range(0, len(answered), SYNC_CHUNK):
+            with self._lock:
+                touched: dict[int, _Track] = {}
+                for item, (total, lease) in answered[c : c + SYNC_CHUNK]:
+                    track, w, value = item.track, item.window, item.value
+                    pushed_units += value - track.pushed.get(w, 0)
+                    track.pushed[w] = value
+                    track.seen_total[w] = int(total)
+                    track.seen_own[w] = value
+                    if item.current:
+                        track.lease[w] = int(lease)
+                    else:
+                        track.settled[w] = track.settled.get(w, 0) + 1
+                    touched[id(track)] = track
+                for track in touched.values():
+                    self._pull(track)  # what native decisions admitted during the round trip
+                    self._load(track)  # its new lease and totals
+        with self._lock:
+            if changed_n:  # every default share changed
+                for track in self._tracks.values():
+                    self._pull(track)
+                    self._load(track)
             if self._blind:
                 self._blind = False
                 for (_, key), limiter in self._blind_keys.items():
@@ -623,53 +695,100 @@ class TwoTierStorage:
                 # are in our counts and go with the next sync
                 self._stats["units_reconciled"] += self._blind_units
                 self._blind_units = 0
-            for track in self._tracks.values():
-                self._load(track)  # new leases, totals and N for native decisions
             stats = self._stats
             stats["syncs"] += 1
+            stats["full_syncs"] += full
+            stats["keys_synced_last"] = len({id(item.track) for item in work})
             stats["units_pushed"] += pushed_units
             stats["sync_latency_last"] = latency
             stats["sync_latency_max"] = max(stats["sync_latency_max"], latency)
             stats["sync_latency_total"] += latency
         return True
 
-    def _exchange(
-        self, work: list[tuple[_Track, int, int, bool]], n: int, ttl_ms: int, load: bool
-    ) -> list[Any]:
-        """The sync's round trip: heartbeat and one reconcile per (key, window),
-        pipelined (per node on a cluster). Returns the live count, then the
-        reconcile replies."""
+    def _plan(self, track: _Track, full: bool, wall: float, work: list[_Work]) -> None:
+        """Add ``track``'s windows to a sync (or drop it when idle and pushed)."""
+        self._pull(track)
+        own, pushed = track.own, track.pushed
+        if (
+            full
+            and time.monotonic() - track.touched > max(3 * track.window, 10.0)
+            and all(pushed.get(w) == v for w, v in own.items())
+        ):
+            self._drop((track.config, track.key))  # idle and fully pushed: nothing left to reconcile
+            return
+        window = track.window
+        k = math.floor(track.last_now / window)
+        if len(own) > 1:
+            # keep the previous window for the sliding estimate; drop older ones once pushed
+            for old in [w for w in own if w < k - 1 and pushed.get(w) == own[w]]:
+                for table in (own, pushed, track.seen_total, track.seen_own, track.lease, track.settled):
+                    table.pop(old, None)
+        if not own or (len(own) == 1 and k in own):
+            windows: Any = (k - 1, k) if track.sliding else (k,)
+        else:
+            windows = sorted({k, k - 1} | own.keys() if track.sliding else {k} | own.keys())
+        for w in windows:
+            if (
+                not full
+                and w != k
+                and own.get(w, 0) == pushed.get(w, 0)
+                and track.settled.get(w, 0) >= SETTLE_READS
+            ):
+                continue  # a past window, pushed, its total read often enough for late pushes to land
+            # alive until the window can no longer matter, by the wall clock (an injected
+            # clock gets an hour's floor, as RedisStorage does)
+            left = (w + 2) * window - wall
+            near = abs(left) < 1e5  # a window of the wall clock, not of an injected one
+            ms = math.ceil(max(left, 0.0) * 1000) + 1000 if near else 3_600_000
+            current = w == k
+            previous = repr(self._previous_weighted(track, w)) if current and track.sliding else "0.0"
+            work.append(_Work(track, w, own.get(w, 0), current, f"{track.base}{w}", previous, ms))
+
+    def _exchange(self, work: list[_Work], n: int, ttl_ms: int, load: bool) -> list[Any]:
+        """The sync's round trip: the heartbeat and the reconcile script over
+        chunks of (key, window) — per slot on a cluster — in one pipeline.
+        Returns the live count, then ``(total, lease)`` per work item."""
         if load:  # first sync, or a server lost it; SCRIPT LOAD reaches every primary of a cluster
             self.client.script_load(_RECONCILE_SCRIPT.source)
         pipe = self.client.pipeline(transaction=False)
         # execute_command: a cluster pipeline routes EVAL/EVALSHA by key but has no eval()
         pipe.execute_command("EVAL", _HEARTBEAT, 1, self._members_key, self.instance_id, ttl_ms)
-        wall = time.time()
-        for track, w, value, current in work:
-            # alive until the window can no longer matter, by the wall clock (an injected
-            # clock gets an hour's floor, as RedisStorage does)
-            left = (w + 2) * track.window - wall
-            near = abs(left) < 1e5  # a window of the wall clock, not of an injected one
-            ms = math.ceil(max(left, 0.0) * 1000) + 1000 if near else 3_600_000
-            pipe.execute_command(
-                "EVALSHA",
-                _RECONCILE_SCRIPT.sha,
-                1,
-                self._hash_key(track, w),
-                self.instance_id,
-                value,
-                n,
-                track.limit,
-                repr(self._previous_weighted(track, w) if current else 0.0),
-                ms,
-                "1" if current else "0",
-            )
-        return list(pipe.execute())
+        groups: dict[int, list[int]] = {}
+        if self._slot_of is not None:
+            for i, item in enumerate(work):
+                groups.setdefault(self._slot_of(item.hash_key.encode()), []).append(i)
+        else:
+            groups[0] = list(range(len(work)))
+        order: list[int] = []
+        for members in groups.values():
+            for c in range(0, len(members), RECONCILE_CHUNK):
+                part = members[c : c + RECONCILE_CHUNK]
+                args: list[Any] = [self.instance_id, n]
+                for i in part:
+                    item = work[i]
+                    args += (
+                        item.value,
+                        item.track.limit,
+                        item.previous,
+                        item.ttl_ms,
+                        "1" if item.current else "0",
+                    )
+                pipe.execute_command(
+                    "EVALSHA", _RECONCILE_SCRIPT.sha, len(part), *[work[i].hash_key for i in part], *args
+                )
+                order += part
+        raw = pipe.execute()
+        flat = [pair for reply in raw[1:] for pair in zip(reply[::2], reply[1::2])]
+        replies: list[Any] = [None] * len(work)
+        for i, pair in zip(order, flat):
+            replies[i] = pair
+        return [raw[0], *replies]
 
     def _failed(self) -> None:
         """Redis unreachable: enforce our share locally until it answers again."""
         with self._lock:
             self._stats["sync_failures"] += 1
+            self._need_full = True  # every count is re-written once Redis answers
             if not self._blind:
                 self._blind = True
                 self._stats["partitions"] += 1
@@ -699,8 +818,11 @@ class TwoTierStorage:
             return {k: self._fleet(track, k) for k in sorted(set(track.own) | set(track.seen_total))}
 
     def metrics(self) -> dict[str, Any]:
-        """Counters: syncs, sync latency (s), keys tracked, units pushed and
-        reconciled after a partition, partition mode, live instances."""
+        """Counters: syncs (``full_syncs`` of them covering every key,
+        ``keys_synced_last`` keys in the latest), sync latency (s), keys
+        tracked, units pushed and reconciled after a partition, partition
+        mode, live instances, decisions (``decisions_native`` of them, peeks
+        included, answered in C on the lease)."""
         with self._lock:
             for track in self._tracks.values():
                 self._pull(track)
