@@ -920,7 +920,11 @@ ctypedef struct LeaseRecord:
     int64_t ceiling                 # own + cost must stay <= ceiling: units pushed + the lease
     int64_t others                  # the other instances' units in it, as last read
     int64_t previous                # fleet units of the window before (sliding), else 0
+    int64_t next_ceiling            # a later window's ceiling before any sync of it: ceil(L / N)
+    int64_t prev_index              # a window C rolled away from, its units not yet pulled
+    int64_t prev_own
     int64_t decisions               # committed here since the storage last pulled
+    bint prev_pending
     bint listed                     # its slot is in the book's dirty list
 
 cdef int64_t LEASE_NONE = INT64_MIN
@@ -1076,24 +1080,31 @@ cdef class LeaseBook:
         return out
 
     def pull(self, Py_ssize_t slot):
-        """``(window_index or None, own units, last_now, committed decisions)``;
-        the decision count restarts from zero."""
+        """``(window_index or None, own units, last_now, committed decisions,
+        rolled-away window or None, its own units)``: what C decided since the
+        last pull. The decision count restarts from zero."""
         self.check_closed()
         cdef LeaseRecord* r = self.record(slot)
         cdef int64_t n = r.decisions
+        cdef bint rolled = r.prev_pending
         r.decisions = 0
-        return (None if r.window_index == LEASE_NONE else r.window_index, r.own, r.last_now, n)
+        r.prev_pending = False
+        return (None if r.window_index == LEASE_NONE else r.window_index, r.own, r.last_now, n,
+                r.prev_index if rolled else None, r.prev_own if rolled else 0)
 
     def load(self, Py_ssize_t slot, int64_t window_index, int64_t own, int64_t ceiling,
-             int64_t others, int64_t previous, double last_now):
+             int64_t others, int64_t previous, double last_now, int64_t next_ceiling):
         self.check_closed()
         cdef LeaseRecord* r = self.record(slot)
+        if r.prev_pending:
+            raise RuntimeError("LeaseBook.load before the rolled-away window was pulled")
         r.window_index = window_index
         r.own = own
         r.ceiling = ceiling
         r.others = others
         r.previous = previous if self.sliding else 0
         r.last_now = last_now
+        r.next_ceiling = next_ceiling
 
     def __len__(self):
         return len(self.index)
@@ -1104,9 +1115,9 @@ cdef class LeaseBook:
         cdef LeaseGate gate = self.gate
         cdef PyObject* found
         cdef LeaseRecord* r
-        cdef int64_t k, current, previous
+        cdef int64_t k, current, previous, own, ceiling, others
         cdef double start, weight, estimate, reset_after, retry_after, end, room
-        cdef bint fits, ok, wake = False
+        cdef bint fits, ok, rolls = False, wake = False
         nl_lock_spin(&gate.lock)
         if not gate.is_open:
             nl_unlock(&gate.lock)
@@ -1119,7 +1130,20 @@ cdef class LeaseBook:
         if r.last_now > now:
             now = r.last_now
         k = <int64_t>floor(now / self.window)
-        if k != r.window_index:
+        if k == r.window_index:
+            own = r.own
+            ceiling = r.ceiling
+            others = r.others
+            previous = r.previous
+        elif k > r.window_index != LEASE_NONE and not r.prev_pending:
+            # a later window, not yet synced: nobody's units seen, the default
+            # share; the window just left is the sliding estimate's previous
+            rolls = True
+            own = 0
+            ceiling = r.next_ceiling
+            others = 0
+            previous = r.others + r.own if (self.sliding and k == r.window_index + 1) else 0
+        else:
             nl_unlock(&gate.lock)
             return 0
         gate.decided += 1
@@ -1130,13 +1154,21 @@ cdef class LeaseBook:
                 r.listed = True
                 self.dirty[self.dirty_len] = r - self.records
                 self.dirty_len += 1
+            if rolls:  # keep the left window's units for the sync until pulled
+                r.prev_index = r.window_index
+                r.prev_own = r.own
+                r.prev_pending = True
+                r.window_index = k
+                r.own = 0
+                r.ceiling = ceiling
+                r.others = 0
+                r.previous = previous
         start = <double>k * self.window
-        current = r.others + r.own
-        previous = r.previous
+        current = others + own
         weight = 1.0 - (now - start) / self.window
         estimate = <double>previous * weight + <double>current
         fits = estimate + <double>cost <= <double>self.limit
-        ok = fits and r.own + cost <= r.ceiling
+        ok = fits and own + cost <= ceiling
         if fits and not ok:
             gate.early += 1
             if not gate.wake_pending:

@@ -453,7 +453,9 @@ class TwoTierStorage:
         """Fold what native decisions did to the key's hot window into the track."""
         if track.book is None:
             return
-        k, own, last_now, decided = track.book.pull(track.slot)
+        k, own, last_now, decided, left, left_own = track.book.pull(track.slot)
+        if left is not None and left_own != track.own.get(left, 0):
+            track.own[left] = left_own  # the window C rolled away from
         if k is not None and own != track.own.get(k, 0):
             track.own[k] = own
         if last_now > track.last_now:
@@ -468,9 +470,10 @@ class TwoTierStorage:
         if track.book is None:
             return
         k = math.floor(track.last_now / track.window)
+        default = math.ceil(track.limit / self._instances)
         share = track.lease.get(k)
         if share is None:
-            share = math.ceil(track.limit / self._instances)
+            share = default
         track.book.load(
             track.slot,
             k,
@@ -479,6 +482,7 @@ class TwoTierStorage:
             track.seen_total.get(k, 0) - track.seen_own.get(k, 0),
             self._fleet(track, k - 1) if track.sliding else 0,
             track.last_now,
+            default,  # a later window's ceiling, when C rolls the key over before a sync
         )
 
     def _fleet(self, track: _Track, k: int) -> int:
