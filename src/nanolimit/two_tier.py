@@ -91,23 +91,24 @@ local out = {}
 for i = 1, #KEYS do
   local h = KEYS[i]
   local b = 2 + (i - 1) * 5
-  redis.call('HSET', h, id, ARGV[b + 1])
+  local counts, leases = tonumber(ARGV[b + 1]), 0
   local limit = tonumber(ARGV[b + 2])
   local prev = tonumber(ARGV[b + 3])
   local flat = redis.call('HGETALL', h)
-  local counts, leases = 0, 0
   for j = 1, #flat, 2 do
     local f = flat[j]
-    if string.sub(f, 1, 6) == 'lease:' then
-      if f ~= lid then leases = leases + tonumber(flat[j + 1]) end
-    else
-      counts = counts + tonumber(flat[j + 1])
+    if f ~= id and f ~= lid then  -- ours: the count sent replaces it, the lease is re-granted
+      if string.byte(f, 1) == 108 and string.sub(f, 1, 6) == 'lease:' then
+        leases = leases + tonumber(flat[j + 1])
+      else
+        counts = counts + tonumber(flat[j + 1])
+      end
     end
   end
   local lease = 0
   local rem = limit - prev - counts - leases
   if ARGV[b + 5] == '1' and rem > 0 then lease = math.ceil(rem / n) end
-  redis.call('HSET', h, lid, lease)
+  redis.call('HSET', h, id, ARGV[b + 1], lid, lease)
   redis.call('PEXPIRE', h, ARGV[b + 4])
   out[#out + 1] = counts
   out[#out + 1] = lease
