@@ -288,3 +288,77 @@ def test_the_pipeline_returns_the_handlers_response_object(backend) -> None:
     out = mw(get(), lambda _req: sentinel)
     assert out is sentinel and out.status == 201 and out.headers["X-App"] == "1"
     assert set(SPEC_HEADERS) <= set(out.headers)
+
+
+@pytest.mark.native
+def test_admitted_lane_writes_what_the_python_path_writes(backend, native) -> None:
+    """The native lane (counts + five headers in one C call), its pure-Python
+    twin and the middleware's own header rendering agree, for decisions of
+    either twin, over remaining counts and reset times that round both ways."""
+    from nanolimit.metrics import _ShardedAdmitted
+
+    module = backend
+    metrics = Metrics()
+    fast = native.AdmittedRequests("r")
+    slow = _ShardedAdmitted(metrics, "r")
+    mw = gateway(module, [rule("r", 10, 2.5)])
+    binding = mw._bind(mw.registry._set.rules[0], mw.registry._set)
+    wall = 1_700_000_000.25
+    cases = [(0, 0.0), (1, 1e-9), (7, 2.5), (9, 0.75), (10, 2.4999999999), (123456789, 3599.000001)]
+    for remaining, reset in cases:
+        d = module.Decision(True, 10, remaining, 0.0, reset, "r", 2.5)
+        got: dict[str, str] = {}
+        want: dict[str, str] = {}
+        fast.record(d, got, binding.limit_str, binding.policy, binding.r_prefix, binding.near, wall)
+        slow.record(d, want, binding.limit_str, binding.policy, binding.r_prefix, binding.near, wall)
+        assert got == want
+        mw.wall_clock = lambda: wall
+        assert got == mw._headers(binding, d)
+    near = sum(1 for remaining, _ in cases if remaining < binding.near)
+    assert (fast.allowed, fast.near_limit) == (len(cases), near)
+    assert metrics.snapshot()["r"] == {
+        "allowed": len(cases),
+        "denied": 0,
+        "shadow_denied": 0,
+        "near_limit": near,
+    }
+
+
+class _HeaderMap(dict):  # a framework's own header mapping: not exactly a dict
+    pass
+
+
+@pytest.mark.native
+def test_admitted_lane_counts_exactly_under_threads_and_any_mapping(native) -> None:
+    lane = native.AdmittedRequests("r")
+    d = native.Decision(True, 10, 1, 0.0, 1.0, "r", 1.0)
+    barrier = threading.Barrier(8)
+
+    def work() -> None:
+        headers = _HeaderMap()
+        barrier.wait()
+        for _ in range(20_000):
+            lane.record(d, headers, "10", "p", "x", 2.0, 0.0)
+        assert headers["RateLimit"] == "x1;t=1" and type(headers) is _HeaderMap
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert lane.allowed == lane.near_limit == 160_000
+    with pytest.raises(TypeError):
+        lane.record(d, None, "10", "p", "x", 2.0, 0.0)  # not a mapping
+    assert lane.allowed == 160_000  # a failed call counts nothing
+
+
+def test_an_admitted_request_whose_handler_raises_is_still_counted(backend) -> None:
+    mw = gateway(backend, [rule("r", 5, 60.0)])
+
+    def broken(_request: Request) -> Response:
+        raise RuntimeError("handler failed")
+
+    with pytest.raises(RuntimeError, match="handler failed"):
+        mw(get("/x"), broken)
+    assert mw.metrics.snapshot()["r"]["allowed"] == 1
+    assert mw(get("/x"), ok_handler).headers["X-RateLimit-Remaining"] == "3"

@@ -85,6 +85,28 @@ class InMemoryStorage:
     def __len__(self) -> int: ...
 
 @final
+class AdmittedRequests:
+    """One gateway rule's admitted requests: counted, and given their headers, in C."""
+    def __init__(self, rule: str) -> None: ...
+    @property
+    def rule(self) -> str: ...
+    @property
+    def allowed(self) -> int: ...
+    @property
+    def near_limit(self) -> int: ...
+    def count(self, decision: Any, near: float) -> None: ...
+    def record(
+        self,
+        decision: Any,
+        headers: Any,
+        limit_str: str,
+        policy: str,
+        r_prefix: str,
+        near: float,
+        wall_now: float,
+    ) -> None: ...
+
+@final
 class LeaseGate:
     """One per TwoTierStorage: closed while its Python code runs or Redis is down."""
     def __init__(self, wake: Callable[[], object]) -> None: ...

@@ -10,11 +10,11 @@ the whole batch. No Python object is touched while a stripe lock is held.
 
 cimport cython
 from cpython.array cimport array, clone
-from cpython.dict cimport PyDict_GetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsSsize_t
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
-from libc.math cimport floor, isfinite
+from libc.math cimport ceil, floor, isfinite
 from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
@@ -30,7 +30,7 @@ from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET, ALG_SLIDING_COUNTER,
     ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_OK, NL_REENTRANT,
     NL_TABLE_FULL, Entry, Params, Verdict, nl_hash_seeded, nl_lock_spin, nl_mum,
-    nl_namespace_seed, nl_set_secrets,
+    nl_namespace_seed, nl_set_secrets, nl_add_u64_relaxed, nl_load_u64_relaxed,
     nl_trylock, nl_unlock, nl_wall_now,
 )
 
@@ -907,6 +907,80 @@ cdef class InMemoryStorage:
 
     def __repr__(self):
         return f"<native InMemoryStorage keys={len(self)} stripes={self.stripe_mask + 1}>"
+
+
+# ============================================================== gateway
+
+cdef str H_LIMIT = "X-RateLimit-Limit"
+cdef str H_REMAINING = "X-RateLimit-Remaining"
+cdef str H_RESET = "X-RateLimit-Reset"
+cdef str H_POLICY = "RateLimit-Policy"
+cdef str H_RATELIMIT = "RateLimit"
+
+
+@cython.final
+cdef class AdmittedRequests:
+    """One gateway rule's admitted requests: counted, and given their
+    rate-limit headers, in one C call from the middleware's hot path. The
+    counters are atomic, so threads share them without a lock or a shard."""
+
+    cdef uint64_t allowed_count
+    cdef uint64_t near_count
+    cdef readonly str rule
+
+    def __cinit__(self, str rule not None):
+        self.rule = rule
+
+    @property
+    def allowed(self):
+        return nl_load_u64_relaxed(&self.allowed_count)
+
+    @property
+    def near_limit(self):
+        return nl_load_u64_relaxed(&self.near_count)
+
+    def count(self, decision, double near):
+        """Count an admitted request whose response never came (the handler raised)."""
+        nl_add_u64_relaxed(&self.allowed_count, 1)
+        if decision.remaining < near:
+            nl_add_u64_relaxed(&self.near_count, 1)
+
+    def record(self, decision, headers, str limit_str, str policy, str r_prefix, double near,
+               double wall_now):
+        """Count an admitted request and set its five rate-limit headers
+        (SPEC §3) on ``headers``, exactly as ``RateLimitMiddleware._headers``
+        writes them."""
+        cdef int64_t left
+        cdef double reset
+        cdef Decision d
+        if type(decision) is Decision:
+            d = <Decision>decision
+            left = d.remaining
+            reset = d.reset_after
+        else:
+            left = decision.remaining
+            reset = decision.reset_after
+        text = f"{left}"
+        reset_at = f"{<int64_t>ceil(wall_now + reset)}"
+        rate = f"{r_prefix}{text};t={<int64_t>ceil(reset)}"
+        if type(headers) is dict:
+            PyDict_SetItem(headers, H_LIMIT, limit_str)
+            PyDict_SetItem(headers, H_REMAINING, text)
+            PyDict_SetItem(headers, H_RESET, reset_at)
+            PyDict_SetItem(headers, H_POLICY, policy)
+            PyDict_SetItem(headers, H_RATELIMIT, rate)
+        else:
+            headers[H_LIMIT] = limit_str
+            headers[H_REMAINING] = text
+            headers[H_RESET] = reset_at
+            headers[H_POLICY] = policy
+            headers[H_RATELIMIT] = rate
+        nl_add_u64_relaxed(&self.allowed_count, 1)  # counted once the headers are written
+        if left < near:
+            nl_add_u64_relaxed(&self.near_count, 1)
+
+    def __repr__(self):
+        return f"<AdmittedRequests {self.rule!r} allowed={self.allowed} near_limit={self.near_limit}>"
 
 
 # ============================================================== two-tier leases

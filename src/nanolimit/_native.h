@@ -255,6 +255,25 @@ static inline uint32_t nl_load_u32_relaxed(const uint32_t *p)
 #endif
 }
 
+/* Counters shared by threads that need no lock (free-threaded builds too). */
+static inline void nl_add_u64_relaxed(uint64_t *p, uint64_t v)
+{
+#if defined(_MSC_VER)
+    _InterlockedExchangeAdd64((volatile long long *)p, (long long)v);
+#else
+    __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+#endif
+}
+
+static inline uint64_t nl_load_u64_relaxed(const uint64_t *p)
+{
+#if defined(_MSC_VER)
+    return *(const volatile uint64_t *)p;
+#else
+    return __atomic_load_n(p, __ATOMIC_RELAXED);
+#endif
+}
+
 static inline void nl_prefetch(const void *p)
 {
 #if defined(__GNUC__) || defined(__clang__)

@@ -19,6 +19,8 @@ cdef extern from "_native.h" nogil:
     bint nl_key_equal(const char* a, const char* b, uint32_t n)
     const void* nl_load_pointer_relaxed(const void* const* p)
     uint32_t nl_load_u32_relaxed(const uint32_t* p)
+    void nl_add_u64_relaxed(uint64_t* p, uint64_t v)
+    uint64_t nl_load_u64_relaxed(const uint64_t* p)
 
 
 # Algorithm ids; 0 is the generic ``apply`` namespace (a Python object per key).

@@ -8,6 +8,8 @@ exposition format is written by hand: no dependency on a metrics library.
 
 from __future__ import annotations
 
+import importlib
+import math
 import threading
 from typing import Any
 
@@ -38,6 +40,24 @@ class Metrics:
         self._local = threading.local()
         self._shards: list[dict[str, list[int]]] = []
         self._lock = threading.Lock()
+        self._admitted: dict[str, Any] = {}  # rule -> AdmittedRequests (the middleware's fast lane)
+        import nanolimit  # late: nanolimit's own import pulls the gateway in
+
+        if nanolimit.IMPLEMENTATION == "native":
+            self._lane_type: Any = importlib.import_module("nanolimit._core").AdmittedRequests
+        else:
+            self._lane_type = lambda rule: _ShardedAdmitted(self, rule)
+
+    def admitted(self, rule: str) -> Any:
+        """The counter-and-header writer for ``rule``'s admitted requests
+        (one per rule name, shared by every binding of it)."""
+        lane = self._admitted.get(rule)
+        if lane is None:
+            with self._lock:
+                lane = self._admitted.get(rule)
+                if lane is None:
+                    lane = self._admitted[rule] = self._lane_type(rule)
+        return lane
 
     def shard(self) -> dict[str, list[int]]:
         """This thread's counters: ``shard()[rule][slot] += 1`` from this
@@ -75,6 +95,7 @@ class Metrics:
         """``{rule: {"allowed": n, "denied": n, "shadow_denied": n, "near_limit": n}}``."""
         with self._lock:
             shards = list(self._shards)
+            lanes = list(self._admitted.values())
         out: dict[str, dict[str, int]] = {}
         for shard in shards:
             for rule, counts in list(shard.items()):
@@ -83,6 +104,12 @@ class Metrics:
                     total = out[rule] = dict.fromkeys(OUTCOMES, 0)
                 for name, value in zip(OUTCOMES, list(counts)):
                     total[name] += value
+        for lane in lanes:
+            allowed, near = lane.allowed, lane.near_limit
+            if allowed or lane.rule in out:
+                total = out.setdefault(lane.rule, dict.fromkeys(OUTCOMES, 0))
+                total["allowed"] += allowed
+                total["near_limit"] += near
         return dict(sorted(out.items()))
 
     def render_prometheus(self) -> str:
@@ -111,3 +138,41 @@ class Metrics:
 
     def __getstate__(self) -> Any:
         raise TypeError("Metrics cannot be pickled (it holds per-thread counters)")
+
+
+class _ShardedAdmitted:
+    """The pure-Python twin of ``nanolimit._core.AdmittedRequests``: counts
+    go to the calling thread's shard (Python has no atomic increment)."""
+
+    allowed = 0  # counted in the shards
+    near_limit = 0
+
+    def __init__(self, metrics: Metrics, rule: str) -> None:
+        self.metrics = metrics
+        self.rule = rule
+
+    def count(self, decision: Any, near: float) -> None:
+        counts = self.metrics.counters(self.rule)
+        counts[ALLOWED] += 1
+        if decision.remaining < near:
+            counts[NEAR_LIMIT] += 1
+
+    def record(
+        self,
+        decision: Any,
+        headers: Any,
+        limit_str: str,
+        policy: str,
+        r_prefix: str,
+        near: float,
+        wall_now: float,
+    ) -> None:
+        left = decision.remaining
+        reset = decision.reset_after
+        text = str(left)
+        headers["X-RateLimit-Limit"] = limit_str
+        headers["X-RateLimit-Remaining"] = text
+        headers["X-RateLimit-Reset"] = str(math.ceil(wall_now + reset))
+        headers["RateLimit-Policy"] = policy
+        headers["RateLimit"] = f"{r_prefix}{text};t={math.ceil(reset)}"
+        self.count(decision, near)  # counted once the headers are written
