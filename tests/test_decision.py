@@ -37,8 +37,14 @@ def test_fields_and_defaults(backend):
 
 def test_keyword_construction(backend):
     d = backend.Decision(
-        allowed=False, limit=3, remaining=0, retry_after=2.0, reset_after=4.0,
-        rule="r", window=6.0, delay=0.0,
+        allowed=False,
+        limit=3,
+        remaining=0,
+        retry_after=2.0,
+        reset_after=4.0,
+        rule="r",
+        window=6.0,
+        delay=0.0,
     )
     assert fields(d) == (False, 3, 0, 2.0, 4.0, "r", 6.0, 0.0)
 
@@ -253,3 +259,55 @@ def test_empty_batch(backend):
     assert empty.allowed_count == 0
     with pytest.raises(IndexError):
         empty[0]
+
+
+@pytest.mark.native
+@pytest.mark.parametrize(
+    "verdict",
+    [
+        (True, 4.0, 0.0, 1.5, 0.0),
+        (False, -0.5, 2.25, 3.0, 0.0),
+        (True, 9.99, 0.0, 0.0, 0.125, False),
+        (False, 0.0, 1.0, 1.0, 0.0, True),
+        (False, 0.0, 1.0, 1.0, 0.0, True, "store_unavailable"),
+        (True, 2.0**40 + 0.5, 0.0, 1.0, 0.0, False, ""),
+        (1, 3, 0, 1, 0),  # ints where floats are usual
+        [False, 1.0, 0.5, 0.5, 0.0, True, "storage_full"],  # not a tuple: the general path
+    ],
+)
+def test_a_storage_verdict_becomes_the_same_decision_in_both_twins(native, verdict) -> None:
+    """The native limiter turns a KernelStorage's verdict tuple into a
+    Decision in C; the reference limiter in Python. Same fields, same types."""
+    from nanolimit import reference
+
+    got = native.TokenBucket(10, 1.0, rule="r")._decision(verdict)
+    want = reference.TokenBucket(10, 1.0, rule="r")._decision(verdict)
+    assert got == want
+    assert [type(getattr(got, f)) for f in FIELDS] == [type(getattr(want, f)) for f in FIELDS]
+
+
+@pytest.mark.parametrize("kind", [pytest.param("native", marks=pytest.mark.native), "python"])
+def test_event_counters_lose_no_count_under_threads(request, kind: str) -> None:
+    import threading
+
+    from nanolimit._shared import LockedCounter
+
+    if kind == "native":
+        native = request.getfixturevalue("native")
+        counter = native.EventCounter()
+    else:
+        counter = LockedCounter()
+    barrier = threading.Barrier(8)
+
+    def work() -> None:
+        barrier.wait()
+        for _ in range(20_000):
+            counter.add()
+        counter.add(5)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counter.value == 8 * 20_005

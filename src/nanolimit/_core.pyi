@@ -85,6 +85,13 @@ class InMemoryStorage:
     def __len__(self) -> int: ...
 
 @final
+class EventCounter:
+    """A counter threads bump without a lock."""
+    def add(self, amount: int = 1) -> None: ...
+    @property
+    def value(self) -> int: ...
+
+@final
 class AdmittedRequests:
     """One gateway rule's admitted requests: counted, and given their headers, in C."""
     def __init__(self, rule: str) -> None: ...

@@ -919,6 +919,25 @@ cdef str H_RATELIMIT = "RateLimit"
 
 
 @cython.final
+@cython.auto_pickle(False)
+cdef class EventCounter:
+    """A counter threads bump without a lock (atomic add): for counts taken
+    on a hot path, such as a storage's near-cache hits."""
+
+    cdef uint64_t n
+
+    def add(self, uint64_t amount=1):
+        nl_add_u64_relaxed(&self.n, amount)
+
+    @property
+    def value(self):
+        return nl_load_u64_relaxed(&self.n)
+
+    def __repr__(self):
+        return f"<EventCounter {self.value}>"
+
+
+@cython.final
 cdef class AdmittedRequests:
     """One gateway rule's admitted requests: counted, and given their
     rate-limit headers, in one C call from the middleware's hot path. The
@@ -1402,8 +1421,8 @@ cdef class _Limiter:
                 now = self.read_clock()
                 if self.book.decide(key, units, now, commit, &v):
                     return make_decision(&v, self.p.capacity, self._rule, self.p.window)
-                return self._decision(self.kernel_run(self._config, key, units, now, commit))
-            return self._decision(self.kernel_run(
+                return self.from_verdict(self.kernel_run(self._config, key, units, now, commit))
+            return self.from_verdict(self.kernel_run(
                 self._config, key, units, None if self.system_clock else self.read_clock(), commit))
         data = key_bytes(key, self.max_key_bytes, &klen)
         units = cost_value(cost, self.p.capacity)
@@ -1437,10 +1456,32 @@ cdef class _Limiter:
 
     def _decision(self, verdict):
         """A Decision from a storage's KernelVerdict tuple."""
-        return Decision(verdict[0], self.p.capacity, max(0, floor(verdict[1])), verdict[2], verdict[3],
-                        self._rule, self.p.window, verdict[4],
-                        verdict[5] if len(verdict) > 5 else False,
-                        verdict[6] if len(verdict) > 6 else "")
+        return self.from_verdict(verdict)
+
+    cdef Decision from_verdict(self, object verdict):
+        """``_decision`` without a Python call: a KernelVerdict tuple of
+        plain values read in C (anything else takes the general path)."""
+        cdef Verdict v
+        cdef Py_ssize_t n
+        cdef Decision d
+        if type(verdict) is not tuple or not 5 <= len(<tuple>verdict) <= 7:
+            return Decision(verdict[0], self.p.capacity, max(0, floor(verdict[1])), verdict[2], verdict[3],
+                            self._rule, self.p.window, verdict[4],
+                            verdict[5] if len(verdict) > 5 else False,
+                            verdict[6] if len(verdict) > 6 else "")
+        n = len(<tuple>verdict)
+        v.allowed = bool(verdict[0])
+        v.remaining = verdict[1]
+        v.retry_after = verdict[2]
+        v.reset_after = verdict[3]
+        v.delay = verdict[4]
+        v.storage_full = False
+        d = make_decision(&v, self.p.capacity, self._rule, self.p.window)
+        if n > 5:
+            d.degraded = bool(verdict[5])
+        if n > 6:
+            d.reason = str(verdict[6])
+        return d
 
     def allow_many(self, keys, costs=None, *, times=None):
         """Decide a batch in order with the GIL released; every key and cost is

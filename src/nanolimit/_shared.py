@@ -9,7 +9,9 @@ error messages and to configure itself.
 from __future__ import annotations
 
 import enum
+import importlib
 import math
+import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -633,3 +635,27 @@ class RateLimiter(Protocol):
     def reset(self, key: str) -> None: ...
 
     def allow_many(self, keys: Sequence[str], costs: Sequence[int] | None = None) -> BatchResult: ...
+
+
+class LockedCounter:
+    """The pure-Python stand-in for ``nanolimit._core.EventCounter``."""
+
+    __slots__ = ("_lock", "value")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def add(self, amount: int = 1) -> None:
+        with self._lock:
+            self.value += amount
+
+
+def event_counter() -> Any:
+    """A counter for a hot path: atomic in C when the native twin is in use,
+    a locked Python int otherwise."""
+    import nanolimit  # late: this module is imported while nanolimit is
+
+    if nanolimit.IMPLEMENTATION == "native":
+        return importlib.import_module("nanolimit._core").EventCounter()
+    return LockedCounter()

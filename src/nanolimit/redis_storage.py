@@ -63,6 +63,7 @@ from ._shared import (
     check_key,
     check_now,
     compound_items,
+    event_counter,
 )
 
 __all__ = [
@@ -722,9 +723,9 @@ class _RedisBase:
             "timeouts": 0,
             "script_loads": 0,
             "breaker_open_skips": 0,
-            "near_cache_hits": 0,
         }
         self._count_lock = threading.Lock()
+        self._near_hits = event_counter()  # counted on the near-cache's hot path: no lock
         self._prefixes: dict[tuple[Algorithm, str], str] = {}
         self._param_cache: dict[LimiterConfig, tuple[str, str]] = {}
         # What counts as "the store failed": the client library's base error
@@ -817,6 +818,7 @@ class _RedisBase:
         breaker's ``breaker_state`` and how often it ``breaker_opened``."""
         with self._count_lock:
             out: dict[str, Any] = dict(self._counts)
+        out["near_cache_hits"] = self._near_hits.value
         out["breaker_state"] = self._breaker.state
         out["breaker_opened"] = self._breaker.opened
         return out
@@ -882,7 +884,7 @@ class _RedisBase:
             t = time.monotonic() if now is None else now
             hit = near.lookup((config.algorithm, config.rule, key, now is None), cost, t)
             if hit is not None:
-                self._count("near_cache_hits")
+                self._near_hits.add()
                 return (False, 0.0, hit[0], hit[1], 0.0, False)
         if not self._breaker.allow_call():
             self._count("breaker_open_skips")
