@@ -257,3 +257,142 @@ def test_background_sync_covers_only_decided_keys(native: Any, redis_server: Any
         assert 1 < metrics["full_syncs"] <= 1 + metrics["syncs"] // FULL_SYNC_EVERY
     finally:
         tier.close()
+
+
+# Races between the C path and a sync, found in review: each drives both
+# twins through the same interleaving and expects the same outcome.
+
+MODULES = ["native", "reference"]
+
+
+def _twin(native: Any, name: str) -> Any:
+    return native if name == "native" else reference
+
+
+@pytest.mark.parametrize("twin", MODULES)
+def test_a_key_forgotten_during_a_round_trip_leaves_its_slot_alone(
+    native: Any, redis_server: Any, twin: str
+) -> None:
+    """forget() while a sync waits on Redis frees the key's slot, and a new
+    key takes it: the sync's answer for the forgotten key must not land on
+    the new one (its units, its lease)."""
+    module = _twin(native, twin)
+    (tier,) = fleet(redis_server, "rf:", 1)
+    try:
+        clock = FakeClock(100.5)
+        limiter = module.FixedWindowCounter(10, 1.0, storage=tier, clock=clock)
+        limiter.allow("a")
+        tier.sync_now()
+        real = tier._exchange
+
+        def exchange(*args: Any) -> Any:
+            out = real(*args)
+            tier.forget(limiter.config, "a")
+            for _ in range(3):
+                limiter.allow("b")  # window 100: a new track on the freed slot
+            clock.advance(1.0)
+            limiter.allow("b")  # window 101 (C rolls it over)
+            return out
+
+        tier._exchange = exchange  # type: ignore[method-assign]
+        tier.sync_now()
+        tier._exchange = real  # type: ignore[method-assign]
+        tier.sync_now()
+        assert tier.fleet_counts(limiter.config, "b") == {100: 3, 101: 1}
+        assert sum(limiter.allow("b").allowed for _ in range(20)) == 9
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("twin", MODULES)
+def test_forget_deletes_the_window_c_rolled_into(native: Any, redis_server: Any, twin: str) -> None:
+    module = _twin(native, twin)
+    tiers = fleet(redis_server, "fg:", 2)
+    try:
+        clock = FakeClock(100.5)
+        mine, other = (module.FixedWindowCounter(10, 1.0, storage=t, clock=clock) for t in tiers)
+        for t in (*tiers, *tiers):
+            t.sync_now()
+        mine.allow("k")
+        tiers[0].sync_now()
+        clock.advance(1.0)
+        mine.allow("k")  # window 101, known to this instance only through C
+        other.allow("k")
+        tiers[1].sync_now()
+        tiers[0].forget(mine.config, "k")
+        left = [name for name in redis_server.client().keys("*fg:*") if not name.endswith(b"instances")]
+        assert left == []
+    finally:
+        for t in tiers:
+            t.close()
+
+
+@pytest.mark.parametrize("twin", MODULES)
+def test_a_new_instance_count_reaches_c_and_python_at_once(native: Any, redis_server: Any, twin: str) -> None:
+    """The sync releases its lock between chunks: a decision there must
+    divide by the same N on either path (here N goes from 1 to 2 while a key
+    enters a new window, whose default share is ceil(L / N))."""
+    module = _twin(native, twin)
+    tiers = fleet(redis_server, "nn:", 2)
+    try:
+        clock = FakeClock(100.5)
+        limiter = module.FixedWindowCounter(10, 1.0, storage=tiers[0], clock=clock)
+        limiter.allow("u")
+        limiter.allow("v")
+        tiers[0].sync_now()
+        tiers[0].sync_now()  # N = 1
+        tiers[1].sync_now()  # a second instance joins
+        limiter.allow("v")  # only "v" to sync
+        admitted: list[int] = []
+        armed: list[bool] = []
+
+        class Probe:  # the storage's lock, plus a decision right after a hold ends
+            def __init__(self, inner: Any) -> None:
+                self.inner = inner
+
+            def __enter__(self) -> None:
+                self.inner.__enter__()
+
+            def __exit__(self, *exc: object) -> None:
+                self.inner.__exit__(*exc)
+                if armed:
+                    armed.clear()
+                    clock.set(101.2)
+                    admitted.append(sum(limiter.allow("u").allowed for _ in range(10)))
+
+        tiers[0]._lock = Probe(tiers[0]._lock)  # type: ignore[assignment]
+        real = tiers[0]._exchange
+
+        def exchange(*args: Any) -> Any:
+            out = real(*args)
+            armed.append(True)  # after the lock hold that reads the live count
+            return out
+
+        tiers[0]._exchange = exchange  # type: ignore[method-assign]
+        tiers[0]._sync(full=False)
+        assert tiers[0].instances == 2
+        # the sync applies the new N in its last hold: until then both paths
+        # divide by the old one (C alone used to see the new one in between)
+        assert admitted == [10]
+        clock.set(102.2)
+        assert sum(limiter.allow("u").allowed for _ in range(10)) == 5  # ceil(10 / 2) now
+    finally:
+        for t in tiers:
+            t.close()
+
+
+@pytest.mark.parametrize("twin", MODULES)
+def test_a_reused_slot_is_not_synced_for_its_previous_key(native: Any, redis_server: Any, twin: str) -> None:
+    module = _twin(native, twin)
+    (tier,) = fleet(redis_server, "dr:", 1)
+    try:
+        limiter = module.FixedWindowCounter(10, 3600.0, storage=tier, clock=FakeClock(7200.5))
+        limiter.allow("a")
+        tier.sync_now()
+        limiter.allow("a")  # decided (in C on the native twin): to sync
+        tier.forget(limiter.config, "a")
+        limiter.peek("a")  # a fresh track, nothing committed
+        assert tier._sync(full=False)
+        assert tier.metrics()["keys_synced_last"] == 0
+    finally:
+        tier.close()

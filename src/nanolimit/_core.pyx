@@ -1018,6 +1018,7 @@ ctypedef struct LeaseRecord:
     int64_t prev_own
     int64_t decisions               # committed here since the storage last pulled
     bint prev_pending
+    bint committed                  # committed to since take_dirty (this key, not the slot's last)
     bint listed                     # its slot is in the book's dirty list
 
 cdef int64_t LEASE_NONE = INT64_MIN
@@ -1126,7 +1127,8 @@ cdef class LeaseBook:
             return self.index[key]
         if self.free_slots:
             slot = self.free_slots.pop()
-            listed = self.records[slot].listed  # still in the dirty list: stays there once
+            listed = self.records[slot].listed  # still in the dirty list: stays there once,
+            # reported only if the new key is committed to
             self.keys[slot] = key
         else:
             if self.used == self.allocated:
@@ -1167,8 +1169,9 @@ cdef class LeaseBook:
             slot = self.dirty[i]
             self.records[slot].listed = False
             key = self.keys[slot]
-            if key is not None:
+            if key is not None and self.records[slot].committed:
                 out.append(key)
+            self.records[slot].committed = False
         self.dirty_len = 0
         return out
 
@@ -1243,10 +1246,12 @@ cdef class LeaseBook:
         if commit:
             r.last_now = now
             r.decisions += 1
-            if not r.listed:
-                r.listed = True
-                self.dirty[self.dirty_len] = r - self.records
-                self.dirty_len += 1
+            if not r.committed:
+                r.committed = True
+                if not r.listed:
+                    r.listed = True
+                    self.dirty[self.dirty_len] = r - self.records
+                    self.dirty_len += 1
             if rolls:  # keep the left window's units for the sync until pulled
                 r.prev_index = r.window_index
                 r.prev_own = r.own

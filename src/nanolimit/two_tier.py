@@ -381,9 +381,10 @@ class TwoTierStorage:
         """Forget ``key`` here and delete its window hashes in Redis (the other
         instances re-write their own counts at their next sync)."""
         with self._lock:
-            track = self._tracks.pop((config, key), None)
-            if track is not None and track.book is not None:
-                track.book.detach(key)
+            track = self._tracks.get((config, key))
+            if track is not None:
+                self._pull(track)  # the window C rolled into has a hash too
+                self._drop((config, key))
         if track is not None:
             names = [self._hash_key(track, k) for k in (*track.own, *track.seen_total)]
             if names:
@@ -594,7 +595,7 @@ class TwoTierStorage:
                 break
             with self._sync_lock:
                 self._since_full += 1
-                self._sync(full=self._since_full >= FULL_SYNC_EVERY or self._need_full)
+                self._sync(full=self._since_full >= FULL_SYNC_EVERY)
             self._stop.wait(gap)
 
     def sync_now(self) -> bool:
@@ -624,6 +625,8 @@ class TwoTierStorage:
 
     def _sync(self, full: bool) -> bool:
         with self._lock:
+            # after a partition every count is re-written and every record reloaded
+            full = full or self._need_full or self._blind
             if self._gate is not None:
                 self._gate.rearm()
             if full:
@@ -665,15 +668,16 @@ class TwoTierStorage:
                 # the N we knew until every live instance has had time to heartbeat
                 self._n_floor = (self._instances, time.monotonic() + self.heartbeat_ttl)
             floor, until = self._n_floor
-            self._instances = max(live, floor) if time.monotonic() < until else live
+            instances = max(live, floor) if time.monotonic() < until else live
             self._script_loaded = True
-            changed_n = self._instances != n
         answered = list(zip(work, replies[1:]))
         for c in range(0, len(answered), SYNC_CHUNK):
             with self._lock:
                 touched: dict[int, _Track] = {}
                 for item, (total, lease) in answered[c : c + SYNC_CHUNK]:
                     track, w, value = item.track, item.window, item.value
+                    if self._tracks.get((track.config, track.key)) is not track:
+                        continue  # forgotten or evicted during the round trip: its slot may be another key's
                     pushed_units += value - track.pushed.get(w, 0)
                     track.pushed[w] = value
                     track.seen_total[w] = int(total)
@@ -687,7 +691,10 @@ class TwoTierStorage:
                     self._pull(track)  # what native decisions admitted during the round trip
                     self._load(track)  # its new lease and totals
         with self._lock:
-            if changed_n:  # every default share changed
+            # N changes here, with every record reloaded in the same hold, so
+            # the C path and the Python path never divide by different Ns
+            if instances != self._instances:
+                self._instances = instances
                 for track in self._tracks.values():
                     self._pull(track)
                     self._load(track)
