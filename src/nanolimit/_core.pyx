@@ -1418,17 +1418,7 @@ cdef class _Limiter:
         cdef double now
         cdef int status
         if self.store is None:
-            if self.kernel_run is None:
-                return self.foreign(key, cost, commit)
-            key_bytes(key, self.max_key_bytes, &klen)
-            units = cost_value(cost, self.p.capacity)
-            if self.book is not None and type(key) is str:
-                now = self.read_clock()
-                if self.book.decide(key, units, now, commit, &v):
-                    return make_decision(&v, self.p.capacity, self._rule, self.p.window)
-                return self.from_verdict(self.kernel_run(self._config, key, units, now, commit))
-            return self.from_verdict(self.kernel_run(
-                self._config, key, units, None if self.system_clock else self.read_clock(), commit))
+            return self.decide_elsewhere(key, cost, commit)
         data = key_bytes(key, self.max_key_bytes, &klen)
         units = cost_value(cost, self.p.capacity)
         now = self.read_clock()
@@ -1436,6 +1426,26 @@ cdef class _Limiter:
         if status != NL_OK:
             raise_status(status)
         return make_decision(&v, self.p.capacity, self._rule, self.p.window)
+
+    cdef Decision decide_elsewhere(self, object key, object cost, bint commit):
+        """A storage other than InMemoryStorage: a lease in C (TwoTierStorage),
+        the storage's own kernels (KernelStorage), or the reference glue.
+        Kept out of ``decide`` so the in-memory path stays compact."""
+        cdef Verdict v
+        cdef Py_ssize_t klen
+        cdef int64_t units
+        cdef double now
+        if self.kernel_run is None:
+            return self.foreign(key, cost, commit)
+        key_bytes(key, self.max_key_bytes, &klen)
+        units = cost_value(cost, self.p.capacity)
+        if self.book is not None and type(key) is str:
+            now = self.read_clock()
+            if self.book.decide(key, units, now, commit, &v):
+                return make_decision(&v, self.p.capacity, self._rule, self.p.window)
+            return self.from_verdict(self.kernel_run(self._config, key, units, now, commit))
+        return self.from_verdict(self.kernel_run(
+            self._config, key, units, None if self.system_clock else self.read_clock(), commit))
 
     cdef Decision foreign(self, object key, object cost, bint commit):
         d = self._fallback.allow(key, cost) if commit else self._fallback.peek(key, cost)
