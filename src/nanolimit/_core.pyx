@@ -1086,6 +1086,7 @@ cdef class LeaseBook:
     cdef Py_ssize_t allocated
     cdef list free_slots
     cdef list keys                  # slot -> key (None when free)
+    cdef list owners                # slot -> what attach was given for it (the storage's track)
     cdef readonly int64_t limit
     cdef readonly double window
     cdef readonly bint sliding
@@ -1096,6 +1097,7 @@ cdef class LeaseBook:
         self.index = {}
         self.free_slots = []
         self.keys = []
+        self.owners = []
         self.limit = limit
         self.window = window
         self.sliding = bool(sliding)
@@ -1116,8 +1118,9 @@ cdef class LeaseBook:
             raise IndexError(f"lease slot {slot} out of range")
         return &self.records[slot]
 
-    def attach(self, key):
-        """A slot for ``key`` (empty until ``load``)."""
+    def attach(self, key, owner=None):
+        """A slot for ``key`` (empty until ``load``); ``take_dirty`` hands
+        ``owner`` back (the storage's own record of the key)."""
         cdef Py_ssize_t slot, size
         cdef LeaseRecord* grown
         cdef Py_ssize_t* grown_dirty
@@ -1130,6 +1133,7 @@ cdef class LeaseBook:
             listed = self.records[slot].listed  # still in the dirty list: stays there once,
             # reported only if the new key is committed to
             self.keys[slot] = key
+            self.owners[slot] = owner
         else:
             if self.used == self.allocated:
                 size = self.allocated * 2 + 16
@@ -1146,6 +1150,7 @@ cdef class LeaseBook:
             slot = self.used
             self.used += 1
             self.keys.append(key)
+            self.owners.append(owner)
         memset(&self.records[slot], 0, sizeof(LeaseRecord))
         self.records[slot].window_index = LEASE_NONE
         self.records[slot].listed = listed
@@ -1158,19 +1163,20 @@ cdef class LeaseBook:
         if slot is not None:
             self.records[<Py_ssize_t>slot].window_index = LEASE_NONE
             self.keys[slot] = None
+            self.owners[slot] = None
             self.free_slots.append(slot)
 
     def take_dirty(self):
-        """The keys committed to in C since the last call (each once)."""
+        """The owners (see ``attach``) of the keys committed to in C since
+        the last call, each once."""
         cdef Py_ssize_t i, slot
         self.check_closed()
         out = []
         for i in range(self.dirty_len):
             slot = self.dirty[i]
             self.records[slot].listed = False
-            key = self.keys[slot]
-            if key is not None and self.records[slot].committed:
-                out.append(key)
+            if self.keys[slot] is not None and self.records[slot].committed:
+                out.append(self.owners[slot])
             self.records[slot].committed = False
         self.dirty_len = 0
         return out

@@ -76,8 +76,10 @@ redis.call('PEXPIRE', KEYS[1], ttl * 4)
 return redis.call('ZCARD', KEYS[1])
 """
 
-# Per (key, window), atomically, for each KEYS[i] (ARGV: id, N, then five
-# per key: count, limit, weighted previous window, expiry ms, current?):
+# Per (key, window), atomically, for each KEYS[i] (ARGV: id, N, and one
+# string of five words per key: count, limit, weighted previous window,
+# expiry ms, current? — one argument, not 5 per key, to keep the client's
+# packing cheap):
 # write this instance's absolute count, sum every instance's count and every
 # *other* instance's lease (units it may still admit before its next sync),
 # and grant this instance a lease of ceil(remaining / N). The lease never
@@ -87,13 +89,16 @@ _RECONCILE = r"""
 local id = ARGV[1]
 local lid = 'lease:' .. id
 local n = tonumber(ARGV[2])
+local spec = {}
+for word in string.gmatch(ARGV[3], '%S+') do spec[#spec + 1] = word end
 local out = {}
 for i = 1, #KEYS do
   local h = KEYS[i]
-  local b = 2 + (i - 1) * 5
-  local counts, leases = tonumber(ARGV[b + 1]), 0
-  local limit = tonumber(ARGV[b + 2])
-  local prev = tonumber(ARGV[b + 3])
+  local b = (i - 1) * 5
+  local mine = spec[b + 1]
+  local counts, leases = tonumber(mine), 0
+  local limit = tonumber(spec[b + 2])
+  local prev = tonumber(spec[b + 3])
   local flat = redis.call('HGETALL', h)
   for j = 1, #flat, 2 do
     local f = flat[j]
@@ -107,9 +112,9 @@ for i = 1, #KEYS do
   end
   local lease = 0
   local rem = limit - prev - counts - leases
-  if ARGV[b + 5] == '1' and rem > 0 then lease = math.ceil(rem / n) end
-  redis.call('HSET', h, id, ARGV[b + 1], lid, lease)
-  redis.call('PEXPIRE', h, ARGV[b + 4])
+  if spec[b + 5] == '1' and rem > 0 then lease = math.ceil(rem / n) end
+  redis.call('HSET', h, id, mine, lid, lease)
+  redis.call('PEXPIRE', h, spec[b + 4])
   out[#out + 1] = counts
   out[#out + 1] = lease
 end
@@ -159,9 +164,10 @@ class _Track:
     settled: dict[_Window, int] = field(default_factory=dict)  # reads of a past window's total
     book: Any = None  # the native LeaseBook holding this key's hot window, if any
     slot: int = -1
+    alive: bool = True  # False once dropped (forgotten, evicted, idle)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Work:
     """One (key, window) of a sync: what is sent, and where the answer goes."""
 
@@ -170,8 +176,7 @@ class _Work:
     value: int  # our cumulative units in the window
     current: bool  # the key's current window: a lease is granted
     hash_key: str
-    previous: str  # the weighted previous window (sliding), as sent
-    ttl_ms: int
+    spec: str  # the script's five words: count, limit, weighted previous window, expiry ms, current?
 
 
 class _Guard:
@@ -302,7 +307,7 @@ class TwoTierStorage:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._sync_lock = threading.Lock()
-        self._dirty: dict[tuple[LimiterConfig, str], _Track] = {}  # decided in Python since the last sync
+        self._dirty: dict[int, _Track] = {}  # id -> track decided in Python since the last sync
         self._since_full = 0
         self._need_full = False
         self._slot_of: Any = None  # a cluster's key -> slot, to group a script's keys
@@ -347,7 +352,7 @@ class TwoTierStorage:
                 self._books[config] = book
                 for (cfg, key), track in self._tracks.items():
                     if cfg == config:
-                        track.book, track.slot = book, book.attach(key)
+                        track.book, track.slot = book, book.attach(key, track)
                         self._load(track)
         return book
 
@@ -440,7 +445,7 @@ class TwoTierStorage:
             track = _Track(config, key, base, limit, window, sliding, now)
             book = self._books.get(config)
             if book is not None:
-                track.book, track.slot = book, book.attach(key)
+                track.book, track.slot = book, book.attach(key, track)
             self._tracks[(config, key)] = track
         else:
             self._pull(track)
@@ -448,6 +453,7 @@ class TwoTierStorage:
 
     def _drop(self, ident: tuple[LimiterConfig, str]) -> None:
         track = self._tracks.pop(ident)
+        track.alive = False
         if track.book is not None:
             track.book.detach(track.key)
 
@@ -496,7 +502,7 @@ class TwoTierStorage:
         track = self._track(config, key, now)
         verdict = self._judge(track, cost, now, commit)
         if commit:
-            self._dirty[(config, key)] = track
+            self._dirty[id(track)] = track
         self._load(track)
         return verdict
 
@@ -616,11 +622,9 @@ class TwoTierStorage:
             return list(self._tracks.values())
         picked = dict(self._dirty)
         self._dirty.clear()
-        for config, book in self._books.items():
-            for key in book.take_dirty():
-                track = self._tracks.get((config, key))
-                if track is not None:
-                    picked[(config, key)] = track
+        for book in self._books.values():
+            for track in book.take_dirty():
+                picked[id(track)] = track
         return list(picked.values())
 
     def _sync(self, full: bool) -> bool:
@@ -642,7 +646,7 @@ class TwoTierStorage:
         for c in range(0, len(candidates), SYNC_CHUNK):
             with self._lock:
                 for track in candidates[c : c + SYNC_CHUNK]:
-                    if self._tracks.get((track.config, track.key)) is track:
+                    if track.alive:
                         self._plan(track, full, wall, work)
         ttl_ms = max(1, math.ceil(self.heartbeat_ttl * 1000))
         began = time.perf_counter()
@@ -676,7 +680,7 @@ class TwoTierStorage:
                 touched: dict[int, _Track] = {}
                 for item, (total, lease) in answered[c : c + SYNC_CHUNK]:
                     track, w, value = item.track, item.window, item.value
-                    if self._tracks.get((track.config, track.key)) is not track:
+                    if not track.alive:
                         continue  # forgotten or evicted during the round trip: its slot may be another key's
                     pushed_units += value - track.pushed.get(w, 0)
                     track.pushed[w] = value
@@ -753,8 +757,13 @@ class TwoTierStorage:
             near = abs(left) < 1e5  # a window of the wall clock, not of an injected one
             ms = math.ceil(max(left, 0.0) * 1000) + 1000 if near else 3_600_000
             current = w == k
-            previous = repr(self._previous_weighted(track, w)) if current and track.sliding else "0.0"
-            work.append(_Work(track, w, own.get(w, 0), current, f"{track.base}{w}", previous, ms))
+            value = own.get(w, 0)
+            if current:
+                previous = repr(self._previous_weighted(track, w)) if track.sliding else "0.0"
+                spec = f"{value} {track.limit} {previous} {ms} 1"
+            else:
+                spec = f"{value} {track.limit} 0.0 {ms} 0"
+            work.append(_Work(track, w, value, current, f"{track.base}{w}", spec))
 
     def _exchange(self, work: list[_Work], n: int, ttl_ms: int, load: bool) -> list[Any]:
         """The sync's round trip: the heartbeat and the reconcile script over
@@ -775,18 +784,15 @@ class TwoTierStorage:
         for members in groups.values():
             for c in range(0, len(members), RECONCILE_CHUNK):
                 part = members[c : c + RECONCILE_CHUNK]
-                args: list[Any] = [self.instance_id, n]
-                for i in part:
-                    item = work[i]
-                    args += (
-                        item.value,
-                        item.track.limit,
-                        item.previous,
-                        item.ttl_ms,
-                        "1" if item.current else "0",
-                    )
+                spec = " ".join([work[i].spec for i in part])
                 pipe.execute_command(
-                    "EVALSHA", _RECONCILE_SCRIPT.sha, len(part), *[work[i].hash_key for i in part], *args
+                    "EVALSHA",
+                    _RECONCILE_SCRIPT.sha,
+                    len(part),
+                    *[work[i].hash_key for i in part],
+                    self.instance_id,
+                    n,
+                    spec,
                 )
                 order += part
         raw = pipe.execute()
