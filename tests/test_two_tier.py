@@ -416,3 +416,29 @@ def test_fleet_on_a_cluster(backend: Any, redis_cluster: Any) -> None:
     finally:
         for tier in tiers:
             tier.close()
+
+
+def test_closing_hands_back_the_lease(backend: Any, redis_server: Any) -> None:
+    """An instance that leaves (close) sets its leases to zero on the way out:
+    the others may spend the whole remainder at their next sync, instead of
+    waiting for the window's hash to expire."""
+    clock = backend.FakeClock(6000.0)
+    a = make_tier(redis_server, "a", start=False)
+    b = make_tier(redis_server, "b", start=False)
+    try:
+        lim_a = backend.FixedWindowCounter(100, 10.0, storage=a, clock=clock)
+        lim_b = backend.FixedWindowCounter(100, 10.0, storage=b, clock=clock)
+        for tier in (a, b, a):
+            tier.sync_now()
+        assert lim_a.allow("k").allowed
+        a.sync_now()  # a: count 1, lease ceil(99 / 2) = 50
+        assert lim_b.allow("k").allowed
+        b.sync_now()  # b: counts 2, a's lease 50: lease ceil(48 / 2) = 24
+        a.close()  # pushes, hands its 50 back, leaves the fleet
+        b.sync_now()  # learns N = 1 (this sync still divided by 2)
+        b.sync_now()  # counts 2, no other lease (a's would be 50 unreturned): lease 98
+        assert b.instances == 1
+        assert sum(lim_b.allow("k").allowed for _ in range(120)) == 98
+    finally:
+        a.close()
+        b.close()

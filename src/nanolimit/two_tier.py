@@ -310,6 +310,7 @@ class TwoTierStorage:
         self._dirty: dict[int, _Track] = {}  # id -> track decided in Python since the last sync
         self._since_full = 0
         self._need_full = False
+        self._leaving = False  # close(): the last sync asks for no lease
         self._slot_of: Any = None  # a cluster's key -> slot, to group a script's keys
         if getattr(self.remote, "cluster", False):
             self._slot_of = _client_package(self.remote.user_client).crc.key_slot
@@ -758,7 +759,7 @@ class TwoTierStorage:
             ms = math.ceil(max(left, 0.0) * 1000) + 1000 if near else 3_600_000
             current = w == k
             value = own.get(w, 0)
-            if current:
+            if current and not self._leaving:
                 previous = repr(self._previous_weighted(track, w)) if track.sliding else "0.0"
                 spec = f"{value} {track.limit} {previous} {ms} 1"
             else:
@@ -857,7 +858,8 @@ class TwoTierStorage:
 
     def close(self, *, deregister: bool = True) -> None:
         """Stop the sync thread, push what is left and (``deregister``) leave
-        the fleet at once rather than after ``heartbeat_ttl``."""
+        the fleet at once rather than after ``heartbeat_ttl``, handing back
+        every lease (the others may then spend it at their next sync)."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -865,6 +867,7 @@ class TwoTierStorage:
             self._thread = None
         if not deregister:
             return
+        self._leaving = True
         self.sync_now()
         with contextlib.suppress(*self._errors):  # unreachable: our heartbeat simply expires
             self.client.zrem(self._members_key, self.instance_id)
