@@ -140,6 +140,21 @@ class Metrics:
         raise TypeError("Metrics cannot be pickled (it holds per-thread counters)")
 
 
+def rate_headers(
+    limit_str: str, policy: str, r_prefix: str, left: int, reset: float, wall_now: float
+) -> dict[str, str]:
+    """The five rate-limit headers of a decision (SPEC §3), from a rule's
+    preformatted pieces: what ``AdmittedRequests.record`` writes in C."""
+    text = str(left)
+    return {
+        "X-RateLimit-Limit": limit_str,
+        "X-RateLimit-Remaining": text,
+        "X-RateLimit-Reset": str(math.ceil(wall_now + reset)),
+        "RateLimit-Policy": policy,
+        "RateLimit": f"{r_prefix}{text};t={math.ceil(reset)}",
+    }
+
+
 class _ShardedAdmitted:
     """The pure-Python twin of ``nanolimit._core.AdmittedRequests``: counts
     go to the calling thread's shard (Python has no atomic increment)."""
@@ -167,12 +182,7 @@ class _ShardedAdmitted:
         near: float,
         wall_now: float,
     ) -> None:
-        left = decision.remaining
-        reset = decision.reset_after
-        text = str(left)
-        headers["X-RateLimit-Limit"] = limit_str
-        headers["X-RateLimit-Remaining"] = text
-        headers["X-RateLimit-Reset"] = str(math.ceil(wall_now + reset))
-        headers["RateLimit-Policy"] = policy
-        headers["RateLimit"] = f"{r_prefix}{text};t={math.ceil(reset)}"
+        headers.update(
+            rate_headers(limit_str, policy, r_prefix, decision.remaining, decision.reset_after, wall_now)
+        )
         self.count(decision, near)  # counted once the headers are written

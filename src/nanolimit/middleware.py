@@ -28,7 +28,7 @@ from typing import Any
 from ._shared import Algorithm, ValidationError
 from .factory import LimiterFactory
 from .keys import DefaultKeyExtractor, KeyExtractor
-from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics
+from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics, rate_headers
 from .rules import RateLimitRule, RuleRegistry, RuleSet
 
 __all__ = ["Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
@@ -238,15 +238,7 @@ class RateLimitMiddleware:
         return counts
 
     def _headers(self, b: _Binding, d: Any) -> dict[str, str]:
-        left = d.remaining
-        reset = d.reset_after
-        return {
-            "X-RateLimit-Limit": b.limit_str,
-            "X-RateLimit-Remaining": str(left),
-            "X-RateLimit-Reset": str(_ceil(self.wall_clock() + reset)),
-            "RateLimit-Policy": b.policy,
-            "RateLimit": f"{b.r_prefix}{left};t={_ceil(reset)}",
-        }
+        return rate_headers(b.limit_str, b.policy, b.r_prefix, d.remaining, d.reset_after, self.wall_clock())
 
     # -- the decision -----------------------------------------------------------
     def check(self, request: Request) -> Outcome | None:

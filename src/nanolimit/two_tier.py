@@ -764,7 +764,7 @@ class TwoTierStorage:
                 spec = f"{value} {track.limit} {previous} {ms} 1"
             else:
                 spec = f"{value} {track.limit} 0.0 {ms} 0"
-            work.append(_Work(track, w, value, current, f"{track.base}{w}", spec))
+            work.append(_Work(track, w, value, current, self._hash_key(track, w), spec))
 
     def _exchange(self, work: list[_Work], n: int, ttl_ms: int, load: bool) -> list[Any]:
         """The sync's round trip: the heartbeat and the reconcile script over
