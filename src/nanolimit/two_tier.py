@@ -261,9 +261,9 @@ class TwoTierStorage:
             raise ValidationError("heartbeat_ttl must be seconds >= 2 * sync_interval")
         if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
             raise ValidationError("prefix must be a str without '{' or '}'")
-        if local is None:
-            import nanolimit  # the native twin when built; imported late (nanolimit may export us)
+        import nanolimit  # the twin in use; imported late (nanolimit may export us)
 
+        if local is None:
             local = nanolimit.InMemoryStorage()
         self.local = local
         self.remote: RedisStorage = remote if isinstance(remote, RedisStorage) else RedisStorage(remote)
@@ -286,10 +286,8 @@ class TwoTierStorage:
         self._tracks: dict[tuple[LimiterConfig, str], _Track] = {}
         # Native limiters decide in C against each key's lease (LeaseBook);
         # the reference twin, or a build without the extension, uses _decide.
-        try:
-            self._native: Any = importlib.import_module("nanolimit._core")
-        except ImportError:
-            self._native = None
+        native = nanolimit.IMPLEMENTATION == "native"  # not with NANOLIMIT_NO_EXTENSIONS
+        self._native: Any = importlib.import_module("nanolimit._core") if native else None
         self._gate: Any = None if self._native is None else self._native.LeaseGate(self._wake_sync)
         self._books: dict[LimiterConfig, Any] = {}
         self._lock = _Guard(self, self._gate)
