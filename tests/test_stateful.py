@@ -158,9 +158,14 @@ class TwinMachine(RuleBasedStateMachine):
     def hot_reload(self, name: str, limit: int) -> None:
         """A new limiter for the same rule: it keeps the keys' state."""
         _, window = self.configs[name]
+        self._before_reload(name)
         self._build(name, limit, window)
         for ident in [i for i in self.history if i[0] == name]:
             del self.history[ident]  # the bound changes with the limit
+
+    def _before_reload(self, name: str) -> None:
+        """Hook: align what the twins may legitimately differ on before the
+        rule's limit changes."""
 
     # -- invariants ----------------------------------------------------------
     def _check_bound(self, name: str, key: str) -> None:
@@ -202,6 +207,16 @@ class FullTableMachine(TwinMachine):
     """Capacity pressure: four keys' room for six keys times six rules."""
 
     storage_options = {"stripes": 1, "max_keys": 4, "on_full": "deny_new"}
+
+    def _before_reload(self, name: str) -> None:
+        # A key one twin reclaimed (at rest, so as good as unseen) may not be
+        # at rest under the new limit: forget it in the other twin too, or
+        # the two would rightly answer differently after the reload.
+        nat, ref = self.limiters[name]
+        for key in KEYS:
+            n, r = nat.state(key), ref.state(key)
+            if (n is None) != (r is None):
+                (nat if r is None else ref).reset(key)
 
     def _compare_state(self, name: str, nat, ref, key: str) -> None:
         n, r = nat.state(key), ref.state(key)
