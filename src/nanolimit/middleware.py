@@ -264,41 +264,22 @@ class RateLimitMiddleware:
                     return self._check_stacked(request, ruleset, rules)
             return None
         d = b.allow(self._key(request, b.scope))
-        try:
-            shard = self._local.shard
-        except AttributeError:
-            shard = self._local.shard = self.metrics.shard()
-        counts = shard.get(b.name)
-        if counts is None:
-            counts = shard[b.name] = [0, 0, 0, 0]
         if d.allowed:
-            counts[ALLOWED] += 1
-            left = d.remaining
-            if left < b.near:
-                counts[NEAR_LIMIT] += 1
             if b.dry_run:
+                b.admitted.count(d, b.near)
                 return (True, {}, 0.0, b.name, 0, d)
-            reset = d.reset_after
-            text = str(left)
-            return (
-                True,
-                {
-                    "X-RateLimit-Limit": b.limit_str,
-                    "X-RateLimit-Remaining": text,
-                    "X-RateLimit-Reset": str(_ceil(self.wall_clock() + reset)),
-                    "RateLimit-Policy": b.policy,
-                    "RateLimit": f"{b.r_prefix}{text};t={_ceil(reset)}",
-                },
-                d.delay if b.shape else 0.0,
-                b.name,
-                0,
-                d,
-            )
+            headers: dict[str, str] = {}
+            # counts it and writes the five headers in one call (C when built), as __call__ does
+            b.admitted.record(d, headers, b.limit_str, b.policy, b.r_prefix, b.near, self.wall_clock())
+            return (True, headers, d.delay if b.shape else 0.0, b.name, 0, d)
         if b.dry_run:
-            counts[SHADOW_DENIED] += 1
+            try:
+                shard = self._local.shard
+            except AttributeError:
+                shard = self._local.shard = self.metrics.shard()
+            self._counts(shard, b.name)[SHADOW_DENIED] += 1
             return (True, {}, 0.0, b.name, 0, d)
-        counts[DENIED] += 1
-        return self._refusal(b, d)
+        return self._denied(b, d)
 
     def _denied(self, b: _Binding, d: Any) -> tuple[bool, dict[str, str], float, str, int, Any]:
         """Count and answer a denial by an enforced rule (the inlined path's tail)."""
