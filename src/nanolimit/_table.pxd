@@ -113,15 +113,29 @@ cdef inline void prefetch_slot(const Stripe* s, uint64_t h) noexcept nogil:
 
 
 cdef inline void prefetch_entry(const Stripe* s, uint64_t h) noexcept nogil:
-    """Start loading the entry the home slot points at (unlocked read: a hint
-    only; prefetching a stale address cannot fault)."""
+    """Start loading the entry the key's probe run points at: the first slot
+    whose fingerprint matches, both cache lines of it (an entry is 48 bytes,
+    so half of them straddle a line). Unlocked reads: a hint only;
+    prefetching a stale address cannot fault."""
     cdef const uint32_t* index = <const uint32_t*>nl_load_pointer_relaxed(<const void* const*>&s.index)
     cdef const Entry* entries = <const Entry*>nl_load_pointer_relaxed(<const void* const*>&s.entries)
-    cdef uint32_t v
-    if index != NULL and entries != NULL:
-        v = nl_load_u32_relaxed(&index[home_slot(h, nl_load_u32_relaxed(&s.index_mask))])
-        if v != 0:
-            nl_prefetch(&entries[(v & SLOT_POSITION_MASK) - 1])
+    cdef uint32_t mask = nl_load_u32_relaxed(&s.index_mask)
+    cdef uint32_t fingerprint = <uint32_t>(h >> 32) & 0xFF
+    cdef uint32_t i, v, probes
+    cdef const Entry* e
+    if index == NULL or entries == NULL:
+        return
+    i = home_slot(h, mask)
+    for probes in range(4):
+        v = nl_load_u32_relaxed(&index[i])
+        if v == 0:
+            return
+        if (v >> 24) == fingerprint:
+            e = &entries[(v & SLOT_POSITION_MASK) - 1]
+            nl_prefetch(e)
+            nl_prefetch(<const char*>(e + 1) - 1)
+            return
+        i = (i + 1) & mask
 
 
 cdef inline uint32_t index_size_for(uint32_t count) noexcept nogil:
