@@ -130,9 +130,14 @@ cdef inline const char* key_bytes(object key, Py_ssize_t max_bytes, Py_ssize_t* 
     raise ValidationError(f"invalid key {key!r}")
 
 
+cdef object ONE = 1                   # CPython caches small ints: the default cost is this object
+
+
 cdef inline int64_t cost_value(object cost, int64_t capacity) except -1:
     cdef int overflow = 0
     cdef long long value
+    if cost is ONE:                     # the default: no conversion call (capacity >= 1 always)
+        return 1
     if type(cost) is int:
         value = PyLong_AsLongLongAndOverflow(cost, &overflow)
         if overflow == 0 and 1 <= value <= capacity:
