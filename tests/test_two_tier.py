@@ -442,3 +442,39 @@ def test_closing_hands_back_the_lease(backend: Any, redis_server: Any) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_forget_waits_for_the_sync_in_flight(backend: Any, redis_server: Any) -> None:
+    """A reset during a sync's round trip: the sync carries the key's counts,
+    so a delete sent first would be undone by them. The forget waits for the
+    round trip and deletes after it, so no hash outlives the reset."""
+    tier = make_tier(redis_server, "solo", start=False)
+    entered, release = threading.Event(), threading.Event()
+    exchange = tier._exchange
+
+    def paused(*args: Any) -> Any:
+        entered.set()
+        release.wait(10)
+        return exchange(*args)
+
+    tier._exchange = paused  # type: ignore[method-assign]
+    try:
+        limiter = backend.FixedWindowCounter(10, 60.0, storage=tier, clock=backend.FakeClock(600.0))
+        assert sum(limiter.allow("k").allowed for _ in range(3)) == 3
+        sync = threading.Thread(target=tier.sync_now)
+        sync.start()
+        assert entered.wait(10)
+        reset = threading.Thread(target=limiter.reset, args=("k",))
+        reset.start()
+        reset.join(0.3)
+        assert reset.is_alive()  # held until the round trip is back
+        release.set()
+        sync.join(10)
+        reset.join(10)
+        assert not reset.is_alive() and not sync.is_alive()
+        assert not list(redis_server.client().scan_iter(match="*}:tt:*"))
+        assert limiter.state("k") is None
+        assert sum(limiter.allow("k").allowed for _ in range(12)) == 10
+    finally:
+        release.set()
+        tier.close()

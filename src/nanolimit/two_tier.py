@@ -383,17 +383,21 @@ class TwoTierStorage:
 
     def forget(self, config: LimiterConfig, key: str) -> None:
         """Forget ``key`` here and delete its window hashes in Redis (the other
-        instances re-write their own counts at their next sync)."""
-        with self._lock:
-            track = self._tracks.get((config, key))
+        instances re-write their own counts at their next sync).
+
+        Waits for a sync in flight: that sync may carry this key's counts,
+        and a delete sent before them would let them re-create the hash."""
+        with self._sync_lock:
+            with self._lock:
+                track = self._tracks.get((config, key))
+                if track is not None:
+                    self._pull(track)  # the window C rolled into has a hash too
+                    self._drop((config, key))
             if track is not None:
-                self._pull(track)  # the window C rolled into has a hash too
-                self._drop((config, key))
-        if track is not None:
-            names = [self._hash_key(track, k) for k in (*track.own, *track.seen_total)]
-            if names:
-                with contextlib.suppress(*self._errors):  # unreachable: the keys expire
-                    self.client.delete(*set(names))
+                names = [self._hash_key(track, k) for k in (*track.own, *track.seen_total)]
+                if names:
+                    with contextlib.suppress(*self._errors):  # unreachable: the keys expire
+                        self.client.delete(*set(names))
 
     def snapshot(self, config: LimiterConfig, key: str, now: float | None) -> LimiterState | None:
         """The fleet view of ``key``: window index, fleet count, previous window count."""
