@@ -298,9 +298,10 @@ def _twin(native: Any, name: str) -> Any:
 def test_a_key_forgotten_during_a_round_trip_leaves_its_slot_alone(
     native: Any, redis_server: Any, twin: str
 ) -> None:
-    """forget() while a sync waits on Redis frees the key's slot, and a new
+    """forget() during a sync's round trip frees the key's slot, and a new
     key takes it: the sync's answer for the forgotten key must not land on
-    the new one (its units, its lease)."""
+    the new one (its units, its lease). Called here from inside the round
+    trip on the sync's own thread; another thread's forget waits for it."""
     module = _twin(native, twin)
     (tier,) = fleet(redis_server, "rf:", 1)
     try:

@@ -304,7 +304,7 @@ class TwoTierStorage:
         self._blind_units = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._sync_lock = threading.Lock()
+        self._sync_lock = threading.RLock()  # forget() takes it too, also from inside a sync
         self._dirty: dict[int, _Track] = {}  # id -> track decided in Python since the last sync
         self._since_full = 0
         self._need_full = False
