@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 
+from nanolimit import FakeClock
+
 THREADS = 8
 PER_THREAD = 400
 CAPACITY = 100
@@ -132,3 +134,38 @@ def test_evict_and_reset_race_with_decisions(limiter_cls, backend):
     assert run_threads(churn) == [True] * THREADS
     assert len(limiter.storage) <= 3
     assert all(k.endswith(("k0", "k1", "k2")) for k in limiter.storage.keys())
+
+
+def churn_indexes(limiter, storage, rounds=40):
+    """allow_many batches of fresh keys (their stripes' indexes grow) on three
+    threads while a fourth evicts every key (each index is rebuilt small).
+    A batch prefetches from other stripes' indexes without their locks, so
+    an index replaced under it must stay readable until it is done."""
+
+    def churn(i):
+        for r in range(rounds):
+            if i == 0:
+                storage.evict_idle(2_000_000.0)
+            else:
+                result = limiter.allow_many([f"t{i}:{r}:{n}" for n in range(300)])
+                assert all(result.allowed)  # every key is fresh: a full bucket
+        return True
+
+    assert run_threads(churn, n=4) == [True] * 4
+
+
+def test_batches_survive_indexes_replaced_under_them(backend):
+    storage = backend.InMemoryStorage(stripes=4)
+    limiter = backend.TokenBucket(10, 60.0, storage, backend.FakeClock(1_000_000.0))
+    churn_indexes(limiter, storage)
+    storage.evict_idle(2_000_000.0)
+    assert len(storage) == 0
+    assert all(limiter.allow_many(["a", "b", "a"]).allowed)
+
+
+def test_retired_indexes_are_freed_once_no_batch_is_in_flight(native):
+    storage = native.InMemoryStorage(stripes=4)
+    limiter = native.TokenBucket(10, 60.0, storage, FakeClock(1_000_000.0))
+    churn_indexes(limiter, storage)
+    limiter.allow_many(["last"])  # the only batch: at its end nothing can read a retired block
+    assert storage._retired_index_blocks == 0

@@ -274,6 +274,26 @@ static inline uint64_t nl_load_u64_relaxed(const uint64_t *p)
 #endif
 }
 
+/* The count of batches reading a storage's index blocks without locks, and
+   the fence that orders a replaced index against it (see _table.pxd). */
+static inline uint64_t nl_fetch_add_u64(uint64_t *p, uint64_t v)
+{
+#if defined(_MSC_VER)
+    return (uint64_t)_InterlockedExchangeAdd64((volatile long long *)p, (long long)v);
+#else
+    return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+#endif
+}
+
+static inline void nl_fence(void)
+{
+#if defined(_MSC_VER)
+    MemoryBarrier();
+#else
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
+
 static inline void nl_prefetch(const void *p)
 {
 #if defined(__GNUC__) || defined(__clang__)

@@ -16,8 +16,8 @@ from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET,
     ALG_SLIDING_COUNTER, ALG_TOKEN_BUCKET, Params,
     ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK,
-    NL_TABLE_FULL, Entry, nl_hash_seeded, nl_key_equal, nl_load_pointer_relaxed,
-    nl_load_u32_relaxed, nl_namespace_seed, nl_prefetch,
+    NL_TABLE_FULL, Entry, nl_add_u64_relaxed, nl_fence, nl_hash_seeded, nl_key_equal,
+    nl_load_pointer_relaxed, nl_load_u32_relaxed, nl_load_u64_relaxed, nl_namespace_seed, nl_prefetch,
 )
 
 
@@ -38,7 +38,18 @@ ctypedef struct Stripe:
     uint64_t evicted_idle           # forgotten by the evict_idle_after sweep
     uint64_t denied_new             # new keys refused (on_full="deny_new")
     uint64_t hash_mask              # all ones, but for the collision test hook
-    uint8_t _pad2[48]               # 128 bytes: stripes never share a cache line
+    uint64_t* readers               # the storage's batches in flight (they read indexes unlocked)
+    uint64_t* retired_count         # the storage's count of retired index blocks
+    void* retired                   # replaced index blocks a batch in flight may still read
+    uint8_t _pad2[24]               # 128 bytes: stripes never share a cache line
+
+# An index block: this header, then the slots (``Stripe.index`` points at the
+# slots). The mask travels with the block, so a reader without the lock
+# never pairs one block with another block's size.
+ctypedef struct IndexHeader:
+    void* next                      # the stripe's retired list
+    uint32_t mask
+    uint32_t _pad
 
 ctypedef struct Bounds:             # how a bounded storage limits its stripes
     uint32_t stripe_cap             # nonzero: each stripe holds at most its own ``cap``
@@ -112,19 +123,26 @@ cdef inline void prefetch_slot(const Stripe* s, uint64_t h) noexcept nogil:
         nl_prefetch(&index[home_slot(h, nl_load_u32_relaxed(&s.index_mask))])
 
 
+cdef inline IndexHeader* index_header(const uint32_t* index) noexcept nogil:
+    return (<IndexHeader*>index) - 1
+
+
 cdef inline void prefetch_entry(const Stripe* s, uint64_t h) noexcept nogil:
     """Start loading the entry the key's probe run points at: the first slot
     whose fingerprint matches, both cache lines of it (an entry is 48 bytes,
-    so half of them straddle a line). Unlocked reads: a hint only;
-    prefetching a stale address cannot fault."""
+    so half of them straddle a line). Reads the slots without the lock: only
+    a batch counted in ``Stripe.readers`` may call it, since an index it
+    reads is then retired, not freed, when replaced. The block's own mask
+    bounds the reads; a stale entry address is only prefetched, which
+    cannot fault."""
     cdef const uint32_t* index = <const uint32_t*>nl_load_pointer_relaxed(<const void* const*>&s.index)
     cdef const Entry* entries = <const Entry*>nl_load_pointer_relaxed(<const void* const*>&s.entries)
-    cdef uint32_t mask = nl_load_u32_relaxed(&s.index_mask)
+    cdef uint32_t mask, i, v, probes
     cdef uint32_t fingerprint = <uint32_t>(h >> 32) & 0xFF
-    cdef uint32_t i, v, probes
     cdef const Entry* e
     if index == NULL or entries == NULL:
         return
+    mask = index_header(index).mask
     i = home_slot(h, mask)
     for probes in range(4):
         v = nl_load_u32_relaxed(&index[i])
@@ -138,6 +156,49 @@ cdef inline void prefetch_entry(const Stripe* s, uint64_t h) noexcept nogil:
         i = (i + 1) & mask
 
 
+cdef inline uint32_t* index_alloc(uint32_t size) noexcept nogil:
+    """A zeroed index block of ``size`` slots (a power of two)."""
+    cdef IndexHeader* block = <IndexHeader*>calloc(1, sizeof(IndexHeader) + <size_t>size * sizeof(uint32_t))
+    if block == NULL:
+        return NULL
+    block.mask = size - 1
+    return <uint32_t*>(block + 1)
+
+
+cdef inline void stripe_reclaim(Stripe* s) noexcept nogil:
+    """Free the retired index blocks. The caller holds the lock (or owns the
+    storage outright) and has seen no batch in flight."""
+    cdef IndexHeader* block = <IndexHeader*>s.retired
+    cdef IndexHeader* after
+    s.retired = NULL
+    while block != NULL:
+        after = <IndexHeader*>block.next
+        free(block)
+        if s.retired_count != NULL:
+            nl_add_u64_relaxed(s.retired_count, <uint64_t>-1)
+        block = after
+
+
+cdef inline void index_release(Stripe* s, uint32_t* index) noexcept nogil:
+    """An index the stripe no longer points at (the caller holds the lock):
+    freed now if no batch is in flight, else retired until none is. The
+    fence pairs with the one a batch takes after counting itself in: either
+    the batch sees the new index, or this sees the batch."""
+    cdef IndexHeader* block
+    if index == NULL:
+        return
+    block = index_header(index)
+    nl_fence()
+    if s.readers == NULL or nl_load_u64_relaxed(s.readers) == 0:
+        free(block)
+        stripe_reclaim(s)
+        return
+    block.next = s.retired
+    s.retired = block
+    if s.retired_count != NULL:
+        nl_add_u64_relaxed(s.retired_count, 1)
+
+
 cdef inline uint32_t index_size_for(uint32_t count) noexcept nogil:
     """The smallest power of two that keeps the load at or below 3/4."""
     cdef uint64_t size = MIN_INDEX_SIZE
@@ -146,31 +207,37 @@ cdef inline uint32_t index_size_for(uint32_t count) noexcept nogil:
     return <uint32_t>size
 
 
-cdef inline void index_fill(Stripe* s) noexcept nogil:
+cdef inline void index_fill_into(Stripe* s, uint32_t* index) noexcept nogil:
+    """Slot every entry into an empty ``index`` of ``s.index_mask + 1`` slots."""
     cdef uint32_t mask = s.index_mask
     cdef uint32_t j, i
     cdef uint64_t h
     for j in range(s.count):
         h = entry_hash(s, &s.entries[j])
         i = home_slot(h, mask)
-        while s.index[i] != 0:
+        while index[i] != 0:
             i = (i + 1) & mask
-        s.index[i] = slot_value(h, j)
+        index[i] = slot_value(h, j)
+
+
+cdef inline void index_fill(Stripe* s) noexcept nogil:
+    index_fill_into(s, s.index)
 
 
 cdef inline int stripe_rebuild_index(Stripe* s, uint32_t size) noexcept nogil:
     """Rebuild the index at ``size`` slots. On allocation failure the old index
     is rebuilt in place when it is big enough, so the stripe stays consistent."""
-    cdef uint32_t* fresh = <uint32_t*>calloc(size, sizeof(uint32_t))
+    cdef uint32_t* fresh = index_alloc(size)
+    cdef uint32_t* old = s.index
     if fresh == NULL:
         if s.index != NULL and index_size_for(s.count) <= s.index_mask + 1:
             memset(s.index, 0, (<size_t>s.index_mask + 1) * sizeof(uint32_t))
             index_fill(s)
         return NL_NOMEM
-    free(s.index)
-    s.index = fresh
     s.index_mask = size - 1
-    index_fill(s)
+    index_fill_into(s, fresh)
+    s.index = fresh
+    index_release(s, old)
     return NL_OK
 
 
@@ -327,14 +394,15 @@ cdef inline void stripe_clear(Stripe* s, ObjectList* out) noexcept nogil:
     """Free everything; Python objects go to ``out`` (or leak if it cannot grow)."""
     cdef uint32_t i
     cdef void* obj
+    cdef uint32_t* index = s.index
     for i in range(s.count):
         obj = entry_release(&s.entries[i])
         if obj != NULL:
             objects_push(out, obj)
     free(s.entries)
-    free(s.index)
     s.entries = NULL
     s.index = NULL
+    index_release(s, index)
     s.count = 0
     s.capacity = 0
     s.index_mask = 0

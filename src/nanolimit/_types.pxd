@@ -21,6 +21,8 @@ cdef extern from "_native.h" nogil:
     uint32_t nl_load_u32_relaxed(const uint32_t* p)
     void nl_add_u64_relaxed(uint64_t* p, uint64_t v)
     uint64_t nl_load_u64_relaxed(const uint64_t* p)
+    uint64_t nl_fetch_add_u64(uint64_t* p, uint64_t v)
+    void nl_fence()
 
 
 # Algorithm ids; 0 is the generic ``apply`` namespace (a Python object per key).
