@@ -24,6 +24,7 @@ from nanolimit._table cimport (
     NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
     stripe_make_room, stripe_sweep_idle,
     prefetch_slot, stripe_clear, stripe_delete, stripe_evict, stripe_find, stripe_reclaim,
+    BatchReaders, batch_join, batch_leave,
     stripe_insert,
 )
 from nanolimit._types cimport (
@@ -31,7 +32,7 @@ from nanolimit._types cimport (
     ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_OK, NL_REENTRANT,
     NL_TABLE_FULL, Entry, Params, Verdict, nl_hash_seeded, nl_lock_spin, nl_mum,
     nl_namespace_seed, nl_set_secrets, nl_add_u64_relaxed, nl_load_u64_relaxed,
-    nl_fence, nl_fetch_add_u64, nl_load_pointer_relaxed,
+    nl_cas_u64, nl_load_pointer_relaxed, nl_load_u64_seq,
     nl_trylock, nl_unlock, nl_wall_now,
 )
 
@@ -344,8 +345,7 @@ cdef class InMemoryStorage:
     cdef void* stripes_block
     cdef uint32_t stripe_mask
     cdef uint64_t hash_mask
-    cdef uint64_t batch_readers          # allow_many batches in flight (they read indexes unlocked)
-    cdef uint64_t retired_blocks         # index blocks kept for them (see _table.pxd)
+    cdef BatchReaders readers            # allow_many batches reading indexes unlocked (_table.pxd)
     cdef Bounds bounds
     cdef bint bounded
     cdef readonly Py_ssize_t max_key_bytes
@@ -380,8 +380,7 @@ cdef class InMemoryStorage:
         for i in range(self.stripe_mask + 1):
             self.stripes[i].random = <uint32_t>(nl_mum(nl_namespace_seed(i), <uint64_t>i + 1) | 1)
             self.stripes[i].hash_mask = self.hash_mask
-            self.stripes[i].readers = &self.batch_readers
-            self.stripes[i].retired_count = &self.retired_blocks
+            self.stripes[i].readers = &self.readers
         self.max_keys, self.on_full, self.evict_idle_after = bounds
         memset(&self.bounds, 0, sizeof(Bounds))
         self.bounds.chunks = <Params**>calloc(NAMESPACE_CHUNK, sizeof(Params*))
@@ -489,8 +488,7 @@ cdef class InMemoryStorage:
         # are still in cache for the comparison in the probe.
         # Counted in before the first unlocked read of an index, so an index
         # replaced from here on is retired, not freed (see index_release).
-        nl_fetch_add_u64(&self.batch_readers, 1)
-        nl_fence()
+        cdef uint64_t epoch = batch_join(&self.readers)
         for j in range(min(n, 2 * AHEAD)):
             hashes[j] = nl_hash_seeded(seed, keys[j], <size_t>sizes[j]) & self.hash_mask
         for i in range(n):
@@ -529,24 +527,32 @@ cdef class InMemoryStorage:
             delay[i] = v.delay
         if held != NULL:
             nl_unlock(&held.lock)
-        if nl_fetch_add_u64(&self.batch_readers, <uint64_t>-1) == 1 \
-                and nl_load_u64_relaxed(&self.retired_blocks) != 0:
+        batch_leave(&self.readers, epoch)
+        if nl_load_u64_relaxed(&self.readers.retired) != 0:
             self.reclaim_retired()
         done[0] = i if status != NL_OK else n
         return status
 
     cdef void reclaim_retired(self) noexcept nogil:
-        """Free the index blocks retired while batches were in flight, on
-        every stripe whose lock is free and while no batch is (a busy stripe
-        keeps its blocks until the next time)."""
+        """Free the index blocks no batch in flight can hold, and move the
+        epoch on so the rest can be freed later (two rounds: when no batch
+        is in flight, everything goes now). A busy stripe keeps its blocks
+        until the next time."""
         cdef uint32_t i
         cdef Stripe* s
-        for i in range(self.stripe_mask + 1):
-            s = &self.stripes[i]
-            if nl_load_pointer_relaxed(<const void* const*>&s.retired) != NULL and nl_trylock(&s.lock):
-                if nl_load_u64_relaxed(&self.batch_readers) == 0:
-                    stripe_reclaim(s)
-                nl_unlock(&s.lock)
+        cdef uint64_t epoch
+        cdef int step
+        for step in range(2):
+            epoch = nl_load_u64_seq(&self.readers.epoch)
+            if nl_load_u64_seq(&self.readers.active[(epoch - 1) & 1]) != 0:
+                return
+            for i in range(self.stripe_mask + 1):
+                s = &self.stripes[i]
+                if nl_load_pointer_relaxed(<const void* const*>&s.retired) != NULL and nl_trylock(&s.lock):
+                    stripe_reclaim(s, epoch)
+                    nl_unlock(&s.lock)
+            if not nl_cas_u64(&self.readers.epoch, epoch, epoch + 1):
+                return
 
     cdef int forget(self, uint32_t ns, uint64_t seed, const char* key, Py_ssize_t klen) except -1:
         cdef uint64_t h = nl_hash_seeded(seed, key, <size_t>klen) & self.hash_mask
@@ -911,7 +917,7 @@ cdef class InMemoryStorage:
     @property
     def _retired_index_blocks(self):
         """Replaced index blocks kept for batches in flight (a test probe)."""
-        return nl_load_u64_relaxed(&self.retired_blocks)
+        return nl_load_u64_relaxed(&self.readers.retired)
 
     def memory_bytes(self):
         """C memory held for state: stripes, entry arrays, indexes, long keys

@@ -294,6 +294,53 @@ static inline void nl_fence(void)
 #endif
 }
 
+static inline uint64_t nl_load_u64_seq(const uint64_t *p)
+{
+#if defined(_MSC_VER)
+    uint64_t v;
+    MemoryBarrier();
+    v = *(const volatile uint64_t *)p;
+    MemoryBarrier();
+    return v;
+#else
+    return __atomic_load_n(p, __ATOMIC_SEQ_CST);
+#endif
+}
+
+/* 1 if *p held expected and now holds desired. */
+static inline int nl_cas_u64(uint64_t *p, uint64_t expected, uint64_t desired)
+{
+#if defined(_MSC_VER)
+    return (uint64_t)_InterlockedCompareExchange64((volatile long long *)p, (long long)desired,
+                                                   (long long)expected) == expected;
+#else
+    return __atomic_compare_exchange_n(p, &expected, desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+#endif
+}
+
+/* Publishing a block that readers without the lock may follow: its
+   contents (written before) are visible before the pointer is. */
+static inline void nl_store_pointer_release(void **p, void *v)
+{
+#if defined(_MSC_VER)
+    _ReadWriteBarrier();
+    *(void *volatile *)p = v;
+#else
+    __atomic_store_n(p, v, __ATOMIC_RELEASE);
+#endif
+}
+
+static inline const void *nl_load_pointer_acquire(const void *const *p)
+{
+#if defined(_MSC_VER)
+    const void *v = *(const void *const volatile *)p;
+    _ReadWriteBarrier();
+    return v;
+#else
+    return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#endif
+}
+
 static inline void nl_prefetch(const void *p)
 {
 #if defined(__GNUC__) || defined(__clang__)

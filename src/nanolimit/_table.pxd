@@ -16,10 +16,23 @@ from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET,
     ALG_SLIDING_COUNTER, ALG_TOKEN_BUCKET, Params,
     ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK,
-    NL_TABLE_FULL, Entry, nl_add_u64_relaxed, nl_fence, nl_hash_seeded, nl_key_equal,
-    nl_load_pointer_relaxed, nl_load_u32_relaxed, nl_load_u64_relaxed, nl_namespace_seed, nl_prefetch,
+    NL_TABLE_FULL, Entry, nl_add_u64_relaxed, nl_fence, nl_fetch_add_u64, nl_hash_seeded,
+    nl_key_equal, nl_load_pointer_acquire, nl_load_pointer_relaxed, nl_load_u32_relaxed,
+    nl_load_u64_seq, nl_namespace_seed, nl_prefetch, nl_store_pointer_release,
 )
 
+
+# allow_many batches read other stripes' index slots without their locks (to
+# pick what to prefetch), so a replaced index cannot be freed while one of
+# them may hold it. A batch joins under the current epoch's parity; a block
+# replaced while batches run is retired with the epoch of that moment; a
+# block retired before epoch e is freed once no batch of parity e - 1 is
+# left, and the epoch only moves on from e when that holds. Every batch is
+# finite, so blocks are freed even while batches keep overlapping.
+ctypedef struct BatchReaders:
+    uint64_t epoch
+    uint64_t active[2]              # batches in flight, by the parity of the epoch they joined
+    uint64_t retired                # blocks retired and not yet freed
 
 ctypedef struct Stripe:
     uint8_t lock
@@ -38,18 +51,18 @@ ctypedef struct Stripe:
     uint64_t evicted_idle           # forgotten by the evict_idle_after sweep
     uint64_t denied_new             # new keys refused (on_full="deny_new")
     uint64_t hash_mask              # all ones, but for the collision test hook
-    uint64_t* readers               # the storage's batches in flight (they read indexes unlocked)
-    uint64_t* retired_count         # the storage's count of retired index blocks
-    void* retired                   # replaced index blocks a batch in flight may still read
-    uint8_t _pad2[24]               # 128 bytes: stripes never share a cache line
+    BatchReaders* readers           # the storage's batches that read indexes unlocked
+    void* retired                   # replaced index blocks such a batch may still read
+    uint8_t _pad2[16]               # 128 bytes: stripes never share a cache line
 
 # An index block: this header, then the slots (``Stripe.index`` points at the
 # slots). The mask travels with the block, so a reader without the lock
 # never pairs one block with another block's size.
 ctypedef struct IndexHeader:
     void* next                      # the stripe's retired list
+    uint64_t epoch                  # when it was retired
     uint32_t mask
-    uint32_t _pad
+    uint8_t _pad[12]
 
 ctypedef struct Bounds:             # how a bounded storage limits its stripes
     uint32_t stripe_cap             # nonzero: each stripe holds at most its own ``cap``
@@ -131,11 +144,11 @@ cdef inline void prefetch_entry(const Stripe* s, uint64_t h) noexcept nogil:
     """Start loading the entry the key's probe run points at: the first slot
     whose fingerprint matches, both cache lines of it (an entry is 48 bytes,
     so half of them straddle a line). Reads the slots without the lock: only
-    a batch counted in ``Stripe.readers`` may call it, since an index it
-    reads is then retired, not freed, when replaced. The block's own mask
+    a batch that joined ``Stripe.readers`` (``batch_join``) may call it,
+    since an index it reads is then retired, not freed, when replaced. The block's own mask
     bounds the reads; a stale entry address is only prefetched, which
     cannot fault."""
-    cdef const uint32_t* index = <const uint32_t*>nl_load_pointer_relaxed(<const void* const*>&s.index)
+    cdef const uint32_t* index = <const uint32_t*>nl_load_pointer_acquire(<const void* const*>&s.index)
     cdef const Entry* entries = <const Entry*>nl_load_pointer_relaxed(<const void* const*>&s.entries)
     cdef uint32_t mask, i, v, probes
     cdef uint32_t fingerprint = <uint32_t>(h >> 32) & 0xFF
@@ -165,38 +178,62 @@ cdef inline uint32_t* index_alloc(uint32_t size) noexcept nogil:
     return <uint32_t*>(block + 1)
 
 
-cdef inline void stripe_reclaim(Stripe* s) noexcept nogil:
-    """Free the retired index blocks. The caller holds the lock (or owns the
-    storage outright) and has seen no batch in flight."""
+cdef inline uint64_t batch_join(BatchReaders* r) noexcept nogil:
+    """Count a batch in before its first unlocked read; returns its epoch.
+    The epoch is read again after the count is visible: a batch counted
+    under an epoch that has moved on counts itself again under the new one."""
+    cdef uint64_t epoch
+    while True:
+        epoch = nl_load_u64_seq(&r.epoch)
+        nl_fetch_add_u64(&r.active[epoch & 1], 1)
+        nl_fence()
+        if nl_load_u64_seq(&r.epoch) == epoch:
+            return epoch
+        nl_fetch_add_u64(&r.active[epoch & 1], <uint64_t>-1)
+
+
+cdef inline void batch_leave(BatchReaders* r, uint64_t epoch) noexcept nogil:
+    nl_fetch_add_u64(&r.active[epoch & 1], <uint64_t>-1)
+
+
+cdef inline void stripe_reclaim(Stripe* s, uint64_t before) noexcept nogil:
+    """Free the retired index blocks retired before epoch ``before``. The
+    caller holds the lock, and has seen no batch of parity ``before - 1``
+    after reading ``before`` as the epoch (or owns the storage outright)."""
     cdef IndexHeader* block = <IndexHeader*>s.retired
     cdef IndexHeader* after
-    s.retired = NULL
+    cdef void** link = &s.retired
     while block != NULL:
         after = <IndexHeader*>block.next
-        free(block)
-        if s.retired_count != NULL:
-            nl_add_u64_relaxed(s.retired_count, <uint64_t>-1)
+        if block.epoch < before:
+            link[0] = after
+            free(block)
+            if s.readers != NULL:
+                nl_add_u64_relaxed(&s.readers.retired, <uint64_t>-1)
+        else:
+            link = &block.next
         block = after
 
 
 cdef inline void index_release(Stripe* s, uint32_t* index) noexcept nogil:
     """An index the stripe no longer points at (the caller holds the lock):
-    freed now if no batch is in flight, else retired until none is. The
-    fence pairs with the one a batch takes after counting itself in: either
-    the batch sees the new index, or this sees the batch."""
+    freed now if no batch is in flight, else retired with the current epoch.
+    The fence pairs with the one a batch takes after counting itself in:
+    either the batch sees the new index, or this sees the batch."""
     cdef IndexHeader* block
+    cdef BatchReaders* r = s.readers
     if index == NULL:
         return
     block = index_header(index)
     nl_fence()
-    if s.readers == NULL or nl_load_u64_relaxed(s.readers) == 0:
+    if r == NULL or (nl_load_u64_seq(&r.active[0]) == 0 and nl_load_u64_seq(&r.active[1]) == 0):
         free(block)
-        stripe_reclaim(s)
+        stripe_reclaim(s, <uint64_t>-1)  # no batch in flight: none can hold an older one
         return
+    block.epoch = nl_load_u64_seq(&r.epoch)
     block.next = s.retired
     s.retired = block
-    if s.retired_count != NULL:
-        nl_add_u64_relaxed(s.retired_count, 1)
+    nl_add_u64_relaxed(&r.retired, 1)
 
 
 cdef inline uint32_t index_size_for(uint32_t count) noexcept nogil:
@@ -236,7 +273,7 @@ cdef inline int stripe_rebuild_index(Stripe* s, uint32_t size) noexcept nogil:
         return NL_NOMEM
     s.index_mask = size - 1
     index_fill_into(s, fresh)
-    s.index = fresh
+    nl_store_pointer_release(<void**>&s.index, fresh)
     index_release(s, old)
     return NL_OK
 
@@ -403,6 +440,7 @@ cdef inline void stripe_clear(Stripe* s, ObjectList* out) noexcept nogil:
     s.entries = NULL
     s.index = NULL
     index_release(s, index)
+    stripe_reclaim(s, <uint64_t>-1)     # the storage is going: no batch is left
     s.count = 0
     s.capacity = 0
     s.index_mask = 0

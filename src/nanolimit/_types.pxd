@@ -23,6 +23,10 @@ cdef extern from "_native.h" nogil:
     uint64_t nl_load_u64_relaxed(const uint64_t* p)
     uint64_t nl_fetch_add_u64(uint64_t* p, uint64_t v)
     void nl_fence()
+    uint64_t nl_load_u64_seq(const uint64_t* p)
+    bint nl_cas_u64(uint64_t* p, uint64_t expected, uint64_t desired)
+    void nl_store_pointer_release(void** p, void* v)
+    const void* nl_load_pointer_acquire(const void* const* p)
 
 
 # Algorithm ids; 0 is the generic ``apply`` namespace (a Python object per key).
