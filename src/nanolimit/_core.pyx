@@ -24,7 +24,7 @@ from nanolimit._table cimport (
     NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
     stripe_make_room, stripe_sweep_idle,
     prefetch_slot, stripe_clear, stripe_delete, stripe_evict, stripe_find, stripe_reclaim,
-    BatchReaders, batch_join, batch_leave,
+    BatchReaders, IndexHeader, batch_join, batch_leave,
     stripe_insert,
 )
 from nanolimit._types cimport (
@@ -920,19 +920,25 @@ cdef class InMemoryStorage:
         return nl_load_u64_relaxed(&self.readers.retired)
 
     def memory_bytes(self):
-        """C memory held for state: stripes, entry arrays, indexes, long keys
-        and sliding-log rings (malloc's own overhead not included)."""
+        """C memory held for state: stripes, entry arrays, indexes (those
+        retired for batches in flight too), long keys and sliding-log rings
+        (malloc's own overhead not included)."""
         cdef size_t total = (<size_t>self.stripe_mask + 2) * sizeof(Stripe)
         cdef uint32_t i, j
         cdef Stripe* s
         cdef Entry* e
+        cdef IndexHeader* block
         for i in range(self.stripe_mask + 1):
             s = &self.stripes[i]
             if lock_stripe(s) != NL_OK:
                 raise_status(NL_REENTRANT)
             total += <size_t>s.capacity * sizeof(Entry)
             if s.index != NULL:
-                total += (<size_t>s.index_mask + 1) * sizeof(uint32_t)
+                total += sizeof(IndexHeader) + (<size_t>s.index_mask + 1) * sizeof(uint32_t)
+            block = <IndexHeader*>s.retired
+            while block != NULL:
+                total += sizeof(IndexHeader) + (<size_t>block.mask + 1) * sizeof(uint32_t)
+                block = <IndexHeader*>block.next
             for j in range(s.count):
                 e = &s.entries[j]
                 if e.key_len > 16:
