@@ -482,13 +482,13 @@ cdef class InMemoryStorage:
         cdef const Bounds* bounds = self.bounds_or_null()
         cdef Py_ssize_t AHEAD = 8
         cdef Py_ssize_t j
+        # Counted in before the first unlocked read of an index, so an index
+        # replaced from here on is retired, not freed (see index_release).
+        cdef uint64_t epoch = batch_join(&self.readers)
         # Hashing here, without the GIL, keeps the GIL-held part of a batch
         # to the key checks, so batches on several threads overlap more. A
         # key is hashed 2*AHEAD requests before its decision, so its bytes
         # are still in cache for the comparison in the probe.
-        # Counted in before the first unlocked read of an index, so an index
-        # replaced from here on is retired, not freed (see index_release).
-        cdef uint64_t epoch = batch_join(&self.readers)
         for j in range(min(n, 2 * AHEAD)):
             hashes[j] = nl_hash_seeded(seed, keys[j], <size_t>sizes[j]) & self.hash_mask
         for i in range(n):

@@ -145,9 +145,9 @@ cdef inline void prefetch_entry(const Stripe* s, uint64_t h) noexcept nogil:
     whose fingerprint matches, both cache lines of it (an entry is 48 bytes,
     so half of them straddle a line). Reads the slots without the lock: only
     a batch that joined ``Stripe.readers`` (``batch_join``) may call it,
-    since an index it reads is then retired, not freed, when replaced. The block's own mask
-    bounds the reads; a stale entry address is only prefetched, which
-    cannot fault."""
+    since an index it reads is then retired, not freed, when replaced. The
+    block's own mask bounds the reads; a stale entry address is only
+    prefetched, which cannot fault."""
     cdef const uint32_t* index = <const uint32_t*>nl_load_pointer_acquire(<const void* const*>&s.index)
     cdef const Entry* entries = <const Entry*>nl_load_pointer_relaxed(<const void* const*>&s.entries)
     cdef uint32_t mask, i, v, probes
