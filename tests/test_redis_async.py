@@ -24,7 +24,7 @@ import redis
 import redis.asyncio
 from _helpers import FIELDS
 
-from nanolimit import reference
+from nanolimit import ValidationError, reference
 from nanolimit.redis_storage import (
     AsyncRedisStorage,
     CircuitOpenError,
@@ -450,5 +450,39 @@ def test_async_cluster_routes_decisions_and_batches(
         assert await storage.count() == 12
         await storage.close()
         await user.aclose()
+
+    _run(main)
+
+
+@pytest.mark.parametrize(
+    ("keys", "costs", "now"),
+    [
+        (["a", "b", "c"], [1], None),  # lengths differ
+        (["a", "b"], [1, -1000], None),  # a negative cost would refund the key
+        (["a", "b"], [1, 0], None),
+        (["a", "b"], [1, 1.5], None),
+        (["a", "b"], [1, 10**30], None),
+        (["a", 7], [1, 1], None),  # not a str
+        (["a", "b"], [1, 1], math.nan),  # a non-finite clock would poison the key
+    ],
+)
+def test_async_batch_checks_everything_and_sends_nothing(
+    redis_server: Any, keys: list[Any], costs: list[Any], now: Any
+) -> None:
+    """run_kernel_many_async is the async allow_many, called directly: bad input
+    is refused before any command, as the limiters refuse it."""
+
+    async def main() -> None:
+        storage = _storage(redis_server)
+        limiter = reference.TokenBucket(10, 3600.0, storage=storage)
+        admin = redis.Redis(host=HOST, port=redis_server.port)
+        admin.config_resetstat()
+        with pytest.raises(ValidationError):
+            await storage.run_kernel_many_async(limiter.config, keys, costs, now)
+        stats = admin.info("commandstats")
+        assert not any(name in stats for name in ("cmdstat_evalsha", "cmdstat_eval")), stats
+        assert await storage.count() == 0
+        admin.close()
+        await storage.close()
 
     _run(main)

@@ -58,6 +58,19 @@ def test_decision_client_is_short_and_never_retries(own_server: Any) -> None:
     assert user.connection_pool.connection_kwargs["socket_timeout"] == 5.0  # the caller's client is untouched
 
 
+@pytest.mark.parametrize(("wait", "expected"), [(0.01, 0.01), (20.0, TIMEOUT)])
+def test_a_blocking_pool_keeps_its_bounded_wait(own_server: Any, wait: float, expected: float) -> None:
+    """A BlockingConnectionPool waits for a free connection: the derived
+    client's pool waits no longer than the caller's, nor than ``timeout``."""
+    import redis
+
+    pool = redis.BlockingConnectionPool(host="127.0.0.1", port=own_server.port, max_connections=2, timeout=wait)
+    storage = RedisStorage(redis.Redis(connection_pool=pool), timeout=TIMEOUT)
+    derived = storage.client.connection_pool
+    assert isinstance(derived, redis.BlockingConnectionPool)
+    assert derived.timeout == expected and derived.max_connections == 2
+
+
 @pytest.mark.parametrize("policy", ["allow", "deny", "raise"])
 def test_kill_then_restart(backend: types.SimpleNamespace, own_server: Any, policy: str) -> None:
     storage = _storage(own_server, on_error=policy, deny_retry_after=2.0, breaker_cooldown=0.5)
@@ -222,3 +235,22 @@ def test_kill_and_restart_under_concurrent_load(backend: types.SimpleNamespace, 
     assert not problems
     assert seen["degraded"] > 0 and seen["healthy_after"] >= 20
     assert slowest[0] < BOUND
+
+
+def test_a_probe_that_never_reports_does_not_hold_the_breaker_open() -> None:
+    """Half-open lets one caller probe. A probe that ends without reporting
+    (a cancelled task, an interrupt) must not leave every later decision
+    behind an open breaker: after another cooldown the next caller probes."""
+    from nanolimit.redis_storage import _Breaker
+
+    breaker = _Breaker(threshold=2, cooldown=0.05)
+    breaker.failure()
+    breaker.failure()
+    assert not breaker.allow_call()  # open
+    time.sleep(0.06)
+    assert breaker.allow_call()  # the probe
+    assert not breaker.allow_call()  # one probe at a time
+    time.sleep(0.06)  # the probe was cancelled: it never reports
+    assert breaker.allow_call()  # a new probe
+    breaker.success()
+    assert breaker.state == "closed" and breaker.allow_call()

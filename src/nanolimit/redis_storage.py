@@ -513,8 +513,12 @@ def derive_client(client: Any, timeout: float) -> Any:
     kwargs = dict(pool.connection_kwargs)
     kwargs.update(overrides)
     kwargs["retry"] = no_retry()
+    extra: dict[str, Any] = {}
+    if isinstance(getattr(pool, "timeout", None), (int, float)):
+        # a BlockingConnectionPool: waiting for a free connection is bounded too
+        extra["timeout"] = min(pool.timeout, timeout)
     new_pool = type(pool)(
-        connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
+        connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs, **extra
     )
     derived = type(client)(connection_pool=new_pool)
     if is_asyncio_client(client):
@@ -549,9 +553,15 @@ class _Breaker:
         with self._lock:
             if self._failures < self.threshold:
                 return True
-            if time.monotonic() < self._open_until or self._probing:
+            now = time.monotonic()
+            if now < self._open_until:
                 return False
-            self._probing = True  # half-open: this caller is the probe
+            # Half-open: this caller is the probe. A probe that never reports
+            # (cancelled, interrupted, failed on its own input) must not keep
+            # the breaker half-open for good: after another cooldown the next
+            # caller probes instead.
+            self._probing = True
+            self._open_until = now + self.cooldown
             return True
 
     def success(self) -> None:
@@ -1389,7 +1399,17 @@ class AsyncRedisStorage(_RedisBase):
         self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
     ) -> list[KernelVerdict]:
         """A batch in one round trip, as ``RedisStorage.run_kernel_many``
-        (``now``: ``None`` for the server's clock, else the injected reading)."""
+        (``now``: ``None`` for the server's clock, else the injected reading).
+        Called directly (it is the async ``allow_many``), so it checks every
+        key, cost and the clock first, as a limiter would, and sends nothing
+        if one is bad."""
+        if len(costs) != len(keys):
+            raise ValidationError(f"{len(keys)} keys but {len(costs)} costs")
+        for key, cost in zip(keys, costs):
+            check_key(key, self.max_key_bytes)
+            check_cost(cost, config.capacity)
+        if now is not None:
+            check_now(now)
         run = self._batch_start(config, keys, costs, now)
         if isinstance(run, list):
             return run
