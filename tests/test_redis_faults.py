@@ -64,7 +64,9 @@ def test_a_blocking_pool_keeps_its_bounded_wait(own_server: Any, wait: float, ex
     client's pool waits no longer than the caller's, nor than ``timeout``."""
     import redis
 
-    pool = redis.BlockingConnectionPool(host="127.0.0.1", port=own_server.port, max_connections=2, timeout=wait)
+    pool = redis.BlockingConnectionPool(
+        host="127.0.0.1", port=own_server.port, max_connections=2, timeout=wait
+    )
     storage = RedisStorage(redis.Redis(connection_pool=pool), timeout=TIMEOUT)
     derived = storage.client.connection_pool
     assert isinstance(derived, redis.BlockingConnectionPool)
