@@ -286,6 +286,16 @@ def test_a_storage_verdict_becomes_the_same_decision_in_both_twins(native, verdi
     assert [type(getattr(got, f)) for f in FIELDS] == [type(getattr(want, f)) for f in FIELDS]
 
 
+def test_an_infinite_remaining_from_a_storage_is_refused_in_both_twins(native) -> None:
+    """A C cast of infinity to int64 is undefined (it read as -2**63): the
+    native limiter refuses it as the reference does."""
+    from nanolimit import reference
+
+    for module in (native, reference):
+        with pytest.raises(OverflowError):
+            module.TokenBucket(10, 1.0)._decision((True, math.inf, 0.0, 0.0, 0.0))
+
+
 @pytest.mark.parametrize("kind", [pytest.param("native", marks=pytest.mark.native), "python"])
 def test_event_counters_lose_no_count_under_threads(request, kind: str) -> None:
     import threading

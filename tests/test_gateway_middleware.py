@@ -329,6 +329,25 @@ class _HeaderMap(dict):  # a framework's own header mapping: not exactly a dict
 
 
 @pytest.mark.native
+def test_admitted_lane_refuses_what_it_cannot_write(native) -> None:
+    """A non-finite wall clock would have written -2**63 as X-RateLimit-Reset;
+    None would have become a header value. Refused, nothing written or counted."""
+    import math
+
+    from nanolimit import ValidationError
+
+    lane = native.AdmittedRequests("r")
+    d = native.Decision(True, 10, 1, 0.0, 1.0, "r", 1.0)
+    headers: dict[str, str] = {}
+    for wall in (math.nan, math.inf, -math.inf):
+        with pytest.raises(ValidationError):
+            lane.record(d, headers, "10", "p", "x", 2.0, wall)
+    for args in ((None, "p", "x"), ("10", None, "x"), ("10", "p", None)):
+        with pytest.raises(TypeError):
+            lane.record(d, headers, *args, 2.0, 0.0)
+    assert headers == {} and lane.allowed == 0
+
+
 def test_admitted_lane_counts_exactly_under_threads_and_any_mapping(native) -> None:
     lane = native.AdmittedRequests("r")
     d = native.Decision(True, 10, 1, 0.0, 1.0, "r", 1.0)

@@ -206,8 +206,86 @@ def test_lease_book_refuses_changes_while_open(native: Any) -> None:
     assert len(book) == 0 and book.attach("again") == slot  # the slot is reused
     with pytest.raises(ValidationError):
         native.LeaseBook(gate, 0, 1.0, False, 0.05)
+    with pytest.raises(ValidationError, match="too short"):
+        native.LeaseBook(gate, 10, 1e-10, False, 0.05)  # window indexes past int64
+    with pytest.raises(TypeError, match="str"):
+        book.attach(Shadow("k"))
+    with pytest.raises(TypeError, match="str"):
+        book.attach(7)
     with pytest.raises(ValidationError):
         native.LeaseGate(None)
+
+
+class Shadow(str):
+    """A str subclass that compares in Python (and may switch threads there)."""
+
+    __hash__ = str.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        time.sleep(0)
+        return str.__eq__(self, other)
+
+
+@pytest.mark.parametrize("twin", ["native", "reference"])
+def test_a_str_subclass_key_is_stored_as_a_plain_str(native: Any, redis_server: Any, twin: str) -> None:
+    """The C lease index is looked up under the gate's spinlock, where a
+    Python ``__eq__`` could switch threads and deadlock the sync: keys enter
+    it as plain str, and both spellings are the same key."""
+    module = _twin(native, twin)
+    (tier,) = fleet(redis_server, "sub:", 1)
+    try:
+        limiter = module.FixedWindowCounter(3, 60.0, storage=tier, clock=FakeClock(600.0))
+        assert limiter.allow(Shadow("x")).allowed
+        (track,) = tier._tracks.values()
+        assert type(track.key) is str
+        assert [limiter.allow("x").allowed for _ in range(3)] == [True, True, False]
+        tier.sync_now()
+        assert tier.fleet_counts(limiter.config, "x") == {10: 3}
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("twin", ["native", "reference"])
+def test_a_token_bucket_refilling_in_under_a_nanosecond(native: Any, redis_server: Any, twin: str) -> None:
+    """capacity / rate under 1 ns makes window indexes overflow int64: such a
+    config stays on the Python path, and decisions and syncs still work."""
+    module = _twin(native, twin)
+    (tier,) = fleet(redis_server, "tiny:", 1)
+    try:
+        clock = FakeClock(1.7e9)
+        limiter = module.TokenBucket(2**32 - 1, 0.5, storage=tier, clock=clock, burst=1)
+        assert tier.lease_book(limiter.config) is None
+        assert limiter.allow("k").allowed
+        assert tier.sync_now()
+        clock.advance(1.0)
+        assert limiter.allow("k").allowed
+        assert tier.sync_now()
+    finally:
+        tier.close()
+
+
+def test_a_failing_sync_does_not_end_the_background_syncs(native: Any, redis_server: Any) -> None:
+    from nanolimit.two_tier import TwoTierStorage
+
+    tier = TwoTierStorage(None, redis_server.client(), instance_id="i0", prefix="boom:", sync_interval=0.02)
+    real = tier._sync
+    calls: list[bool] = []
+
+    def flaky(full: bool) -> bool:
+        calls.append(full)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in one sync")
+        return real(full)
+
+    tier._sync = flaky  # type: ignore[method-assign]
+    try:
+        deadline = time.monotonic() + 5.0
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(calls) >= 3  # the thread went on after the error
+        assert tier.metrics()["sync_errors"] == 1
+    finally:
+        tier.close()
 
 
 class CountingEvent(threading.Event):

@@ -14,7 +14,7 @@ from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsSsize_t
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
-from libc.math cimport ceil, floor, isfinite
+from libc.math cimport ceil, fabs, floor, isfinite
 from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
@@ -1011,8 +1011,8 @@ cdef class AdmittedRequests:
         if decision.remaining < near:
             nl_add_u64_relaxed(&self.near_count, 1)
 
-    def record(self, decision, headers, str limit_str, str policy, str r_prefix, double near,
-               double wall_now):
+    def record(self, decision, headers, str limit_str not None, str policy not None, str r_prefix not None,
+               double near, double wall_now):
         """Count an admitted request and set its five rate-limit headers
         (SPEC §3) on ``headers``, exactly as ``RateLimitMiddleware._headers``
         writes them."""
@@ -1026,6 +1026,8 @@ cdef class AdmittedRequests:
         else:
             left = decision.remaining
             reset = decision.reset_after
+        if not (fabs(wall_now) < MAX_TIME_C and 0.0 <= reset < MAX_TIME_C):
+            raise ValidationError(f"cannot write headers for wall_now={wall_now!r}, reset_after={reset!r}")
         text = f"{left}"
         reset_at = f"{<int64_t>ceil(wall_now + reset)}"
         rate = f"{r_prefix}{text};t={<int64_t>ceil(reset)}"
@@ -1151,6 +1153,8 @@ cdef class LeaseBook:
         self.sync_interval = sync_interval
         if not (1 <= self.limit and self.window > 0.0 and self.sync_interval > 0.0):
             raise ValidationError("LeaseBook needs limit >= 1, window > 0 and sync_interval > 0")
+        if not MAX_TIME_C / self.window < 4.611686018427388e18:  # 2**62: window indexes fit int64
+            raise ValidationError(f"LeaseBook window {self.window!r} is too short for int64 window indexes")
 
     def __dealloc__(self):
         free(self.records)
@@ -1173,6 +1177,8 @@ cdef class LeaseBook:
         cdef Py_ssize_t* grown_dirty
         cdef bint listed = False
         self.check_closed()
+        if type(key) is not str:  # lookups run under the gate's spinlock: no Python __eq__
+            raise TypeError(f"LeaseBook keys are str, not {type(key).__name__}")
         if key in self.index:
             return self.index[key]
         if self.free_slots:
@@ -1319,7 +1325,7 @@ cdef class LeaseBook:
         weight = 1.0 - (now - start) / self.window
         estimate = <double>previous * weight + <double>current
         fits = estimate + <double>cost <= <double>self.limit
-        ok = fits and own + cost <= ceiling
+        ok = fits and own <= ceiling - cost
         if fits and not ok:
             gate.early += 1
             if not gate.wake_pending:
@@ -1532,7 +1538,7 @@ cdef class _Limiter:
         cdef Verdict v
         cdef Py_ssize_t n
         cdef Decision d
-        if type(verdict) is not tuple or not 5 <= len(<tuple>verdict) <= 7:
+        if type(verdict) is not tuple or not 5 <= len(<tuple>verdict) <= 7 or not isfinite(verdict[1]):
             return Decision(verdict[0], self.p.capacity, max(0, floor(verdict[1])), verdict[2], verdict[3],
                             self._rule, self.p.window, verdict[4],
                             verdict[5] if len(verdict) > 5 else False,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import math
 import os
 import socket
@@ -41,6 +42,7 @@ from typing import Any
 
 from ._shared import (
     LIMITER_CLASS_NAMES,
+    MAX_TIME,
     Algorithm,
     FakeClock,
     KernelVerdict,
@@ -122,6 +124,11 @@ return out
 """
 
 _Window = int
+
+# Window indexes the C lease records hold (int64, with room to spare).
+MAX_WINDOW_INDEX = 2**62
+
+_log = logging.getLogger("nanolimit.two_tier")
 
 # Keys per reconcile script call, and tracks handled per lock hold in a sync.
 RECONCILE_CHUNK = 128
@@ -316,6 +323,7 @@ class TwoTierStorage:
         self._stats: dict[str, Any] = {
             "syncs": 0,
             "sync_failures": 0,
+            "sync_errors": 0,
             "early_syncs": 0,
             "sync_latency_last": 0.0,
             "sync_latency_max": 0.0,
@@ -343,10 +351,12 @@ class TwoTierStorage:
         is not supported, and the limiter calls ``run_kernel``)."""
         if self._native is None or config.algorithm not in SUPPORTED_ALGORITHMS:
             return None
+        limit, window, sliding = _shape(config)
+        if MAX_TIME / window >= MAX_WINDOW_INDEX:
+            return None  # window indexes past int64 (a token bucket refilling in < 1 ns): Python only
         with self._lock:
             book = self._books.get(config)
             if book is None:
-                limit, window, sliding = _shape(config)
                 book = self._native.LeaseBook(self._gate, limit, window, sliding, self.sync_interval)
                 self._books[config] = book
                 for (cfg, key), track in self._tracks.items():
@@ -438,6 +448,10 @@ class TwoTierStorage:
 
     # -- the local decision ------------------------------------------------------
     def _track(self, config: LimiterConfig, key: str, now: float) -> _Track:
+        if type(key) is not str:
+            # a str subclass may compare in Python: never let it into the
+            # C lease index, whose lookups hold the gate's spinlock
+            key = str.__str__(key)
         track = self._tracks.get((config, key))
         if track is None:
             algo = config.algorithm
@@ -604,7 +618,11 @@ class TwoTierStorage:
                 break
             with self._sync_lock:
                 self._since_full += 1
-                self._sync(full=self._since_full >= FULL_SYNC_EVERY)
+                try:
+                    self._sync(full=self._since_full >= FULL_SYNC_EVERY)
+                except Exception:  # noqa: BLE001 -- logged; a bug must not end the syncs for good
+                    self._stats["sync_errors"] += 1
+                    _log.exception("TwoTierStorage sync failed")
             self._stop.wait(gap)
 
     def sync_now(self) -> bool:
@@ -840,7 +858,9 @@ class TwoTierStorage:
 
     def metrics(self) -> dict[str, Any]:
         """Counters: syncs (``full_syncs`` of them covering every key,
-        ``keys_synced_last`` keys in the latest), sync latency (s), keys
+        ``keys_synced_last`` keys in the latest; ``sync_failures`` when Redis
+        did not answer, ``sync_errors`` when a sync raised anything else),
+        sync latency (s), keys
         tracked, units pushed and reconciled after a partition, partition
         mode, live instances, decisions (``decisions_native`` of them, peeks
         included, answered in C on the lease)."""
