@@ -225,3 +225,49 @@ def test_watcher_load_raises_on_a_bad_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         ConfigWatcher(f, registry).load()
     assert registry.rules()[0].name == "keep"
+
+
+def test_an_empty_or_truncated_file_never_lifts_the_limits(tmp_path: Path) -> None:
+    """An empty file is valid TOML with nothing in it: installed, it would lift
+    every limit at once (a truncate-then-write caught mid-way looks the same)."""
+    f = tmp_path / "rules.toml"
+    _write(f, '[[rules]]\nname = "keep"\nrate = "5/minute"\n')
+    registry = RuleRegistry([])
+    watcher = ConfigWatcher(f, registry)
+    watcher.load()
+    for text in ("", "\n# only a comment\n", "stacked = true\n"):
+        _write(f, text)
+        assert not watcher.check()
+        assert [r.name for r in registry.rules()] == ["keep"]
+    assert watcher.errors >= 1 and "nothing to enforce" in str(watcher.last_error)
+    with pytest.raises(ConfigError, match="nothing to enforce"):
+        parse_rules({})
+
+
+def test_a_file_read_while_it_is_written_waits_for_the_next_poll(tmp_path: Path, monkeypatch) -> None:
+    f = tmp_path / "rules.toml"
+    _write(f, '[[rules]]\nname = "old"\nrate = "5/minute"\n')
+    registry = RuleRegistry([])
+    watcher = ConfigWatcher(f, registry)
+    watcher.load()
+    reads = iter([b'[[rules]]\nname = "half"\nrate = "5/minute"\n', b'[[rules]]\nname = "new"\nrate = "5/minute"\n'])
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: next(reads, None) or real(self))
+    _write(f, '[[rules]]\nname = "new"\nrate = "5/minute"\n')
+    assert not watcher.check()  # two reads disagreed: the file is changing
+    assert [r.name for r in registry.rules()] == ["old"]
+    assert watcher.check()
+    assert [r.name for r in registry.rules()] == ["new"]
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_a_file_nested_too_deeply_is_a_config_error(tmp_path: Path, suffix: str) -> None:
+    f = tmp_path / f"rules{suffix}"
+    f.write_text("[" * 100_000 if suffix == ".json" else "x = " + "[" * 100_000)
+    with pytest.raises(ConfigError):
+        load_rules(f)
+
+
+def test_a_rule_name_may_not_end_in_a_newline() -> None:
+    with pytest.raises(ValidationError):
+        rule("api\n")

@@ -45,7 +45,9 @@ def test_tier_defaults_and_custom_tier() -> None:
     ex = DefaultKeyExtractor()
     assert ex.tier_for(Request("GET", "/", {}, "192.0.2.1")) == "anonymous"
     assert ex.tier_for(Request("GET", "/", {}, "192.0.2.1", user="bob")) == "authenticated"
-    assert ex.tier_for(Request("GET", "/", {"x-api-key": "k"}, "192.0.2.1")) == "authenticated"
+    # an API key is unverified: an invented one must not lift the tier
+    assert ex.tier_for(Request("GET", "/", {"x-api-key": "junk"}, "192.0.2.1")) == "anonymous"
+    assert ex.tier_for(Request("GET", "/", {"authorization": "Bearer junk"}, "192.0.2.1")) == "anonymous"
     plans = {"k-paid": "paid"}
     custom = DefaultKeyExtractor(tier=lambda req, user, key: plans.get(key or "", "free"))
     assert custom.tier_for(Request("GET", "/", {"x-api-key": "k-paid"}, "192.0.2.1")) == "paid"
@@ -120,3 +122,17 @@ def test_anonymous_callers_never_share_one_key(backend) -> None:
     assert mw(get(client="192.0.2.2"), ok_handler).status == 200
     alice = Request("GET", "/", {}, "192.0.2.1", user="alice")
     assert mw(alice, ok_handler).status == 200  # the user has her own budget
+
+
+def test_long_api_keys_are_hashed_but_never_cached() -> None:
+    """The secret cache is keyed by the secret: 65,536 client-chosen 8 KB
+    keys would hold half a gigabyte. Long ones are hashed every time."""
+    ex = DefaultKeyExtractor()
+    long_key = "k" * 8192
+    request = Request("GET", "/", {"x-api-key": long_key}, "192.0.2.1")
+    first = ex.storage_key_for(request, KeyScope.API_KEY)
+    assert ex.storage_key_for(request, KeyScope.API_KEY) == first  # same key, same bucket
+    assert long_key not in ex._secret_cache and len(ex._secret_cache) == 0
+    short = Request("GET", "/", {"x-api-key": "short-key"}, "192.0.2.1")
+    ex.storage_key_for(short, KeyScope.API_KEY)
+    assert list(ex._secret_cache) == ["short-key"]

@@ -154,3 +154,16 @@ def test_bare_wsgi_app_and_environ_view(backend) -> None:
     assert view.path == "/mount/api/x" and view.client == "192.0.2.1"
     assert view.headers.get("x-api-key") == "k" and view.headers["content-type"] == "text/plain"
     assert set(view.headers) == {"x-api-key", "content-type"} and len(view.headers) == 2
+
+
+def test_a_non_ascii_path_matches_its_rule_as_under_asgi() -> None:
+    """PEP 3333 hands PATH_INFO over as latin-1-decoded bytes; rules (and
+    ASGI paths) are UTF-8. /café must hit the /café rule under both."""
+    raw = "/café/menu".encode().decode("latin-1")  # what a WSGI server puts in the environ
+    request = request_from_environ({"REQUEST_METHOD": "GET", "PATH_INFO": raw, "REMOTE_ADDR": "192.0.2.1"})
+    assert request.path == "/café/menu"
+    registry = RuleRegistry([rule("cafe", 1, 60.0, path_prefix="/café")])
+    assert registry.rule_for("GET", request.path) is not None
+    assert registry.rule_for("GET", request.path).name == "cafe"
+    bad = request_from_environ({"PATH_INFO": b"/\xff".decode("latin-1")})  # not UTF-8: replaced, no error
+    assert bad.path == "/\ufffd"

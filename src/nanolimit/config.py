@@ -215,6 +215,9 @@ def parse_rules(data: Any, source: str = "<rules>") -> LoadedRules:
         if default is not None and default.name in seen:
             problems.append(Problem(default.name, "name", "the default shares its name with a rule"))
             default = None
+    if not problems and not rules and default is None:
+        # an empty or truncated file would otherwise lift every limit at once
+        problems.append(Problem("-", "-", "no rules and no default: nothing to enforce"))
     if problems:
         raise ConfigError(source, problems)
     return LoadedRules(tuple(rules), default, stacked)
@@ -237,6 +240,8 @@ def _load_bytes(raw: bytes, path: Path) -> LoadedRules:
         data = _parse_bytes(raw, path)
     except ConfigError:
         raise
+    except RecursionError:
+        raise ConfigError(str(path), [Problem("-", "-", "nested too deeply")]) from None
     except (ValueError, UnicodeDecodeError) as exc:  # TOMLDecodeError and JSONDecodeError are ValueErrors
         raise ConfigError(
             str(path), [Problem("-", "-", f"not valid {path.suffix.lstrip('.') or 'toml'}: {exc}")]
@@ -332,6 +337,11 @@ class ConfigWatcher:
                 return False
             digest = hashlib.blake2b(raw, digest_size=16).digest()
             if digest == self._digest:
+                return False
+            try:
+                if self.path.read_bytes() != raw:
+                    return False  # being written (truncated, then filled): the next poll sees it whole
+            except OSError:
                 return False
             try:
                 self._install(raw)

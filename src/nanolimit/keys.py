@@ -40,6 +40,7 @@ AUTHENTICATED = "authenticated"
 # key stays far below the 1,024-byte key limit whatever a client sends.
 MAX_VALUE_BYTES = 256
 _IP_CACHE_SIZE = 65536
+_SECRET_CACHE_LENGTH = 256  # longer API keys are hashed on every request, never cached
 # Enum attribute access costs ~90 ns on CPython 3.11: compare against locals.
 _IP = KeyScope.IP
 _GLOBAL = KeyScope.GLOBAL
@@ -114,8 +115,10 @@ class DefaultKeyExtractor:
     - ``user_id(request)``: default :func:`request_user`.
     - ``api_key(request)``: default :func:`bearer_or_api_key`; stored hashed,
       so secrets never sit in a shared store.
-    - ``tier(request, user, api_key)``: default ``"anonymous"`` without a user
-      id or API key, ``"authenticated"`` with one.
+    - ``tier(request, user, api_key)``: default ``"anonymous"`` without a
+      user id, ``"authenticated"`` with one. An API key alone does not count:
+      it comes from a header, and an invented one would lift any client to
+      the authenticated tier; pass ``tier=`` to map keys you have verified.
     - ``trusted_proxies``: networks whose ``X-Forwarded-For`` is believed.
       The client is the right-most address not in those networks (entries
       to its left were written by the client and prove nothing).
@@ -226,6 +229,8 @@ class DefaultKeyExtractor:
         return cached
 
     def _secret_value(self, secret: str) -> str:
+        if len(secret) > _SECRET_CACHE_LENGTH:
+            return _digest(secret)  # a client's 8 KB "key" must not sit in the cache
         value = self._secret_cache.get(secret)
         if value is None:
             value = _digest(secret)
@@ -240,7 +245,10 @@ class DefaultKeyExtractor:
         key = self.api_key(request)
         if self._tier is not None:
             return self._tier(request, user, key)
-        return AUTHENTICATED if (user or key) else ANONYMOUS
+        # An API key from a header is unverified here: any invented one would
+        # do. Only a user id (set by the app's authentication) lifts the tier;
+        # ``tier=`` maps keys the gateway has checked.
+        return AUTHENTICATED if user else ANONYMOUS
 
     def key_for(self, request: Request, scope: KeyScope) -> ClientKey:
         if scope is _GLOBAL:

@@ -34,7 +34,7 @@ from .rules import RateLimitRule, RuleRegistry, RuleSet
 __all__ = ["Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
 
 _ceil = math.ceil
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.:@/+-]*$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.:@/+-]*\Z")
 _MISSING: Any = object()
 # (rule, retry seconds) -> 429 body: a flood of denials renders few bodies.
 _BODIES: dict[tuple[str, int], bytes] = {}

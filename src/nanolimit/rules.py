@@ -140,9 +140,9 @@ def parse_rate(text: str) -> Rate:
 
 # Rule names travel into headers (a structured-field string), JSON bodies and
 # Prometheus labels: keep them to characters none of those need to escape.
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:@/+-]{0,127}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:@/+-]{0,127}\Z")  # \Z: "$" would accept a final newline
 # An HTTP method is an RFC 9110 token; rules compare it upper-cased.
-_METHOD_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_METHOD_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 
 
 def _segments(prefix: str) -> tuple[tuple[str, ...], bool]:

@@ -69,6 +69,10 @@ def request_from_environ(environ: Environ) -> Request:
     (the connection), the user ``REMOTE_USER``; the path includes
     ``SCRIPT_NAME`` so rules match the public URL of a mounted app."""
     path = (environ.get("SCRIPT_NAME") or "") + (environ.get("PATH_INFO") or "")
+    if not path.isascii():
+        # PEP 3333 hands the path over as latin-1-decoded bytes: rules are
+        # written (and ASGI gives paths) in UTF-8
+        path = path.encode("latin-1", "replace").decode("utf-8", "replace")
     return Request(
         environ.get("REQUEST_METHOD", "GET"),
         path or "/",
