@@ -250,7 +250,8 @@ def test_a_file_read_while_it_is_written_waits_for_the_next_poll(tmp_path: Path,
     registry = RuleRegistry([])
     watcher = ConfigWatcher(f, registry)
     watcher.load()
-    reads = iter([b'[[rules]]\nname = "half"\nrate = "5/minute"\n', b'[[rules]]\nname = "new"\nrate = "5/minute"\n'])
+    half = b'[[rules]]\nname = "half"\nrate = "5/minute"\n'
+    reads = iter([half, b'[[rules]]\nname = "new"\nrate = "5/minute"\n'])
     real = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda self: next(reads, None) or real(self))
     _write(f, '[[rules]]\nname = "new"\nrate = "5/minute"\n')
