@@ -136,3 +136,17 @@ def test_long_api_keys_are_hashed_but_never_cached() -> None:
     short = Request("GET", "/", {"x-api-key": "short-key"}, "192.0.2.1")
     ex.storage_key_for(short, KeyScope.API_KEY)
     assert list(ex._secret_cache) == ["short-key"]
+
+
+def test_a_value_utf8_cannot_hold_becomes_a_digest(backend) -> None:
+    """A user id or peer address with a lone surrogate has no UTF-8 form: as
+    a literal key the storage refuses it (a 500); as a digest it is keyed."""
+    ex = DefaultKeyExtractor()
+    odd = "bob\udc80"
+    request = Request("GET", "/", {}, "192.0.2.1", user=odd)
+    key = ex.storage_key_for(request, KeyScope.USER)
+    assert key.startswith("user#") and key == ClientKey(KeyScope.USER, odd).storage_key()
+    assert ex.storage_key_for(Request("GET", "/", {}, "192.0.2.1", user="bob\udc81"), KeyScope.USER) != key
+    assert ClientKey(KeyScope.USER, "zoë").storage_key() == "user:zoë"  # encodable: kept literal
+    limiter = backend.TokenBucket(1, 60.0)
+    assert limiter.allow(key).allowed and not limiter.allow(key).allowed

@@ -61,15 +61,20 @@ class ClientKey(NamedTuple):
 
     def storage_key(self) -> str:
         """The key handed to the limiter: ``"<scope>:<value>"``; a value over
-        256 UTF-8 bytes becomes ``"<scope>#<blake2b-128 hex>"`` (the ``#``
-        keeps a digest from colliding with a literal value)."""
+        256 UTF-8 bytes, or one UTF-8 cannot hold (a lone surrogate), becomes
+        ``"<scope>#<blake2b-128 hex>"`` (the ``#`` keeps a digest from
+        colliding with a literal value)."""
         value = self.value
-        # 4 bytes per character at most: skip the encode for short values.
-        if (
-            len(value) * 4 <= MAX_VALUE_BYTES
-            or len(value.encode("utf-8", "surrogatepass")) <= MAX_VALUE_BYTES
-        ):
-            return f"{self.scope.value}:{value}"
+        if value.isascii():
+            if len(value) <= MAX_VALUE_BYTES:
+                return f"{self.scope.value}:{value}"
+        else:
+            try:
+                size = len(value.encode("utf-8"))
+            except UnicodeEncodeError:  # a lone surrogate: no UTF-8 key can hold it
+                size = MAX_VALUE_BYTES + 1
+            if size <= MAX_VALUE_BYTES:
+                return f"{self.scope.value}:{value}"
         return f"{self.scope.value}#{_digest(value)}"
 
 
@@ -277,7 +282,7 @@ class DefaultKeyExtractor:
         if scope is _USER:
             user = self.user_id(request)
             if user:
-                if len(user) * 4 <= MAX_VALUE_BYTES:
+                if len(user) <= MAX_VALUE_BYTES and user.isascii():
                     return "user:" + user
                 return ClientKey(KeyScope.USER, user).storage_key()
         else:
