@@ -43,3 +43,31 @@ def test_bad_times_change_nothing(backend) -> None:
     with pytest.raises(backend.ValidationError):
         limiter.allow_many(["a"], times=["noon"])
     assert limiter.state("a") == before
+
+
+class EmptyingClock:
+    """A clock whose reading empties the caller's key list and refills the
+    freed memory with other strings: Python code that runs after a batch has
+    taken its keys' bytes must not be able to pull them out from under it."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+        self.junk: list[str] = []
+
+    def now(self) -> float:
+        n = len(self.keys)
+        self.keys.clear()
+        self.junk = [f"zzzz:{i:06d}" for i in range(n)]
+        return 1000.0
+
+
+def test_a_batch_keeps_its_keys_while_python_code_runs(backend) -> None:
+    keys = [f"user:{i:06d}" for i in range(2_000)]
+    wanted = [f"user:{i:06d}" for i in range(2_000)]  # equal strings, other objects: the batch's own die
+    limiter = backend.TokenBucket(5, 60.0, backend.InMemoryStorage(), EmptyingClock(keys))
+    result = limiter.allow_many(keys)
+    assert keys == [] and len(result) == len(wanted) and all(result.allowed)
+    for key in wanted[:50]:
+        state = limiter.state(key)
+        assert state is not None and state.level == 4.0, key  # the key itself was charged
+    assert limiter.state("zzzz:000000") is None

@@ -1564,17 +1564,24 @@ cdef class _Limiter:
         ``times`` (replays) gives each request its own clock reading instead
         of one reading for the batch; per key, time still never runs backwards.
         """
+        # The batch borrows each key's bytes and decides with the GIL
+        # released: it holds its own reference to every key (``held``), so
+        # no other thread, clock, cost's __index__ or finalizer that runs
+        # meanwhile can free one by emptying the caller's list. The lists are
+        # indexed with bounds checks, as such code may also shrink them.
         cdef list key_list = keys if type(keys) is list else list(keys)
         cdef list cost_list = None
         cdef list time_list = None
         cdef double* stamps = NULL
         cdef char* block
         cdef Py_ssize_t n = len(key_list)
-        cdef Py_ssize_t i, done = 0, refused = 0
+        cdef Py_ssize_t i, done = 0, refused = 0, nheld = 0
         cdef const char** data
         cdef Py_ssize_t* sizes
         cdef int64_t* units
         cdef uint64_t* hashes
+        cdef PyObject** held
+        cdef object key
         cdef array allowed, remaining, retry, reset, delay
         cdef double now
         cdef int status
@@ -1592,23 +1599,29 @@ cdef class _Limiter:
                 raise ValidationError(f"{n} keys but {len(time_list)} times")
         block = <char*>malloc(<size_t>(n if n else 1) * (sizeof(char*) + sizeof(Py_ssize_t)
                                                         + sizeof(int64_t) + sizeof(uint64_t)
-                                                        + sizeof(double)))
+                                                        + sizeof(PyObject*) + sizeof(double)))
         if block == NULL:
             raise MemoryError()
-        if time_list is not None:
-            stamps = <double*>(block + n * (sizeof(char*) + sizeof(Py_ssize_t) + sizeof(int64_t)
-                                            + sizeof(uint64_t)))
         data = <const char**>block
-        sizes = <Py_ssize_t*>(block + n * sizeof(char*))
-        units = <int64_t*>(block + n * (sizeof(char*) + sizeof(Py_ssize_t)))
-        hashes = <uint64_t*>(block + n * (sizeof(char*) + sizeof(Py_ssize_t) + sizeof(int64_t)))
+        sizes = <Py_ssize_t*>(data + n)
+        units = <int64_t*>(sizes + n)
+        hashes = <uint64_t*>(units + n)
+        held = <PyObject**>(hashes + n)
+        if time_list is not None:
+            stamps = <double*>(held + n)
         try:
-            for i in range(n):
-                data[i] = key_bytes(key_list[i], self.max_key_bytes, &sizes[i])
-                units[i] = 1 if costs is None else cost_value(cost_list[i], self.p.capacity)
-            if time_list is not None:
+            with cython.boundscheck(True):
                 for i in range(n):
-                    stamps[i] = clock_value(time_list[i])
+                    key = key_list[i]
+                    data[i] = key_bytes(key, self.max_key_bytes, &sizes[i])
+                    Py_INCREF(key)
+                    held[i] = <PyObject*>key
+                    nheld = i + 1
+                    units[i] = 1 if costs is None else cost_value(cost_list[i], self.p.capacity)
+                if time_list is not None:
+                    for i in range(n):
+                        stamps[i] = clock_value(time_list[i])
+            if time_list is not None:
                 now = 0.0
             else:
                 now = self.read_clock()
@@ -1623,6 +1636,8 @@ cdef class _Limiter:
                     allowed.data.as_uchars, <int64_t*>remaining.data.as_longlongs, retry.data.as_doubles,
                     reset.data.as_doubles, delay.data.as_doubles, &done, &refused)
         finally:
+            for i in range(nheld):
+                Py_DECREF(<object>held[i])
             free(block)
         if status != NL_OK:
             raise_status(status)
