@@ -115,3 +115,16 @@ def test_native_memory_is_bounded_under_a_key_flood(native) -> None:
         limiter.allow_many([f"k{block}-{i:06d}" for i in range(10_000)])
         assert len(storage) <= 10_000
     assert storage.memory_bytes() <= plateau * 1.5
+
+
+@pytest.mark.parametrize("max_keys", [1, 3, 10, 63])
+def test_max_keys_below_the_stripe_count_still_bounds_the_keys(backend, max_keys: int) -> None:
+    """Each stripe holds at least one key: with 64 stripes, max_keys=10 held
+    64 keys. A bounded storage uses at most max_keys stripes."""
+    storage = backend.InMemoryStorage(max_keys=max_keys)
+    assert storage.stripes <= max_keys and storage.stripes & (storage.stripes - 1) == 0
+    limiter = backend.TokenBucket(5, 60.0, storage, backend.FakeClock(1000.0))
+    for i in range(500):
+        limiter.allow(f"k{i}")
+        assert len(storage) <= max_keys
+    assert backend.InMemoryStorage(max_keys=1000).stripes == 64  # room enough: unchanged

@@ -62,6 +62,7 @@ from nanolimit._shared import (
     decide_async,
     render_headers,
     storage_key,
+    stripes_within,
 )
 
 cdef extern from "Python.h":
@@ -368,6 +369,7 @@ cdef class InMemoryStorage:
                 or not 1 <= max_key_bytes <= 1 << 20:
             raise ValidationError(f"max_key_bytes must be an int in [1, 1048576], got {max_key_bytes!r}")
         self.max_key_bytes = max_key_bytes
+        stripes = stripes_within(stripes, max_keys)
         self.stripe_mask = stripes - 1
         # Test hook: a mask that forces collisions, to exercise long probe runs.
         self.hash_mask = 0xFFFFFFFFFFFFFFFF if _hash_mask is None else _hash_mask

@@ -201,6 +201,15 @@ def check_bounds(
     return max_keys, on_full, idle
 
 
+def stripes_within(stripes: int, max_keys: int | None) -> int:
+    """The stripe count a bounded storage uses: each stripe holds at least
+    one key, so more stripes than ``max_keys`` would hold more than
+    ``max_keys``; the largest power of two not above it is used instead."""
+    if max_keys is not None and max_keys < stripes:
+        return 1 << (max_keys.bit_length() - 1)
+    return stripes
+
+
 def check_cutoff(cutoff: object) -> float:
     """An eviction cutoff: any number but NaN (``inf`` forgets every key)."""
     if isinstance(cutoff, bool) or not isinstance(cutoff, (int, float)):

@@ -43,6 +43,7 @@ from ._shared import (
     compound_items,
     decide_async,
     storage_key,
+    stripes_within,
 )
 
 __all__ = [
@@ -370,6 +371,7 @@ class InMemoryStorage:
         ):
             raise ValidationError(f"max_key_bytes must be an int in [1, 1048576], got {max_key_bytes!r}")
         self.max_keys, self.on_full, self.evict_idle_after = check_bounds(max_keys, on_full, evict_idle_after)
+        stripes = stripes_within(stripes, max_keys)
         self._locks = [threading.Lock() for _ in range(stripes)]
         self._maps: list[dict[tuple[Any, ...], list[Any]]] = [{} for _ in range(stripes)]
         self.max_key_bytes = max_key_bytes
