@@ -128,3 +128,19 @@ def test_max_keys_below_the_stripe_count_still_bounds_the_keys(backend, max_keys
         limiter.allow(f"k{i}")
         assert len(storage) <= max_keys
     assert backend.InMemoryStorage(max_keys=1000).stripes == 64  # room enough: unchanged
+
+
+def test_a_compound_overshoot_drains_at_the_next_new_key(backend) -> None:
+    """An all-or-nothing compound adds its new keys together and may leave a
+    stripe over its cap; the next new key brings the stripe back within it
+    (it used to stay over for good)."""
+    storage = backend.InMemoryStorage(stripes=1, max_keys=2)
+    clock = backend.FakeClock(0.0)
+    limiters = [backend.TokenBucket(5, 60.0, storage, clock, f"r{i}") for i in range(6)]
+    assert storage.allow_all([(limiter, "u") for limiter in limiters]).allowed
+    assert len(storage) == 6  # the documented, temporary overshoot
+    limiters[0].allow("next")
+    assert len(storage) <= 2
+    for i in range(20):
+        limiters[0].allow(f"x{i}")
+        assert len(storage) <= 2

@@ -251,12 +251,16 @@ cdef inline bint room_for_new_key(Stripe* s, const Bounds* b, double now) noexce
     entry could be freed)."""
     if b.idle_after > 0.0:
         stripe_sweep_idle(s, now - b.idle_after)
-    if b.stripe_cap == 0 or s.count < s.cap:
+    if b.stripe_cap == 0:
         return True
-    if stripe_make_room(s, b.chunks, now, b.evict_active):
-        return True
-    s.denied_new += 1
-    return False
+    # a loop, not one eviction: an all-or-nothing compound may have left the
+    # stripe over its cap (several new keys of one request), and the next
+    # new key brings it back within
+    while s.count >= s.cap:
+        if not stripe_make_room(s, b.chunks, now, b.evict_active):
+            s.denied_new += 1
+            return False
+    return True
 
 
 cdef inline void refuse_new_key(Verdict* v) noexcept nogil:
