@@ -381,3 +381,24 @@ def test_an_admitted_request_whose_handler_raises_is_still_counted(backend) -> N
         mw(get("/x"), broken)
     assert mw.metrics.snapshot()["r"]["allowed"] == 1
     assert mw(get("/x"), ok_handler).headers["X-RateLimit-Remaining"] == "3"
+
+
+def test_counts_of_ended_threads_are_kept_and_their_shards_dropped() -> None:
+    """A server may start a thread per request: each thread's counters are
+    folded into the totals when it ends, so shards do not pile up."""
+    from nanolimit.metrics import Metrics
+
+    metrics = Metrics()
+
+    def one_request(i: int) -> None:
+        metrics.record("r", allowed=i % 3 != 0, remaining=50, limit=100)
+
+    for i in range(300):
+        t = threading.Thread(target=one_request, args=(i,))
+        t.start()
+        t.join()
+    assert len(metrics._shards) <= 2  # the ended threads' shards are gone
+    snap = metrics.snapshot()["r"]
+    assert snap["allowed"] == 200 and snap["denied"] == 100
+    metrics.record("r", allowed=True, remaining=50, limit=100)  # this thread keeps its own
+    assert metrics.snapshot()["r"]["allowed"] == 201

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import math
 import threading
+import weakref
 from typing import Any
 
 __all__ = ["ALLOWED", "DENIED", "NEAR_LIMIT", "OUTCOMES", "SHADOW_DENIED", "Metrics"]
@@ -27,6 +28,22 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+class _ShardOwner:
+    """Lives in a thread's locals next to its shard; when the thread ends
+    and its locals go, hands the shard's counts back to the Metrics."""
+
+    __slots__ = ("metrics", "shard")
+
+    def __init__(self, metrics: Metrics, shard: dict[str, list[int]]) -> None:
+        self.metrics = weakref.ref(metrics)
+        self.shard = shard
+
+    def __del__(self) -> None:
+        metrics = self.metrics()
+        if metrics is not None:
+            metrics._retire(self.shard)
+
+
 class Metrics:
     """Counts per rule: ``allowed``, ``denied``, ``shadow_denied`` (a
     dry-run rule would have denied) and ``near_limit`` (admitted with less
@@ -39,7 +56,10 @@ class Metrics:
         self.namespace = namespace
         self._local = threading.local()
         self._shards: list[dict[str, list[int]]] = []
-        self._lock = threading.Lock()
+        self._retired: dict[str, list[int]] = {}  # the counts of threads that have ended
+        # reentrant: a thread's shard is folded in when its locals go, which
+        # can happen while this thread holds the lock
+        self._lock = threading.RLock()
         self._admitted: dict[str, Any] = {}  # rule -> AdmittedRequests (the middleware's fast lane)
         import nanolimit  # late: nanolimit's own import pulls the gateway in
 
@@ -69,7 +89,18 @@ class Metrics:
             with self._lock:
                 self._shards.append(shard)
             self._local.shard = shard
+            self._local.owner = _ShardOwner(self, shard)  # folds the shard in when the thread ends
             return shard
+
+    def _retire(self, shard: dict[str, list[int]]) -> None:
+        """A thread has ended: keep its counts, drop its shard (a server that
+        starts a thread per request would otherwise grow one per request)."""
+        with self._lock:
+            for rule, counts in shard.items():
+                total = self._retired.setdefault(rule, [0, 0, 0, 0])
+                for i, value in enumerate(counts):
+                    total[i] += value
+            self._shards = [s for s in self._shards if s is not shard]
 
     def counters(self, rule: str) -> list[int]:
         """This thread's counter list for ``rule`` (created on first use)."""
@@ -94,7 +125,7 @@ class Metrics:
     def snapshot(self) -> dict[str, dict[str, int]]:
         """``{rule: {"allowed": n, "denied": n, "shadow_denied": n, "near_limit": n}}``."""
         with self._lock:
-            shards = list(self._shards)
+            shards = [*self._shards, {rule: list(c) for rule, c in self._retired.items()}]
             lanes = list(self._admitted.values())
         out: dict[str, dict[str, int]] = {}
         for shard in shards:
