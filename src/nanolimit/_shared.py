@@ -201,6 +201,15 @@ def check_bounds(
     return max_keys, on_full, idle
 
 
+def check_batch(keys: Sequence[Any], costs: Sequence[Any], capacity: int, max_key_bytes: int) -> None:
+    """Every key and cost of a batch, checked before any is spent."""
+    if len(costs) != len(keys):
+        raise ValidationError(f"{len(keys)} keys but {len(costs)} costs")
+    for key, cost in zip(keys, costs):
+        check_key(key, max_key_bytes)
+        check_cost(cost, capacity)
+
+
 def stripes_within(stripes: int, max_keys: int | None) -> int:
     """The stripe count a bounded storage uses: each stripe holds at least
     one key, so more stripes than ``max_keys`` would hold more than

@@ -58,6 +58,7 @@ from ._shared import (
     LimiterState,
     SystemClock,
     ValidationError,
+    check_batch,
     check_cost,
     check_cutoff,
     check_key,
@@ -1403,11 +1404,7 @@ class AsyncRedisStorage(_RedisBase):
         Called directly (it is the async ``allow_many``), so it checks every
         key, cost and the clock first, as a limiter would, and sends nothing
         if one is bad."""
-        if len(costs) != len(keys):
-            raise ValidationError(f"{len(keys)} keys but {len(costs)} costs")
-        for key, cost in zip(keys, costs):
-            check_key(key, self.max_key_bytes)
-            check_cost(cost, config.capacity)
+        check_batch(keys, costs, config.capacity, self.max_key_bytes)
         if now is not None:
             check_now(now)
         run = self._batch_start(config, keys, costs, now)

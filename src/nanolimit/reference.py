@@ -35,6 +35,7 @@ from ._shared import (
     SystemClock,
     UnknownAlgorithmError,
     ValidationError,
+    check_batch,
     check_bounds,
     check_cost,
     check_cutoff,
@@ -685,11 +686,7 @@ class _Limiter:
         """
         keys = list(keys)
         costs = [1] * len(keys) if costs is None else list(costs)
-        if len(costs) != len(keys):
-            raise ValidationError(f"{len(keys)} keys but {len(costs)} costs")
-        for key, cost in zip(keys, costs):
-            check_key(key, self._max_key_bytes)
-            check_cost(cost, self._cfg.capacity)
+        check_batch(keys, costs, self._cfg.capacity, self._max_key_bytes)
         stamps: list[float] | None = None
         if times is not None:
             stamps = [check_now(t) for t in times]
