@@ -258,6 +258,31 @@ def test_traces_agree(native, scenario: Scenario) -> None:
     check_scenario(native, scenario)
 
 
+# Clock readings where floor() and truncation part ways (negative, just
+# under a boundary, signed zeros, subnormals, near ±MAX_TIME): the native twin
+# floors with integer arithmetic, and its window indexes and GCRA
+# microseconds must still be the reference's to the bit.
+FLOOR_EDGES = (
+    -4503599626.5, -7.25, -3.0, -2.9999999999999996, -0.3, -1e-300, -0.0, 0.0, 5e-324,
+    0.3, 2.9999999999999996, 3.0, 4294967296.5, 4503599626.75,
+)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("window", [0.3, 1.5])
+def test_floor_edges_agree(native, algorithm: str, window: float) -> None:
+    trace = tuple(
+        step
+        for i, t in enumerate(FLOOR_EDGES)
+        for step in (
+            at(t, "allow", KEYS[i % 3], 2),
+            at(t, "peek", KEYS[(i + 1) % 3]),
+            at(t, "allow", KEYS[i % 3]),
+        )
+    )
+    check_scenario(native, Scenario(algorithm, 4, window, None, "", FLOOR_EDGES[0], trace))
+
+
 def test_gcra_full_burst_pin() -> None:
     # The pinned GCRA example must really exercise the full burst.
     lim, _ = build(reference, Scenario("gcra", 100, 60.0, None, "", START, ()))

@@ -32,7 +32,7 @@ from nanolimit._types cimport (
     ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_OK, NL_REENTRANT,
     NL_TABLE_FULL, Entry, Params, Verdict, nl_hash_seeded, nl_lock_spin, nl_mum,
     nl_namespace_seed, nl_set_secrets, nl_add_u64_relaxed, nl_load_u64_relaxed,
-    nl_cas_u64, nl_load_pointer_relaxed, nl_load_u64_seq,
+    nl_cas_u64, nl_floor_i64, nl_load_pointer_relaxed, nl_load_u64_seq,
     nl_trylock, nl_unlock, nl_wall_now,
 )
 
@@ -115,14 +115,22 @@ cdef void raise_status(int status) except *:
 
 cdef inline const char* key_bytes(object key, Py_ssize_t max_bytes, Py_ssize_t* size) except NULL:
     """UTF-8 bytes of a valid key, borrowed from the str (cached there by
-    CPython); the error path defers to the shared ``check_key`` message."""
-    cdef const char* data = NULL
+    CPython). Only the compact-ASCII case is inline: it is every hot call,
+    and the rest (with its exception handling) would keep the compiler from
+    inlining this into the callers."""
     if type(key) is str and PyUnicode_IS_COMPACT_ASCII(key):
         # ASCII str: its characters are its UTF-8 bytes, no call needed.
         size[0] = PyUnicode_GET_LENGTH(key)
         if 0 < size[0] <= max_bytes:
             return <const char*>PyUnicode_DATA(key)
-    elif isinstance(key, str):
+    return key_bytes_general(key, max_bytes, size)
+
+
+cdef const char* key_bytes_general(object key, Py_ssize_t max_bytes, Py_ssize_t* size) except NULL:
+    """``key_bytes`` for every other key; the error path defers to the shared
+    ``check_key`` message."""
+    cdef const char* data = NULL
+    if isinstance(key, str):
         try:
             data = PyUnicode_AsUTF8AndSize(key, size)
         except UnicodeEncodeError:
@@ -137,10 +145,14 @@ cdef object ONE = 1                   # CPython caches small ints: the default c
 
 
 cdef inline int64_t cost_value(object cost, int64_t capacity) except -1:
-    cdef int overflow = 0
-    cdef long long value
     if cost is ONE:                     # the default: no conversion call (capacity >= 1 always)
         return 1
+    return cost_value_general(cost, capacity)
+
+
+cdef int64_t cost_value_general(object cost, int64_t capacity) except -1:
+    cdef int overflow = 0
+    cdef long long value
     if type(cost) is int:
         value = PyLong_AsLongLongAndOverflow(cost, &overflow)
         if overflow == 0 and 1 <= value <= capacity:
@@ -223,12 +235,17 @@ cdef class Decision:
                               self.reset_after, self.rule, self.window, wall_now)
 
 
+cdef inline int64_t whole_units(double remaining) noexcept nogil:
+    """``max(0, floor(remaining))`` (SPEC's remaining): for values of at
+    least 1 truncation is the floor, and it needs no libm call."""
+    return <int64_t>remaining if remaining >= 1.0 else 0
+
+
 cdef inline Decision make_decision(const Verdict* v, int64_t limit, str rule, double window):
     cdef Decision d = Decision.__new__(Decision)
-    cdef double left = floor(v.remaining)
     d.allowed = v.allowed
     d.limit = limit
-    d.remaining = <int64_t>left if left > 0.0 else 0
+    d.remaining = whole_units(v.remaining)
     d.retry_after = v.retry_after
     d.reset_after = v.reset_after
     d.rule = rule
@@ -482,7 +499,6 @@ cdef class InMemoryStorage:
         cdef Stripe* s
         cdef Stripe* held = NULL
         cdef Verdict v
-        cdef double left
         cdef int status = NL_OK
         cdef int run = 0
         cdef const Bounds* bounds = self.bounds_or_null()
@@ -526,8 +542,7 @@ cdef class InMemoryStorage:
                 break
             allowed[i] = v.allowed
             refused[0] += v.storage_full
-            left = floor(v.remaining)
-            remaining[i] = <int64_t>left if left > 0.0 else 0
+            remaining[i] = whole_units(v.remaining)
             retry_after[i] = v.retry_after
             reset_after[i] = v.reset_after
             delay[i] = v.delay
@@ -1290,7 +1305,7 @@ cdef class LeaseBook:
         r = &self.records[PyLong_AsSsize_t(<object>found)]
         if r.last_now > now:
             now = r.last_now
-        k = <int64_t>floor(now / self.window)
+        k = nl_floor_i64(now / self.window)
         if k == r.window_index:
             own = r.own
             ceiling = r.ceiling

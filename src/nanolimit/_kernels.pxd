@@ -4,14 +4,13 @@
 # functions). ``now`` is already ``max(clock, updated_at)``; the caller stamps
 # ``updated_at`` afterwards. Kernels never raise and never touch Python objects.
 
-from libc.math cimport floor
 from libc.stdint cimport int64_t, uint32_t
 from libc.stdlib cimport free, malloc
 
 from nanolimit._types cimport (
     ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET, ALG_SLIDING_COUNTER,
     ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_OK, Entry, GcraState,
-    LogState, Params, Verdict, WindowState, nl_floordiv,
+    LogState, Params, Verdict, WindowState, nl_floordiv, nl_floor_i64,
 )
 
 
@@ -24,13 +23,13 @@ cdef inline void init_state(Entry* e, double now, const Params* p) noexcept nogi
     elif alg == ALG_LEAKY_BUCKET:
         e.state.bucket.level = 0.0
     elif alg == ALG_GCRA:
-        e.state.gcra.tat = <int64_t>floor(now * 1000000.0)
+        e.state.gcra.tat = nl_floor_i64(now * 1000000.0)
     elif alg == ALG_SLIDING_LOG:
         e.state.log.ring = NULL
         e.state.log.head = 0
         e.state.log.length = 0
     else:
-        e.state.window.index = <int64_t>floor(now / p.window)
+        e.state.window.index = nl_floor_i64(now / p.window)
         e.state.window.count = 0
         e.state.window.previous = 0
 
@@ -87,7 +86,7 @@ cdef inline void fixed_window(Entry* e, double now, int64_t cost, const Params* 
                               Verdict* v) noexcept nogil:
     cdef WindowState* w = &e.state.window
     cdef double window = p.window
-    cdef int64_t index = <int64_t>floor(now / window)
+    cdef int64_t index = nl_floor_i64(now / window)
     cdef double start
     if index != w.index:
         w.index = index
@@ -208,7 +207,7 @@ cdef inline void sliding_counter(Entry* e, double now, int64_t cost, const Param
     cdef WindowState* w = &e.state.window
     cdef double window = p.window
     cdef double capacity = p.capacity_f
-    cdef int64_t index = <int64_t>floor(now / window)
+    cdef int64_t index = nl_floor_i64(now / window)
     cdef int64_t count, previous, room
     cdef double start, weight, estimate
     if index != w.index:
@@ -249,7 +248,7 @@ cdef inline void gcra(Entry* e, double now, int64_t cost, const Params* p,
     cdef GcraState* g = &e.state.gcra
     cdef int64_t interval = p.interval_us
     cdef int64_t tolerance = p.tolerance_us
-    cdef int64_t now_us = <int64_t>floor(now * 1000000.0)
+    cdef int64_t now_us = nl_floor_i64(now * 1000000.0)
     cdef int64_t backlog = g.tat - now_us
     if backlog < 0:
         backlog = 0

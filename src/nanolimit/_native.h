@@ -203,6 +203,16 @@ static inline double nl_wall_now(void)
 #endif
 }
 
+/* floor(x) as an int64 without a libm call (x86-64's baseline has no
+ * roundsd, so floor() is a call through the PLT). Exact for |x| < 2^63,
+ * the same domain the cast of floor() needs: above 2^52 every double is an
+ * integer and the cast is exact; below, truncation is corrected by one. */
+static inline int64_t nl_floor_i64(double x)
+{
+    int64_t t = (int64_t)x;
+    return t - ((double)t > x);
+}
+
 /* Python's // for int64 (rounds toward minus infinity). */
 static inline int64_t nl_floordiv(int64_t a, int64_t b)
 {

@@ -9,14 +9,13 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 
-from libc.math cimport floor
 
 from nanolimit._kernels cimport log_at, log_free
 from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET,
     ALG_SLIDING_COUNTER, ALG_TOKEN_BUCKET, Params,
     ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK,
-    NL_TABLE_FULL, Entry, nl_add_u64_relaxed, nl_fence, nl_fetch_add_u64, nl_hash_seeded,
+    NL_TABLE_FULL, Entry, nl_add_u64_relaxed, nl_fence, nl_fetch_add_u64, nl_floor_i64, nl_hash_seeded,
     nl_key_equal, nl_load_pointer_acquire, nl_load_pointer_relaxed, nl_load_u32_relaxed,
     nl_load_u64_seq, nl_namespace_seed, nl_prefetch, nl_store_pointer_release,
 )
@@ -470,10 +469,10 @@ cdef inline bint entry_at_rest(const Entry* e, const Params* p, double now) noex
     if alg == ALG_LEAKY_BUCKET:
         return e.state.bucket.level - elapsed * p.rate <= 0.0
     if alg == ALG_GCRA:
-        return e.state.gcra.tat <= <int64_t>floor(now * 1000000.0)
+        return e.state.gcra.tat <= nl_floor_i64(now * 1000000.0)
     if alg == ALG_SLIDING_LOG:
         return e.state.log.length == 0 or log_at(&e.state.log, e.state.log.length - 1) <= now - p.window
-    index = <int64_t>floor(now / p.window)
+    index = nl_floor_i64(now / p.window)
     if alg == ALG_FIXED_WINDOW:
         return e.state.window.count == 0 or index != e.state.window.index
     # sliding counter: both the current and the previous window must be empty

@@ -15,6 +15,7 @@ cdef extern from "_native.h" nogil:
     void nl_unlock(uint8_t* lock)
     double nl_wall_now()
     int64_t nl_floordiv(int64_t a, int64_t b)
+    int64_t nl_floor_i64(double x)
     void nl_prefetch(const void* p)
     bint nl_key_equal(const char* a, const char* b, uint32_t n)
     const void* nl_load_pointer_relaxed(const void* const* p)
