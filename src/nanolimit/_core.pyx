@@ -473,10 +473,14 @@ cdef class InMemoryStorage:
         return &self.stripes[(h >> 40) & self.stripe_mask]
 
     # -- the decision path --------------------------------------------------
-    cdef inline int decide(self, uint32_t ns, uint64_t seed, const char* key, Py_ssize_t klen,
+    cdef inline uint64_t hash_key(self, uint64_t seed, const char* key, Py_ssize_t klen) noexcept nogil:
+        return nl_hash_seeded(seed, key, <size_t>klen) & self.hash_mask
+
+    cdef inline int decide(self, uint64_t h, uint32_t ns, const char* key, Py_ssize_t klen,
                            double now, int64_t cost, const Params* p, bint commit,
                            Verdict* v) noexcept:
-        cdef uint64_t h = nl_hash_seeded(seed, key, <size_t>klen) & self.hash_mask
+        """One decision; ``h`` is ``hash_key`` of the key (the caller hashes
+        first, to start the index slot's load before it reads the clock)."""
         cdef Stripe* s = self.stripe_for(h)
         cdef int status = lock_stripe(s)
         if status != NL_OK:
@@ -1494,15 +1498,28 @@ cdef class _Limiter:
         cdef Verdict v
         cdef Py_ssize_t klen
         cdef const char* data
+        cdef uint64_t h
         cdef int64_t units
         cdef double now
         cdef int status
         if self.store is None:
             return self.decide_elsewhere(key, cost, commit)
+        # The system clock first: its TSC read is ordered (it waits for every
+        # earlier instruction), so work placed before it, such as the hash
+        # below, would stall it (+3-4 ns measured). It cannot fail, so the
+        # order of the checks' errors does not change.
+        if self.system_clock:
+            now = nl_wall_now()
         data = key_bytes(key, self.max_key_bytes, &klen)
+        h = self.store.hash_key(self.seed, data, klen)
+        # In a large table the index slot is a cache miss: start it now, so
+        # it overlaps the cost check and the stripe lock (a hint: it reads
+        # the stripe unlocked, and a stale address is harmless to prefetch).
+        prefetch_slot(self.store.stripe_for(h), h)
         units = cost_value(cost, self.p.capacity)
-        now = self.read_clock()
-        status = self.store.decide(self.ns, self.seed, data, klen, now, units, &self.p, commit, &v)
+        if not self.system_clock:
+            now = clock_value(self._clock.now())
+        status = self.store.decide(h, self.ns, data, klen, now, units, &self.p, commit, &v)
         if status != NL_OK:
             raise_status(status)
         return make_decision(&v, self.p.capacity, self._rule, self.p.window)
