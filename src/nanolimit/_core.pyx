@@ -480,7 +480,7 @@ cdef class InMemoryStorage:
                            double now, int64_t cost, const Params* p, bint commit,
                            Verdict* v) noexcept:
         """One decision; ``h`` is ``hash_key`` of the key (the caller hashes
-        first, to start the index slot's load before it reads the clock)."""
+        early, to start the index slot's load before the lock)."""
         cdef Stripe* s = self.stripe_for(h)
         cdef int status = lock_stripe(s)
         if status != NL_OK:
