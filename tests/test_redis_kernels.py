@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanolimit import reference
+from nanolimit._shared import Algorithm, LimiterConfig
+from nanolimit.redis_storage import SCRIPTS
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 
@@ -264,3 +266,28 @@ def test_big_sliding_log_cost_and_capacity_drop(backend: types.SimpleNamespace, 
     ref_small = reference.SlidingWindowLog(50, 10.0, ref.storage, ref._clock, rule="log")
     assert_same(small.allow("k"), ref_small.allow("k"))
     assert small.state("k") == ref_small.state("k")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_reply_fields_are_exact_17g_strings(make_storage: Any, algorithm: str) -> None:
+    """Each reply field is exactly what ``'%.17g'`` prints for its value (the
+    scripts write a known 0 as a literal '0'), whether allowed or denied, so
+    nothing is rounded on the way out; the token bucket's stored level, which
+    the script formats itself, is that string too."""
+    storage = make_storage()
+    cfg = LimiterConfig.build(algorithm, 3, 0.7, rule="fmt")
+    seen = set()
+    for i, (now, cost) in enumerate([(10.0, 1), (10.05, 2), (10.1, 1), (10.3, 1), (10.9, 3), (11.0, 1)]):
+        for commit in (False, True):
+            keys, args = storage._single_args(cfg, "k", cost, now + i * 1e-7, commit)
+            reply = storage._evalsha(SCRIPTS[Algorithm(algorithm)], keys, args)
+            fields = reply.decode().split(" ")
+            assert len(fields) == 5, reply
+            assert fields[0] in ("0", "1")
+            seen.add(fields[0])
+            for text in fields[1:]:
+                assert text == f"{float(text):.17g}", (algorithm, reply)
+    assert seen == {"0", "1"}
+    if algorithm == "token_bucket":
+        level = storage.client.hget(storage.redis_key(cfg, "k"), "l").decode()
+        assert level == f"{float(level):.17g}"

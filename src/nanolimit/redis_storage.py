@@ -11,7 +11,9 @@ Redis equals a decision in memory (the equivalence tests hold them to it).
 Wire conventions (see REDIS.md): floats go in as ``repr(float)`` strings and
 come back as ``%.17g`` strings, because a Lua number in a reply is truncated
 to an integer; numbers are stored as Lua numbers, which Redis and Valkey write
-with 17 significant digits and read back exactly.
+with 17 significant digits and read back exactly (the token bucket's level,
+which is in the reply too, is stored as the script's own ``%.17g`` string:
+the same bytes Redis 7.0 writes for the number, the same value everywhere).
 
 State per key, only what its algorithm needs:
 
@@ -98,19 +100,21 @@ class CircuitOpenError(RedisUnavailableError):
 # --------------------------------------------------------------------------
 # Lua. One prelude, one function per kernel; a single-decision script is the
 # prelude, its kernel and a three-line main; the compound script holds them all.
+#
+# What a decision costs the server (Redis 7.0 on 2 vCPUs): each ``redis.call``
+# 0.25-1 µs, and every ``%.17g`` 0.2-0.35 µs, in ``string.format`` and inside
+# Redis 7.0 alike (it formats each Lua number argument of a command that
+# way). So the scripts format no value known to be 0, format a value once when
+# it is both stored and answered, write only the hash fields that changed,
+# and define no function a script does not call (each is a new closure on
+# every call).
 
 _PRELUDE = r"""
-local function clock_of(arg, server_now)
-  if arg == '' then return server_now end
-  return tonumber(arg)
-end
+-- TIME's two strings; Lua's arithmetic converts them exactly as tonumber would
 local function server_time()
   local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+  return t[1] + t[2] / 1000000
 end
-local function f(x) return string.format('%.17g', x) end
--- one reply string: "allowed remaining retry_after reset_after delay"
-local VERDICT = '%d %.17g %.17g %.17g %.17g'
 local function expiry_ms(reset_after, floor_ms)
   local ms = math.ceil(reset_after * 1000) + 1
   if ms < floor_ms then ms = floor_ms end
@@ -119,8 +123,12 @@ local function expiry_ms(reset_after, floor_ms)
 end
 """
 
-# Each kernel: (key, clock, cost, commit, floor_ms, p1, p2) ->
-#   allowed (bool), remaining, retry_after, reset_after, delay
+# Each kernel: (key, clock, cost, commit, floor_ms, p1, p2) -> allowed (bool),
+# and the reply string "allowed remaining retry_after reset_after delay".
+# Each branch has its own format: a value known to be 0 there is a literal '0'
+# (what '%.17g' prints for it), every other one '%.17g'. ('%d' would be cheaper
+# still for whole numbers, but Lua 5.1 casts it to a C long: 32 bits on a
+# 32-bit server build.)
 _KERNEL_LUA: Final[dict[Algorithm, str]] = {
     Algorithm.TOKEN_BUCKET: r"""
 local function k_token_bucket(key, clock, cost, commit, floor_ms, capacity, rate)
@@ -137,11 +145,15 @@ local function k_token_bucket(key, clock, cost, commit, floor_ms, capacity, rate
   local allowed = level >= cost
   if allowed then level = level - cost else retry = (cost - level) / rate end
   local reset = (capacity - level) / rate
+  -- the level goes both into the state and into the reply: format it once
+  -- (what Redis 7.0 would store for the number; newer servers read it back exactly)
+  local l = string.format('%.17g', level)
   if commit then
-    redis.call('HSET', key, 'l', level, 'u', now)
+    redis.call('HSET', key, 'l', l, 'u', now)
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
   end
-  return allowed, level, retry, reset, 0.0
+  if allowed then return true, string.format('1 %s 0 %.17g 0', l, reset) end
+  return false, string.format('0 %s %.17g %.17g 0', l, retry, reset)
 end
 """,
     Algorithm.LEAKY_BUCKET: r"""
@@ -173,19 +185,21 @@ local function k_leaky_bucket(key, clock, cost, commit, floor_ms, capacity, rate
     redis.call('HSET', key, 'l', level, 'u', now)
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
   end
-  return allowed, remaining, retry, reset, delay
+  if allowed then return true, string.format('1 %.17g 0 %.17g %.17g', remaining, reset, delay) end
+  return false, string.format('0 %.17g %.17g %.17g 0', remaining, retry, reset)
 end
 """,
     Algorithm.FIXED_WINDOW: r"""
 local function k_fixed_window(key, clock, cost, commit, floor_ms, capacity, window)
   local v = redis.call('HMGET', key, 'k', 'n', 'u')
   local k, count, updated
+  local moved = not v[1]  -- k must be written: a new key, or (below) a new window
   if v[1] then k = tonumber(v[1]); count = tonumber(v[2]); updated = tonumber(v[3])
   else k = math.floor(clock / window); count = 0; updated = clock end
   local now = clock
   if updated > now then now = updated end
   local index = math.floor(now / window)
-  if index ~= k then k = index; count = 0 end
+  if index ~= k then k = index; count = 0; moved = true end
   local start = k * window
   local retry = 0.0
   local allowed = count + cost <= capacity
@@ -193,16 +207,21 @@ local function k_fixed_window(key, clock, cost, commit, floor_ms, capacity, wind
   local reset = 0.0
   if count > 0 then reset = start + window - now end
   if commit then
-    redis.call('HSET', key, 'k', k, 'n', count, 'u', now)
+    -- only the fields that changed: the others hold these very values already
+    if moved then redis.call('HSET', key, 'k', k, 'n', count, 'u', now)
+    elseif allowed then redis.call('HSET', key, 'n', count, 'u', now)
+    else redis.call('HSET', key, 'u', now) end
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
   end
-  return allowed, capacity - count, retry, reset, 0.0
+  if allowed then return true, string.format('1 %.17g 0 %.17g 0', capacity - count, reset) end
+  return false, string.format('0 %.17g %.17g %.17g 0', capacity - count, retry, reset)
 end
 """,
     Algorithm.SLIDING_COUNTER: r"""
 local function k_sliding_counter(key, clock, cost, commit, floor_ms, capacity, window)
   local v = redis.call('HMGET', key, 'k', 'n', 'p', 'u')
   local k, count, previous, updated
+  local moved = not v[1]  -- k and p must be written: a new key, or (below) a new window
   if v[1] then
     k = tonumber(v[1]); count = tonumber(v[2]); previous = tonumber(v[3]); updated = tonumber(v[4])
   else k = math.floor(clock / window); count = 0; previous = 0; updated = clock end
@@ -213,6 +232,7 @@ local function k_sliding_counter(key, clock, cost, commit, floor_ms, capacity, w
     if index == k + 1 then previous = count else previous = 0 end
     count = 0
     k = index
+    moved = true
   end
   local start = k * window
   local weight = 1.0 - (now - start) / window
@@ -233,10 +253,14 @@ local function k_sliding_counter(key, clock, cost, commit, floor_ms, capacity, w
   if count > 0 then reset = start + 2.0 * window - now
   elseif previous > 0 then reset = start + window - now end
   if commit then
-    redis.call('HSET', key, 'k', k, 'n', count, 'p', previous, 'u', now)
+    -- only the fields that changed: the others hold these very values already
+    if moved then redis.call('HSET', key, 'k', k, 'n', count, 'p', previous, 'u', now)
+    elseif allowed then redis.call('HSET', key, 'n', count, 'u', now)
+    else redis.call('HSET', key, 'u', now) end
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
   end
-  return allowed, remaining, retry, reset, 0.0
+  if allowed then return true, string.format('1 %.17g 0 %.17g 0', remaining, reset) end
+  return false, string.format('0 %.17g %.17g %.17g 0', remaining, retry, reset)
 end
 """,
     Algorithm.GCRA: r"""
@@ -270,7 +294,8 @@ local function k_gcra(key, clock, cost, commit, floor_ms, interval, tolerance)
   if commit then
     redis.call('SET', key, string.format('%.17g %.17g', tat, now), 'PX', expiry_ms(reset, floor_ms))
   end
-  return allowed, remaining, retry, reset, 0.0
+  if allowed then return true, string.format('1 %.17g 0 %.17g 0', remaining, reset) end
+  return false, string.format('0 %.17g %.17g %.17g 0', remaining, retry, reset)
 end
 """,
     Algorithm.SLIDING_LOG: r"""
@@ -311,13 +336,14 @@ local function k_sliding_log(key, clock, cost, commit, floor_ms, capacity, windo
   local reset = 0.0
   if newest then reset = newest + window - now end
   if commit then
-    local stamp = f(now)
+    local stamp = string.format('%.17g', now)
     if total == 0 then redis.call('RPUSH', key, stamp)
     else
       if drop > 0 then redis.call('LTRIM', key, drop, -1) end
       redis.call('LSET', key, 0, stamp)
     end
-    if allowed then
+    if allowed and cost == 1 then redis.call('RPUSH', key, stamp)
+    elseif allowed then
       local batch = {}
       local size = cost
       if size > 4096 then size = 4096 end
@@ -335,7 +361,8 @@ local function k_sliding_log(key, clock, cost, commit, floor_ms, capacity, windo
     end
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
   end
-  return allowed, remaining, retry, reset, 0.0
+  if allowed then return true, string.format('1 %.17g 0 %.17g 0', remaining, reset) end
+  return false, string.format('0 0 %.17g %.17g 0', retry, reset)
 end
 """,
 }
@@ -346,9 +373,9 @@ _ALGO_IDS: Final = {algo: i for i, algo in enumerate(_KERNEL_LUA)}
 _SINGLE_MAIN = r"""
 local clock
 if ARGV[1] == '' then clock = server_time() else clock = tonumber(ARGV[1]) end
-local a, r, ra, re, d = k_%s(KEYS[1], clock, tonumber(ARGV[2]), ARGV[3] == '1',
+local _, verdict = k_%s(KEYS[1], clock, tonumber(ARGV[2]), ARGV[3] == '1',
   tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]))
-return string.format(VERDICT, a and 1 or 0, r, ra, re, d)
+return verdict
 """
 
 # KEYS[1..n]; ARGV: n, then per item: algorithm id, now, cost, floor_ms, p1, p2.
@@ -371,10 +398,10 @@ local function run(commit)
   local all = true
   for i = 1, n do
     local b = 2 + (i - 1) * 6
-    local a, r, ra, re, d = kernels[tonumber(ARGV[b])](KEYS[i], clocks[i], tonumber(ARGV[b + 2]),
+    local a, verdict = kernels[tonumber(ARGV[b])](KEYS[i], clocks[i], tonumber(ARGV[b + 2]),
       commit, tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]))
     if not a then all = false end
-    out[i] = string.format(VERDICT, a and 1 or 0, r, ra, re, d)
+    out[i] = verdict
   end
   return all, out
 end
@@ -402,8 +429,8 @@ if ARGV[1] == '' then clock = server_time() else clock = tonumber(ARGV[1]) end
 local floor_ms, p1, p2 = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local out = {}
 for i = 1, #KEYS do
-  local a, r, ra, re, d = k_%s(KEYS[i], clock, tonumber(ARGV[4 + i]), true, floor_ms, p1, p2)
-  out[i] = string.format(VERDICT, a and 1 or 0, r, ra, re, d)
+  local _, verdict = k_%s(KEYS[i], clock, tonumber(ARGV[4 + i]), true, floor_ms, p1, p2)
+  out[i] = verdict
 end
 return out
 """
