@@ -232,6 +232,20 @@ def test_duplicate_names_are_refused() -> None:
         RuleRegistry([rule("a"), rule("a", path_prefix="/x")])
 
 
+def test_a_default_named_like_a_rule_is_refused() -> None:
+    # the name is the state namespace: a default "api" would spend rule "api"'s budget
+    with pytest.raises(RuleValidationError, match="share"):
+        RuleRegistry([rule("api", path_prefix="/api")], default=rule("api"))
+    reg = RuleRegistry([rule("api", path_prefix="/api")], default=rule("fallback"))
+    snap = reg.snapshot()
+    with pytest.raises(RuleValidationError, match="share"):
+        reg.replace([rule("fallback", path_prefix="/x")])  # the kept default clashes
+    assert reg.snapshot() is snap
+    fallback = rule("fallback")
+    both = RuleRegistry([rule("api", path_prefix="/api"), fallback], default=fallback)  # the same rule: fine
+    assert both.rule_for("GET", "/other") is fallback
+
+
 def test_replace_swaps_the_whole_ruleset_and_keeps_the_old_on_error() -> None:
     reg = RuleRegistry([rule("old", path_prefix="/a")], default=rule("fallback"))
     before = reg.snapshot()

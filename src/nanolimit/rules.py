@@ -446,10 +446,13 @@ class RuleSet:
     ) -> None:
         rules = tuple(rules)
         seen: set[str] = set()
-        for rule in (*rules, *(() if default is None else (default,))):
+        # The default counts once: listing it among the rules as well is
+        # harmless, but a different rule under its name would share its state.
+        extra = () if default is None or any(r is default for r in rules) else (default,)
+        for rule in (*rules, *extra):
             if not isinstance(rule, RateLimitRule):
                 raise ValidationError(f"expected RateLimitRule, got {type(rule).__name__}")
-            if rule.name in seen and rule is not default:
+            if rule.name in seen:
                 raise RuleValidationError(
                     rule.name, "name", "two rules share this name (it is their state namespace)"
                 )
