@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import types
 
@@ -61,6 +62,30 @@ def test_denied_headers_use_the_longest_retry(backend) -> None:
     assert denied.denied_by == "slow"
     assert denied.retry_after == pytest.approx(30.0)
     assert denied.headers(wall_now=0.0)["Retry-After"] == "30"
+
+
+def test_denied_headers_describe_one_rule(backend) -> None:
+    # Both spent: "fast" (10 per 1 s) comes first, "slow" (2 per 100 s) has
+    # the longer wait. The headers must name one rule with that rule's own
+    # quota, window and reset, never a mix.
+    clock = backend.FakeClock(0.0)
+    storage = backend.InMemoryStorage()
+    fast = backend.TokenBucket(10, 1.0, storage, clock, rule="fast")
+    slow = backend.TokenBucket(2, 100.0, storage, clock, rule="slow")
+    for _ in range(2):
+        assert storage.allow_all([(fast, "k", 5), (slow, "k")]).allowed
+    denied = storage.allow_all([(fast, "k", 3), (slow, "k")])  # both at 0 remaining
+    assert not denied.allowed and denied.denied_by == "slow"
+    by_rule = {d.rule: d for d in denied.decisions}
+    assert (denied.rule, denied.limit, denied.window) == ("slow", 2, 100.0)
+    assert denied.remaining == by_rule["slow"].remaining
+    headers = denied.headers(wall_now=1000.0)
+    assert headers["RateLimit-Policy"] == '"slow";q=2;w=100'
+    assert headers["X-RateLimit-Limit"] == "2"
+    assert headers["X-RateLimit-Remaining"] == str(by_rule["slow"].remaining)
+    slow_left, slow_reset = by_rule["slow"].remaining, math.ceil(by_rule["slow"].reset_after)
+    assert headers["RateLimit"] == f'"slow";r={slow_left};t={slow_reset}'
+    assert headers["Retry-After"] == "50"
 
 
 def test_compound_input_validation_changes_nothing(backend) -> None:

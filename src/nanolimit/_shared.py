@@ -523,11 +523,15 @@ class CompoundDecision:
 
     It passed only if every limit allowed, and then every limit was charged;
     if any denied, none was (``decisions`` then hold what each would have
-    answered). The summary fields are the tightest: the smallest remaining
-    (with its limit and rule) and the longest retry_after and reset_after.
+    answered). ``limit``, ``remaining``, ``rule``, ``window`` and the
+    headers describe one limit, the binding one, so a client never reads one
+    rule's name with another's quota: when denied, the denial with the
+    longest ``retry_after`` (``denied_by``); when allowed, the limit with the
+    smallest remaining. ``retry_after``, ``reset_after`` and ``delay`` are
+    the longest over all limits.
     """
 
-    __slots__ = ("_tightest", "allowed", "decisions", "denied_by")
+    __slots__ = ("_binding", "allowed", "decisions", "denied_by")
 
     def __init__(self, decisions: Sequence[Decision]) -> None:
         if not decisions:
@@ -537,24 +541,26 @@ class CompoundDecision:
         denied = [d for d in self.decisions if not d.allowed]
         self.denied_by: str | None = None
         if denied:
-            self.denied_by = max(denied, key=lambda d: d.retry_after).rule
-        self._tightest = min(self.decisions, key=lambda d: (d.allowed, d.remaining))
+            self._binding = max(denied, key=lambda d: d.retry_after)
+            self.denied_by = self._binding.rule
+        else:
+            self._binding = min(self.decisions, key=lambda d: d.remaining)
 
     @property
     def limit(self) -> int:
-        return self._tightest.limit
+        return self._binding.limit
 
     @property
     def remaining(self) -> int:
-        return self._tightest.remaining
+        return self._binding.remaining
 
     @property
     def rule(self) -> str:
-        return self.denied_by if self.denied_by is not None else self._tightest.rule
+        return self._binding.rule
 
     @property
     def window(self) -> float:
-        return self._tightest.window
+        return self._binding.window
 
     @property
     def retry_after(self) -> float:
@@ -573,17 +579,11 @@ class CompoundDecision:
         return any(d.degraded for d in self.decisions)
 
     def headers(self, wall_now: float | None = None) -> dict[str, str]:
-        """SPEC §2 headers for the binding limit."""
-        tight = self._tightest
+        """SPEC §2 headers of the binding limit (its own reset; Retry-After
+        is the longest wait, which is the binding denial's)."""
+        b = self._binding
         return render_headers(
-            self.allowed,
-            tight.limit,
-            tight.remaining,
-            self.retry_after,
-            self.reset_after,
-            self.rule,
-            tight.window,
-            wall_now,
+            self.allowed, b.limit, b.remaining, self.retry_after, b.reset_after, b.rule, b.window, wall_now
         )
 
     def __repr__(self) -> str:
