@@ -129,15 +129,17 @@ def test_per_rule_policy_and_batches_and_compounds(backend: types.SimpleNamespac
     storage.load_scripts()
     own_server.kill()
     d = login.allow("u")
-    assert d.degraded and not d.allowed
+    assert d.degraded and not d.allowed and d.reason == "store_unavailable"
     d = search.allow("u")
-    assert d.degraded and d.allowed
+    assert d.degraded and d.allowed and d.reason == "store_unavailable"
+    assert login.peek("u").reason == "store_unavailable"
     batch, elapsed = _timed(lambda: search.allow_many(["a", "b", "c"]))
     assert batch.degraded and batch.allowed_count == 3 and elapsed < BOUND
     batch = login.allow_many(["a", "b"])
     assert batch.degraded and batch.allowed_count == 0
     compound = storage.allow_all([(search, "u"), (login, "u")])
     assert compound.degraded and not compound.allowed and compound.denied_by == "login"
+    assert {d.reason for d in compound.decisions} == {"store_unavailable"}
     compound = storage.allow_all([(search, "u")])
     assert compound.degraded and compound.allowed
 

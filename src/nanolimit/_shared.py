@@ -485,8 +485,15 @@ class Storage(Protocol):
 
 
 # What a kernel answers: (allowed, remaining before floor, retry_after,
-# reset_after, delay, degraded).
-KernelVerdict = tuple[bool, float, float, float, float, bool]
+# reset_after, delay, degraded), and, when a policy answered, its reason
+# ("store_unavailable", "storage_full") seventh.
+KernelVerdict = (
+    tuple[bool, float, float, float, float, bool] | tuple[bool, float, float, float, float, bool, str]
+)
+
+# Decision.reason when a failure policy answered for a store that could not
+# decide (SPEC §2 degraded decisions).
+REASON_STORE_UNAVAILABLE = "store_unavailable"
 
 
 @runtime_checkable

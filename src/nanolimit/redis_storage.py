@@ -53,6 +53,7 @@ from typing import Any, ClassVar, Final, Literal
 from ._shared import (
     DUPLICATE_COMPOUND,
     MAX_KEY_BYTES,
+    REASON_STORE_UNAVAILABLE,
     Algorithm,
     CompoundDecision,
     KernelVerdict,
@@ -891,9 +892,9 @@ class _RedisBase:
             raise RedisUnavailableError(f"Redis decision failed: {exc!r}") from exc
         self._count("degraded")
         if policy == "allow":
-            return (True, 0.0, 0.0, 0.0, 0.0, True)
+            return (True, 0.0, 0.0, 0.0, 0.0, True, REASON_STORE_UNAVAILABLE)
         wait = self.deny_retry_after
-        return (False, 0.0, wait, wait, 0.0, True)
+        return (False, 0.0, wait, wait, 0.0, True, REASON_STORE_UNAVAILABLE)
 
     def _failed(self, exc: BaseException) -> None:
         self._count("errors")
@@ -1549,7 +1550,16 @@ def decision_maker(limiter: Any, cfg: LimiterConfig) -> Callable[[KernelVerdict]
 
     def make(v: KernelVerdict) -> Any:
         return decision_type(
-            v[0], cfg.capacity, max(0, math.floor(v[1])), v[2], v[3], cfg.rule, cfg.window_seconds, v[4], v[5]
+            v[0],
+            cfg.capacity,
+            max(0, math.floor(v[1])),
+            v[2],
+            v[3],
+            cfg.rule,
+            cfg.window_seconds,
+            v[4],
+            v[5],
+            v[6] if len(v) > 6 else "",
         )
 
     return make
