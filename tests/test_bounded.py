@@ -53,8 +53,11 @@ def test_deny_new_refuses_new_keys_and_serves_existing_ones(backend) -> None:
     assert refused.retry_after > 0
     assert limiter.allow("a").allowed and limiter.allow("b").allowed
     assert limiter.state("d") is None
-    batch = limiter.allow_many(["c", "e"])
-    assert list(batch.allowed) == [1, 0] and batch.degraded
+    batch = limiter.allow_many(["c", "e", "b"])
+    assert list(batch.allowed) == [1, 0, 1] and batch.degraded
+    # only the refused request is degraded, and it says why (as allow() does)
+    assert [(d.degraded, d.reason) for d in batch] == [(False, ""), (True, "storage_full"), (False, "")]
+    assert batch[-2] == batch[1]
     assert storage.stats()["denied_new"] == 2
     # once a key is at rest it can be reclaimed without changing any decision
     clock.advance(10.0)

@@ -135,6 +135,7 @@ def test_per_rule_policy_and_batches_and_compounds(backend: types.SimpleNamespac
     assert login.peek("u").reason == "store_unavailable"
     batch, elapsed = _timed(lambda: search.allow_many(["a", "b", "c"]))
     assert batch.degraded and batch.allowed_count == 3 and elapsed < BOUND
+    assert [(d.degraded, d.reason) for d in batch] == [(True, "store_unavailable")] * 3
     batch = login.allow_many(["a", "b"])
     assert batch.degraded and batch.allowed_count == 0
     compound = storage.allow_all([(search, "u"), (login, "u")])

@@ -493,7 +493,7 @@ cdef class InMemoryStorage:
                           const Py_ssize_t* sizes, const int64_t* costs, uint64_t* hashes,
                           double now, const double* times, const Params* p, uint8_t* allowed, int64_t* remaining,
                           double* retry_after, double* reset_after, double* delay,
-                          Py_ssize_t* done, Py_ssize_t* refused) noexcept nogil:
+                          uint8_t* storage_full, Py_ssize_t* done, Py_ssize_t* refused) noexcept nogil:
         """Decide ``n`` requests in order. Hashes are computed first so the
         loop can prefetch the index slot ``2 * AHEAD`` requests ahead and the
         entry ``AHEAD`` ahead: a large table costs cache misses, not probes."""
@@ -545,6 +545,7 @@ cdef class InMemoryStorage:
             if status != NL_OK:
                 break
             allowed[i] = v.allowed
+            storage_full[i] = v.storage_full
             refused[0] += v.storage_full
             remaining[i] = whole_units(v.remaining)
             retry_after[i] = v.retry_after
@@ -1619,14 +1620,16 @@ cdef class _Limiter:
         cdef int64_t* units
         cdef uint64_t* hashes
         cdef PyObject** held
+        cdef uint8_t* storage_full
         cdef object key
+        cdef dict reasons = None
         cdef array allowed, remaining, retry, reset, delay
         cdef double now
         cdef int status
         if self.store is None:
             r = self._fallback.allow_many(key_list, costs, times=times)
             return BatchResult(Decision, r.limit, r.rule, r.window, r.allowed, r.remaining,
-                               r.retry_after, r.reset_after, r.delay, r.degraded)
+                               r.retry_after, r.reset_after, r.delay, r.degraded, r.reasons)
         if costs is not None:
             cost_list = costs if type(costs) is list else list(costs)
             if len(cost_list) != n:
@@ -1637,7 +1640,8 @@ cdef class _Limiter:
                 raise ValidationError(f"{n} keys but {len(time_list)} times")
         block = <char*>malloc(<size_t>(n if n else 1) * (sizeof(char*) + sizeof(Py_ssize_t)
                                                         + sizeof(int64_t) + sizeof(uint64_t)
-                                                        + sizeof(PyObject*) + sizeof(double)))
+                                                        + sizeof(PyObject*) + sizeof(double)
+                                                        + sizeof(uint8_t)))
         if block == NULL:
             raise MemoryError()
         data = <const char**>block
@@ -1645,8 +1649,10 @@ cdef class _Limiter:
         units = <int64_t*>(sizes + n)
         hashes = <uint64_t*>(units + n)
         held = <PyObject**>(hashes + n)
-        if time_list is not None:
-            stamps = <double*>(held + n)
+        stamps = <double*>(held + n)            # used only with ``times``
+        storage_full = <uint8_t*>(stamps + n)
+        if time_list is None:
+            stamps = NULL
         try:
             with cython.boundscheck(True):
                 for i in range(n):
@@ -1672,7 +1678,10 @@ cdef class _Limiter:
                 status = self.store.decide_batch(
                     self.ns, self.seed, n, data, sizes, units, hashes, now, stamps, &self.p,
                     allowed.data.as_uchars, <int64_t*>remaining.data.as_longlongs, retry.data.as_doubles,
-                    reset.data.as_doubles, delay.data.as_doubles, &done, &refused)
+                    reset.data.as_doubles, delay.data.as_doubles, storage_full, &done, &refused)
+            if status == NL_OK and refused > 0:
+                # which requests a bounded storage refused (no room for a new key)
+                reasons = {i: REASON_STORAGE_FULL for i in range(n) if storage_full[i]}
         finally:
             for i in range(nheld):
                 Py_DECREF(<object>held[i])
@@ -1680,7 +1689,7 @@ cdef class _Limiter:
         if status != NL_OK:
             raise_status(status)
         return BatchResult(Decision, self.p.capacity, self._rule, self.p.window,
-                           allowed, remaining, retry, reset, delay, refused > 0)
+                           allowed, remaining, retry, reset, delay, refused > 0, reasons)
 
     def reset(self, key):
         """Forget ``key``: its next request sees a full budget."""

@@ -361,6 +361,10 @@ class BatchResult(Sequence["Decision"]):
 
     Keeping arrays instead of N Decision objects is what makes a batch cheap;
     ``result[i]`` builds the full Decision only when someone asks for it.
+    ``degraded`` says whether any request was answered by a policy;
+    ``reasons`` maps each such request's index to its reason (sparse: a
+    policy answers rarely), so ``result[i]`` is degraded only if it was
+    (``None``: no per-request detail, every request shares ``degraded``).
     """
 
     __slots__ = (
@@ -369,6 +373,7 @@ class BatchResult(Sequence["Decision"]):
         "degraded",
         "delay",
         "limit",
+        "reasons",
         "remaining",
         "reset_after",
         "retry_after",
@@ -394,9 +399,12 @@ class BatchResult(Sequence["Decision"]):
         reset_after: array[float],
         delay: array[float],
         degraded: bool = False,
+        reasons: dict[int, str] | None = None,
     ) -> None:
         self._decision = decision_type
-        self.degraded = degraded
+        self.degraded = degraded or bool(reasons)
+        # without per-request reasons, a degraded batch marks every request
+        self.reasons: dict[int, str] | None = reasons
         self.limit = limit
         self.rule = rule
         self.window = window
@@ -412,7 +420,11 @@ class BatchResult(Sequence["Decision"]):
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        i = index.__index__()
+        i = range(len(self))[index.__index__()]  # negative indexes, IndexError
+        if self.reasons is None:
+            degraded, reason = self.degraded, ""
+        else:
+            degraded, reason = i in self.reasons, self.reasons.get(i, "")
         return self._decision(
             bool(self.allowed[i]),
             self.limit,
@@ -422,7 +434,8 @@ class BatchResult(Sequence["Decision"]):
             self.rule,
             self.window,
             self.delay[i],
-            self.degraded,
+            degraded,
+            reason,
         )
 
     def __iter__(self) -> Iterator[Decision]:

@@ -711,10 +711,11 @@ class _Limiter:
         retry = array("d", bytes(8 * n))
         reset = array("d", bytes(8 * n))
         delay = array("d", bytes(8 * n))
-        degraded = False
+        reasons: dict[int, str] = {}
         for i, verdict in enumerate(verdicts):
             ok, left, retry_after, reset_after, wait = verdict[:5]
-            degraded = degraded or (len(verdict) > 5 and bool(verdict[5]))
+            if len(verdict) > 5 and verdict[5]:
+                reasons[i] = verdict[6] if len(verdict) > 6 else ""
             allowed[i] = ok
             remaining[i] = max(0, math.floor(left))
             retry[i] = retry_after
@@ -731,7 +732,7 @@ class _Limiter:
             retry,
             reset,
             delay,
-            degraded,
+            reasons=reasons or None,
         )
 
     def reset(self, key: str) -> None:
