@@ -332,6 +332,25 @@ def test_near_cache_denies_a_hot_key_without_a_round_trip(
     assert limiter.allow("abuser", 2).allowed
 
 
+def test_near_cache_reports_the_stores_wait_not_its_own_lifetime(
+    backend: types.SimpleNamespace, make_storage: Any
+) -> None:
+    # the cache keeps a denial for at most near_cache_ttl (1 s); the client
+    # must still be told the store's wait, counting down, or it retries early
+    storage = make_storage(near_cache=True, near_cache_ttl=1.0)
+    clock = backend.FakeClock(0.0)
+    limiter = backend.TokenBucket(2, 100.0, storage, clock, rule="slow")
+    assert limiter.allow("k", 2).allowed
+    first = limiter.allow("k")
+    assert not first.allowed and first.retry_after == pytest.approx(50.0)
+    clock.advance(0.25)
+    hits = storage.metrics()["near_cache_hits"]
+    cached = limiter.allow("k")
+    assert storage.metrics()["near_cache_hits"] == hits + 1
+    assert not cached.allowed and cached.retry_after == pytest.approx(49.75)
+    assert cached.headers(wall_now=0.0)["Retry-After"] == "50"
+
+
 def test_near_cache_is_bounded(make_storage: Any) -> None:
     storage = make_storage(near_cache=True, near_cache_size=10)
     cfg = LimiterConfig.build("gcra", 1, 60.0, rule="b")
