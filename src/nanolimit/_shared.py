@@ -509,6 +509,24 @@ KernelVerdict = (
 REASON_STORE_UNAVAILABLE = "store_unavailable"
 
 
+def decision_from_verdict(decision_type: Callable[..., Any], cfg: LimiterConfig, v: Sequence[Any]) -> Any:
+    """A ``decision_type`` (either twin's Decision) from a kernel verdict:
+    remaining floored and never below 0 (SPEC §2), and the degraded flag and
+    reason when a policy answered."""
+    return decision_type(
+        v[0],
+        cfg.capacity,
+        max(0, math.floor(v[1])),
+        v[2],
+        v[3],
+        cfg.rule,
+        cfg.window_seconds,
+        v[4],
+        len(v) > 5 and bool(v[5]),
+        v[6] if len(v) > 6 else "",
+    )
+
+
 @runtime_checkable
 class KernelStorage(Storage, Protocol):
     """A storage that runs the built-in kernels itself, next to its data (a

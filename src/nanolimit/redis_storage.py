@@ -39,6 +39,7 @@ of an hour of real time, so a slow fake clock never meets a real expiry.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -67,6 +68,7 @@ from ._shared import (
     check_key,
     check_now,
     compound_items,
+    decision_from_verdict,
     event_counter,
 )
 
@@ -1551,18 +1553,4 @@ def decision_maker(limiter: Any, cfg: LimiterConfig) -> Callable[[KernelVerdict]
 
         decision_type = py_decision
 
-    def make(v: KernelVerdict) -> Any:
-        return decision_type(
-            v[0],
-            cfg.capacity,
-            max(0, math.floor(v[1])),
-            v[2],
-            v[3],
-            cfg.rule,
-            cfg.window_seconds,
-            v[4],
-            v[5],
-            v[6] if len(v) > 6 else "",
-        )
-
-    return make
+    return functools.partial(decision_from_verdict, decision_type, cfg)

@@ -43,6 +43,7 @@ from ._shared import (
     check_now,
     compound_items,
     decide_async,
+    decision_from_verdict,
     storage_key,
     stripes_within,
 )
@@ -803,21 +804,8 @@ class _Limiter:
         return verdict[0]
 
     def _decision(self, v: Verdict | KernelVerdict) -> Decision:
-        cfg = self._cfg
-        degraded = len(v) > 5 and bool(v[5])
-        reason = v[6] if len(v) > 6 else ""
-        return Decision(
-            v[0],
-            cfg.capacity,
-            max(0, math.floor(v[1])),
-            v[2],
-            v[3],
-            cfg.rule,
-            cfg.window_seconds,
-            v[4],
-            degraded,
-            reason,
-        )
+        decision: Decision = decision_from_verdict(Decision, self._cfg, v)
+        return decision
 
     def __repr__(self) -> str:
         cfg = self._cfg
