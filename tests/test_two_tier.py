@@ -357,6 +357,29 @@ def test_reset_state_and_eviction(backend: Any, redis_server: Any) -> None:
         tier.close()
 
 
+def test_long_windows_outlive_the_hour(backend: Any, redis_server: Any) -> None:
+    """A daily window's hash must outlive its window (docs: two windows
+    after it), not a fixed hour: else an instance restarted an hour later
+    finds the day's count gone and admits the limit again."""
+    tier = make_tier(redis_server, "daily", start=False)
+    client = redis_server.client()
+    try:
+        tier.sync_now()
+        limiter = backend.FixedWindowCounter(1000, 86400.0, storage=tier, rule="daily")  # the system clock
+        assert limiter.allow("user:42").allowed
+        tier.sync_now()
+        now = time.time()
+        window_end = (math.floor(now / 86400.0) + 1) * 86400.0
+        hashes = [k for k in client.scan_iter(match="*daily*") if client.type(k) == b"hash"]
+        assert hashes
+        for key in hashes:
+            assert client.pttl(key) / 1000.0 >= window_end - now + 86400.0 - 5.0, key
+    finally:
+        tier.close()
+        for key in client.scan_iter(match="*daily*"):
+            client.delete(key)
+
+
 def test_a_flushed_script_cache_costs_no_partition(redis_server: Any) -> None:
     """A server that lost its scripts (restart, failover, SCRIPT FLUSH) answers
     NOSCRIPT: the sync loads the script and sends again (the reconcile writes

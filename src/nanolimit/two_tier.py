@@ -755,6 +755,9 @@ class TwoTierStorage:
             return
         window = track.window
         k = math.floor(track.last_now / window)
+        # the limiter reads the wall clock (SystemClock) when its time is the
+        # wall's; a day's slack covers a client clock that is off
+        wall_clock = abs(track.last_now - wall) < 86_400.0
         if len(own) > 1:
             # keep the previous window for the sliding estimate; drop older ones once pushed
             for old in [w for w in own if w < k - 1 and pushed.get(w) == own[w]]:
@@ -772,11 +775,13 @@ class TwoTierStorage:
                 and track.settled.get(w, 0) >= SETTLE_READS
             ):
                 continue  # a past window, pushed, its total read often enough for late pushes to land
-            # alive until the window can no longer matter, by the wall clock (an injected
-            # clock gets an hour's floor, as RedisStorage does)
-            left = (w + 2) * window - wall
-            near = abs(left) < 1e5  # a window of the wall clock, not of an injected one
-            ms = math.ceil(max(left, 0.0) * 1000) + 1000 if near else 3_600_000
+            # alive until the window can no longer matter, by the wall clock; a window
+            # of an injected clock cannot be placed on it, so it lives two windows
+            # with an hour's floor, as RedisStorage does
+            if wall_clock:
+                ms = math.ceil(max((w + 2) * window - wall, 0.0) * 1000) + 1000
+            else:
+                ms = max(3_600_000, math.ceil(2 * window * 1000) + 1000)
             current = w == k
             value = own.get(w, 0)
             if current and not self._leaving:
