@@ -357,6 +357,22 @@ def test_reset_state_and_eviction(backend: Any, redis_server: Any) -> None:
         tier.close()
 
 
+def test_reset_while_blind_gives_the_key_its_share_back(backend: Any, own_server: Any) -> None:
+    tier = make_tier(own_server, "blind-reset", start=False)
+    try:
+        tier.sync_now()
+        clock = backend.FakeClock(70_000.0)
+        limiter = backend.FixedWindowCounter(10, 60.0, storage=tier, clock=clock)
+        own_server.kill()
+        tier.sync_now()
+        assert tier.partitioned
+        assert sum(limiter.allow("k").allowed for _ in range(12)) == 10  # the whole share (one instance)
+        limiter.reset("k")
+        assert sum(limiter.allow("k").allowed for _ in range(12)) == 10
+    finally:
+        tier.close()
+
+
 def test_long_windows_outlive_the_hour(backend: Any, redis_server: Any) -> None:
     """A daily window's hash must outlive its window (docs: two windows
     after it), not a fixed hour: else an instance restarted an hour later

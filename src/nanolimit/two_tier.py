@@ -403,6 +403,9 @@ class TwoTierStorage:
                 if track is not None:
                     self._pull(track)  # the window C rolled into has a hash too
                     self._drop((config, key))
+                blind = self._blind_keys.pop((config, key), None)
+                if blind is not None:
+                    blind.reset(key)  # the share it spent while Redis was unreachable
             if track is not None:
                 names = [self._hash_key(track, k) for k in (*track.own, *track.seen_total)]
                 if names:
