@@ -373,6 +373,28 @@ def test_reset_while_blind_gives_the_key_its_share_back(backend: Any, own_server
         tier.close()
 
 
+def test_units_pushed_counts_each_unit_once_across_a_partition(backend: Any, own_server: Any) -> None:
+    tier = make_tier(own_server, "metric", start=False)
+    try:
+        tier.sync_now()
+        clock = backend.FakeClock(95_000.0)
+        limiter = backend.FixedWindowCounter(100, 60.0, storage=tier, clock=clock)
+        assert sum(limiter.allow("k").allowed for _ in range(10)) == 10
+        tier.sync_now()
+        assert tier.metrics()["units_pushed"] == 10
+        own_server.kill()
+        tier.sync_now()
+        assert tier.partitioned
+        own_server.start()
+        assert sum(limiter.allow("k").allowed for _ in range(5)) == 5
+        tier.sync_now()  # re-writes all 15 (the server came back empty); 5 of them are new
+        metrics = tier.metrics()
+        assert metrics["partition"] is False and metrics["units_pushed"] == 15
+        assert tier.fleet_counts(limiter.config, "k")[95_000 // 60] == 15
+    finally:
+        tier.close()
+
+
 def test_long_windows_outlive_the_hour(backend: Any, redis_server: Any) -> None:
     """A daily window's hash must outlive its window (docs: two windows
     after it), not a fixed hour: else an instance restarted an hour later

@@ -165,6 +165,7 @@ class _Track:
     touched: float = field(default_factory=time.monotonic)  # idle eviction: real time, any clock
     own: dict[_Window, int] = field(default_factory=dict)
     pushed: dict[_Window, int] = field(default_factory=dict)
+    acked: dict[_Window, int] = field(default_factory=dict)  # the units_pushed metric: kept over partitions
     seen_total: dict[_Window, int] = field(default_factory=dict)
     seen_own: dict[_Window, int] = field(default_factory=dict)
     lease: dict[_Window, int] = field(default_factory=dict)  # granted at our last sync of the window
@@ -706,8 +707,10 @@ class TwoTierStorage:
                     track, w, value = item.track, item.window, item.value
                     if not track.alive:
                         continue  # forgotten or evicted during the round trip: its slot may be another key's
-                    pushed_units += value - track.pushed.get(w, 0)
-                    track.pushed[w] = value
+                    # pushed is cleared by a partition (every count is re-written),
+                    # acked is not: a re-write is not a unit pushed again
+                    pushed_units += max(0, value - track.acked.get(w, 0))
+                    track.pushed[w] = track.acked[w] = value
                     track.seen_total[w] = int(total)
                     track.seen_own[w] = value
                     if item.current:
@@ -764,7 +767,15 @@ class TwoTierStorage:
         if len(own) > 1:
             # keep the previous window for the sliding estimate; drop older ones once pushed
             for old in [w for w in own if w < k - 1 and pushed.get(w) == own[w]]:
-                for table in (own, pushed, track.seen_total, track.seen_own, track.lease, track.settled):
+                for table in (
+                    own,
+                    pushed,
+                    track.acked,
+                    track.seen_total,
+                    track.seen_own,
+                    track.lease,
+                    track.settled,
+                ):
                     table.pop(old, None)
         if not own or (len(own) == 1 and k in own):
             windows: Any = (k - 1, k) if track.sliding else (k,)
