@@ -395,6 +395,33 @@ def test_units_pushed_counts_each_unit_once_across_a_partition(backend: Any, own
         tier.close()
 
 
+def test_a_cost_above_the_even_share_passes_after_a_sync(backend: Any, redis_server: Any) -> None:
+    """SPEC §3: a cost the limit admits must not be denied forever. With
+    N = 2 and L = 10 the even lease is 5; a request of 8 asks the next sync
+    for a lease that size, and the fleet still never passes the limit."""
+    a = make_tier(redis_server, "big-a", start=False)
+    b = make_tier(redis_server, "big-b", start=False)
+    try:
+        for tier in (a, b, a):
+            tier.sync_now()
+        assert a.instances == b.instances == 2
+        clock = backend.FakeClock(50_000.0)
+        on_a = backend.FixedWindowCounter(10, 60.0, storage=a, clock=clock, rule="big")
+        on_b = backend.FixedWindowCounter(10, 60.0, storage=b, clock=clock, rule="big")
+        assert on_b.peek("k").allowed  # b tracks the key: its syncs lease it too
+        first = on_a.allow("k", 8)
+        assert not first.allowed and first.retry_after <= a.sync_interval  # out of lease, not of budget
+        a.sync_now()
+        assert on_a.allow("k", 8).allowed
+        b.sync_now()  # a's lease of 8 leaves b 1 of the 2 remaining
+        a.sync_now()
+        more = sum(on_b.allow("k").allowed for _ in range(5)) + sum(on_a.allow("k").allowed for _ in range(5))
+        assert 8 + more == 10
+    finally:
+        a.close()
+        b.close()
+
+
 def test_long_windows_outlive_the_hour(backend: Any, redis_server: Any) -> None:
     """A daily window's hash must outlive its window (docs: two windows
     after it), not a fixed hour: else an instance restarted an hour later

@@ -1092,6 +1092,7 @@ ctypedef struct LeaseRecord:
     int64_t prev_index              # a window C rolled away from, its units not yet pulled
     int64_t prev_own
     int64_t decisions               # committed here since the storage last pulled
+    int64_t want                    # the largest cost refused for want of lease, not budget
     bint prev_pending
     bint committed                  # committed to since take_dirty (this key, not the slot's last)
     bint listed                     # its slot is in the book's dirty list
@@ -1262,16 +1263,19 @@ cdef class LeaseBook:
 
     def pull(self, Py_ssize_t slot):
         """``(window_index or None, own units, last_now, committed decisions,
-        rolled-away window or None, its own units)``: what C decided since the
-        last pull. The decision count restarts from zero."""
+        rolled-away window or None, its own units, largest cost refused for
+        want of lease)``: what C decided since the last pull. The decision
+        count and the wanted cost restart from zero."""
         self.check_closed()
         cdef LeaseRecord* r = self.record(slot)
         cdef int64_t n = r.decisions
+        cdef int64_t want = r.want
         cdef bint rolled = r.prev_pending
         r.decisions = 0
+        r.want = 0
         r.prev_pending = False
         return (None if r.window_index == LEASE_NONE else r.window_index, r.own, r.last_now, n,
-                r.prev_index if rolled else None, r.prev_own if rolled else 0)
+                r.prev_index if rolled else None, r.prev_own if rolled else 0, want)
 
     def load(self, Py_ssize_t slot, int64_t window_index, int64_t own, int64_t ceiling,
              int64_t others, int64_t previous, double last_now, int64_t next_ceiling):
@@ -1353,6 +1357,8 @@ cdef class LeaseBook:
         fits = estimate + <double>cost <= <double>self.limit
         ok = fits and own <= ceiling - cost
         if fits and not ok:
+            if commit and cost > r.want:
+                r.want = cost           # the next sync asks a lease this big (a cost above ceil(L/N))
             gate.early += 1
             if not gate.wake_pending:
                 gate.wake_pending = True

@@ -79,14 +79,16 @@ return redis.call('ZCARD', KEYS[1])
 """
 
 # Per (key, window), atomically, for each KEYS[i] (ARGV: id, N, and one
-# string of five words per key: count, limit, weighted previous window,
-# expiry ms, current? — one argument, not 5 per key, to keep the client's
-# packing cheap):
+# string of six words per key: count, limit, weighted previous window,
+# expiry ms, current?, wanted cost — one argument, not 6 per key, to keep the
+# client's packing cheap):
 # write this instance's absolute count, sum every instance's count and every
 # *other* instance's lease (units it may still admit before its next sync),
-# and grant this instance a lease of ceil(remaining / N). The lease never
-# exceeds what remains, so the counts plus the leases of instances that have
-# synced never pass the limit. Returns count, lease, count, lease, ...
+# and grant this instance a lease of ceil(remaining / N), or of the wanted
+# cost when that is larger (a request above ceil(L / N) would otherwise be
+# refused forever). The lease never exceeds what remains, so the counts plus
+# the leases of instances that have synced never pass the limit. Returns
+# count, lease, count, lease, ...
 _RECONCILE = r"""
 local id = ARGV[1]
 local lid = 'lease:' .. id
@@ -96,7 +98,7 @@ for word in string.gmatch(ARGV[3], '%S+') do spec[#spec + 1] = word end
 local out = {}
 for i = 1, #KEYS do
   local h = KEYS[i]
-  local b = (i - 1) * 5
+  local b = (i - 1) * 6
   local mine = spec[b + 1]
   local counts, leases = tonumber(mine), 0
   local limit = tonumber(spec[b + 2])
@@ -114,7 +116,11 @@ for i = 1, #KEYS do
   end
   local lease = 0
   local rem = limit - prev - counts - leases
-  if spec[b + 5] == '1' and rem > 0 then lease = math.ceil(rem / n) end
+  if spec[b + 5] == '1' and rem > 0 then
+    lease = math.ceil(rem / n)
+    local want = tonumber(spec[b + 6])
+    if want > lease then lease = math.min(want, rem) end
+  end
   redis.call('HSET', h, id, mine, lid, lease)
   redis.call('PEXPIRE', h, spec[b + 4])
   out[#out + 1] = counts
@@ -166,6 +172,7 @@ class _Track:
     own: dict[_Window, int] = field(default_factory=dict)
     pushed: dict[_Window, int] = field(default_factory=dict)
     acked: dict[_Window, int] = field(default_factory=dict)  # the units_pushed metric: kept over partitions
+    want: dict[_Window, int] = field(default_factory=dict)  # largest cost refused for want of lease
     seen_total: dict[_Window, int] = field(default_factory=dict)
     seen_own: dict[_Window, int] = field(default_factory=dict)
     lease: dict[_Window, int] = field(default_factory=dict)  # granted at our last sync of the window
@@ -184,7 +191,7 @@ class _Work:
     value: int  # our cumulative units in the window
     current: bool  # the key's current window: a lease is granted
     hash_key: str
-    spec: str  # the script's five words: count, limit, weighted previous window, expiry ms, current?
+    spec: str  # the script's six words: count, limit, previous window, expiry ms, current?, wanted cost
 
 
 class _Guard:
@@ -482,7 +489,9 @@ class TwoTierStorage:
         """Fold what native decisions did to the key's hot window into the track."""
         if track.book is None:
             return
-        k, own, last_now, decided, left, left_own = track.book.pull(track.slot)
+        k, own, last_now, decided, left, left_own, want = track.book.pull(track.slot)
+        if want and k is not None and want > track.want.get(k, 0):
+            track.want[k] = want
         if left is not None and left_own != track.own.get(left, 0):
             track.own[left] = left_own  # the window C rolled away from
         if k is not None and own != track.own.get(k, 0):
@@ -554,6 +563,8 @@ class TwoTierStorage:
         else:
             ok = fits and since + cost <= share
             if fits and not ok:
+                if commit and cost > track.want.get(k, 0):
+                    track.want[k] = cost  # the early sync asks a lease this big
                 self._stats["early_syncs"] += 1
                 self._wake.set()
         reset_after = start + window - now if current > 0 or previous > 0 else 0.0
@@ -715,6 +726,7 @@ class TwoTierStorage:
                     track.seen_own[w] = value
                     if item.current:
                         track.lease[w] = int(lease)
+                        track.want.pop(w, None)  # asked for with this sync
                     else:
                         track.settled[w] = track.settled.get(w, 0) + 1
                     touched[id(track)] = track
@@ -771,6 +783,7 @@ class TwoTierStorage:
                     own,
                     pushed,
                     track.acked,
+                    track.want,
                     track.seen_total,
                     track.seen_own,
                     track.lease,
@@ -800,9 +813,9 @@ class TwoTierStorage:
             value = own.get(w, 0)
             if current and not self._leaving:
                 previous = repr(self._previous_weighted(track, w)) if track.sliding else "0.0"
-                spec = f"{value} {track.limit} {previous} {ms} 1"
+                spec = f"{value} {track.limit} {previous} {ms} 1 {track.want.get(w, 0)}"
             else:
-                spec = f"{value} {track.limit} 0.0 {ms} 0"
+                spec = f"{value} {track.limit} 0.0 {ms} 0 0"
             work.append(_Work(track, w, value, current, self._hash_key(track, w), spec))
 
     def _exchange(self, work: list[_Work], n: int, ttl_ms: int, load: bool) -> list[Any]:
