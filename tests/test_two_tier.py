@@ -352,7 +352,8 @@ def test_reset_state_and_eviction(backend: Any, redis_server: Any) -> None:
         assert not list(redis_server.client().scan_iter(match="*}:tt:*"))
         assert sum(limiter.allow("k").allowed for _ in range(7)) == 5
         tier.sync_now()
-        assert tier.evict_idle(7000.5) == 1 and len(tier) == 0
+        assert tier.evict_idle(7000.5) == 0  # its windows still count (the sliding estimate's too)
+        assert tier.evict_idle(7002.0) == 1 and len(tier) == 0
     finally:
         tier.close()
 
@@ -420,6 +421,45 @@ def test_a_cost_above_the_even_share_passes_after_a_sync(backend: Any, redis_ser
     finally:
         a.close()
         b.close()
+
+
+def test_a_reload_keeps_the_units_spent(backend: Any, redis_server: Any) -> None:
+    """SPEC §6: a reload that keeps a rule's name and algorithm keeps the
+    budget spent under it. The new config's limiter writes the same hashes,
+    so it takes over the key's counts instead of starting from zero."""
+    tier = make_tier(redis_server, "reload", start=False)
+    try:
+        tier.sync_now()
+        clock = backend.FakeClock(80_010.0)
+        before = backend.FixedWindowCounter(10, 60.0, storage=tier, clock=clock, rule="api")
+        assert sum(before.allow("u").allowed for _ in range(15)) == 10
+        tier.sync_now()
+        after = backend.FixedWindowCounter(12, 60.0, storage=tier, clock=clock, rule="api")
+        admitted = sum(after.allow("u").allowed for _ in range(15))
+        tier.sync_now()
+        admitted += sum(after.allow("u").allowed for _ in range(15))
+        tier.sync_now()
+        assert admitted == 2
+        assert tier.fleet_counts(after.config, "u")[80_010 // 60] == 12
+    finally:
+        tier.close()
+
+
+def test_evict_idle_keeps_keys_whose_window_is_current(backend: Any, redis_server: Any) -> None:
+    tier = make_tier(redis_server, "evict", start=False)
+    try:
+        tier.sync_now()
+        clock = backend.FakeClock(50_000.0)  # window [49980, 50040)
+        limiter = backend.FixedWindowCounter(10, 60.0, storage=tier, clock=clock, rule="ev")
+        assert sum(limiter.allow("k").allowed for _ in range(12)) == 10
+        tier.sync_now()
+        clock.advance(5.0)
+        assert tier.evict_idle(clock.now() - 1.0) == 0  # dropped now, it would hand its 10 out again
+        assert sum(limiter.allow("k").allowed for _ in range(3)) == 0
+        tier.sync_now()
+        assert tier.evict_idle(50_040.0) == 1  # its window is over
+    finally:
+        tier.close()
 
 
 def test_long_windows_outlive_the_hour(backend: Any, redis_server: Any) -> None:

@@ -299,6 +299,7 @@ class TwoTierStorage:
         self._members_key = f"{self.remote.prefix}{prefix}instances"
         self._twin = importlib.import_module(type(local).__module__)
         self._tracks: dict[tuple[LimiterConfig, str], _Track] = {}
+        self._by_base: dict[str, _Track] = {}  # the track writing each Redis key prefix
         # Native limiters decide in C against each key's lease (LeaseBook);
         # the reference twin, or a build without the extension, uses _decide.
         native = nanolimit.IMPLEMENTATION == "native"  # not with NANOLIMIT_NO_EXTENSIONS
@@ -441,14 +442,18 @@ class TwoTierStorage:
         raise ValidationError("TwoTierStorage runs the built-in kernels only (it has no generic apply())")
 
     def evict_idle(self, cutoff: float) -> int:
-        """Drop keys not decided since ``cutoff`` whose counts are all pushed."""
+        """Drop keys not decided since ``cutoff`` whose counts are all pushed
+        and whose windows ended by ``cutoff`` (at rest): a key dropped inside
+        its window would come back with no units and hand them out again."""
         with self._lock:
             for tr in self._tracks.values():
                 self._pull(tr)
             idle = [
                 ident
                 for ident, tr in self._tracks.items()
-                if tr.last_now < cutoff and all(tr.pushed.get(k) == v for k, v in tr.own.items())
+                if tr.last_now < cutoff
+                and (math.floor(tr.last_now / tr.window) + (2 if tr.sliding else 1)) * tr.window <= cutoff
+                and all(tr.pushed.get(k) == v for k, v in tr.own.items())
             ]
             for ident in idle:
                 self._drop(ident)
@@ -471,10 +476,22 @@ class TwoTierStorage:
             limit, window, sliding = _shape(config)
             base = f"{self.remote.redis_key(config, key)}:{self.prefix}"
             track = _Track(config, key, base, limit, window, sliding, now)
+            earlier = self._by_base.get(base)
+            if earlier is not None:
+                # the same Redis hashes under another config (a hot reload that
+                # kept the rule's name and algorithm): one writer per hash field,
+                # and the units it counted stay spent (SPEC §6)
+                self._pull(earlier)
+                self._drop((earlier.config, earlier.key))
+                if (earlier.window, earlier.sliding) == (window, sliding):
+                    track.last_now = max(now, earlier.last_now)
+                    for name in ("own", "pushed", "acked", "seen_total", "seen_own", "lease", "settled"):
+                        setattr(track, name, dict(getattr(earlier, name)))
             book = self._books.get(config)
             if book is not None:
                 track.book, track.slot = book, book.attach(key, track)
             self._tracks[(config, key)] = track
+            self._by_base[base] = track
         else:
             self._pull(track)
         return track
@@ -482,6 +499,8 @@ class TwoTierStorage:
     def _drop(self, ident: tuple[LimiterConfig, str]) -> None:
         track = self._tracks.pop(ident)
         track.alive = False
+        if self._by_base.get(track.base) is track:
+            del self._by_base[track.base]
         if track.book is not None:
             track.book.detach(track.key)
 
