@@ -462,6 +462,30 @@ def test_evict_idle_keeps_keys_whose_window_is_current(backend: Any, redis_serve
         tier.close()
 
 
+def test_a_flushed_server_gets_every_count_back_at_the_next_sync(backend: Any, redis_server: Any) -> None:
+    """redis-py reconnects through a restart (or a FLUSHALL) silently, so no
+    partition is seen; the heartbeat notices the instance's membership gone
+    and the next sync re-writes every count, idle keys' included."""
+    tier = make_tier(redis_server, "flushed", start=False)
+    client = redis_server.client()
+    try:
+        tier.sync_now()
+        clock = backend.FakeClock(60_000.0)
+        limiter = backend.FixedWindowCounter(10, 60.0, storage=tier, clock=clock, rule="fl")
+        assert sum(limiter.allow("idle").allowed for _ in range(10)) == 10
+        tier.sync_now()
+        client.flushall()
+        assert limiter.allow("busy").allowed
+        tier._sync(full=False)  # a background sync: only the key decided since
+        assert tier.metrics()["rejoins"] == 1
+        tier._sync(full=False)
+        stored = [client.hget(k, "flushed") for k in client.scan_iter(match="*{idle}*")]
+        assert stored == [b"10"]
+        assert sum(limiter.allow("idle").allowed for _ in range(3)) == 0
+    finally:
+        tier.close()
+
+
 def test_long_windows_outlive_the_hour(backend: Any, redis_server: Any) -> None:
     """A daily window's hash must outlive its window (docs: two windows
     after it), not a fixed hour: else an instance restarted an hour later

@@ -68,14 +68,17 @@ _REFUSED = (
 
 # Register this instance and count the live ones, by the server's clock (one
 # clock for the fleet): score = expiry in ms; expired members are dropped.
+# Returns {live instances, 1 if this instance was not a member}: after our
+# first sync, a missing member means the server restarted or was flushed (or
+# we were silent past the TTL), and our counts may be gone with it.
 _HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local added = redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ttl * 4)
-return redis.call('ZCARD', KEYS[1])
+return {redis.call('ZCARD', KEYS[1]), added}
 """
 
 # Per (key, window), atomically, for each KEYS[i] (ARGV: id, N, and one
@@ -313,6 +316,7 @@ class TwoTierStorage:
         # no live count to divide by, so the operator's estimate stands in
         self._instances = instances
         self._n_floor: tuple[int, float] = (1, 0.0)
+        self._joined = False  # a first sync succeeded: a missing membership after it is a server reset
         self._blind = False
         self._blind_clock = FakeClock()
         self._blind_limiters: dict[tuple[LimiterConfig, int], Any] = {}
@@ -340,6 +344,7 @@ class TwoTierStorage:
             "units_pushed": 0,
             "units_reconciled": 0,
             "partitions": 0,
+            "rejoins": 0,
             "decisions": 0,
             "full_syncs": 0,
             "keys_synced_last": 0,
@@ -721,8 +726,19 @@ class TwoTierStorage:
         latency = time.perf_counter() - began
         pushed_units = 0
         with self._lock:
-            live = max(1, int(replies[0]))
-            if self._blind:
+            live = max(1, int(replies[0][0]))
+            rejoined = bool(int(replies[0][1])) and self._joined and not self._blind
+            self._joined = True
+            if rejoined:
+                # the server lost our membership between two syncs (a restart or a
+                # flush redis-py reconnected through): re-write every count we hold
+                # at the next sync, as after a partition; the counts of this sync
+                # were just written whole
+                self._stats["rejoins"] += 1
+                self._need_full = True
+                for track in self._tracks.values():
+                    track.pushed.clear()
+            if self._blind or rejoined:
                 # a restarted server knows only the instances that synced since: keep
                 # the N we knew until every live instance has had time to heartbeat
                 self._n_floor = (self._instances, time.monotonic() + self.heartbeat_ttl)
@@ -840,7 +856,7 @@ class TwoTierStorage:
     def _exchange(self, work: list[_Work], n: int, ttl_ms: int, load: bool) -> list[Any]:
         """The sync's round trip: the heartbeat and the reconcile script over
         chunks of (key, window) — per slot on a cluster — in one pipeline.
-        Returns the live count, then ``(total, lease)`` per work item."""
+        Returns the heartbeat's reply, then ``(total, lease)`` per work item."""
         if load:  # first sync, or a server lost it; SCRIPT LOAD reaches every primary of a cluster
             self.client.script_load(_RECONCILE_SCRIPT.source)
         pipe = self.client.pipeline(transaction=False)
