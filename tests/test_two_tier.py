@@ -486,6 +486,32 @@ def test_a_flushed_server_gets_every_count_back_at_the_next_sync(backend: Any, r
         tier.close()
 
 
+def test_blind_shares_add_up_to_the_limit(backend: Any, own_server: Any) -> None:
+    """While Redis is unreachable each instance admits its share: L // N,
+    plus one unit of the remainder for the lowest ranks by id, so the fleet
+    admits at most L even when L < N (it admitted N with a floor of 1)."""
+    tiers = [make_tier(own_server, f"share-{c}", start=False) for c in "abcd"]
+    try:
+        for tier in tiers + tiers:
+            tier.sync_now()
+        assert [t.instances for t in tiers] == [4] * 4
+        clock = backend.FakeClock(60_000.0)
+        for limit in (2, 7):
+            cls = backend.FixedWindowCounter
+            limiters = [cls(limit, 60.0, storage=t, clock=clock, rule=f"s{limit}") for t in tiers]
+            if limit == 2:
+                own_server.kill()
+                for tier in tiers:
+                    tier.sync_now()
+                assert all(t.partitioned for t in tiers)
+            got = [sum(lim.allow("k").allowed for _ in range(5)) for lim in limiters]
+            assert sum(got) == limit, got
+            assert got == sorted(got, reverse=True)  # ranks by id: share-a first
+    finally:
+        for tier in tiers:
+            tier.close()
+
+
 def test_long_windows_outlive_the_hour(backend: Any, redis_server: Any) -> None:
     """A daily window's hash must outlive its window (docs: two windows
     after it), not a fixed hour: else an instance restarted an hour later

@@ -68,9 +68,10 @@ _REFUSED = (
 
 # Register this instance and count the live ones, by the server's clock (one
 # clock for the fleet): score = expiry in ms; expired members are dropped.
-# Returns {live instances, 1 if this instance was not a member}: after our
-# first sync, a missing member means the server restarted or was flushed (or
-# we were silent past the TTL), and our counts may be gone with it.
+# Returns {live instances, 1 if this instance was not a member, its rank
+# among the members by id}: after our first sync, a missing member means the
+# server restarted or was flushed (or we were silent past the TTL), and our
+# counts may be gone with it; the rank shares a partition's remainder out.
 _HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -78,7 +79,11 @@ local ttl = tonumber(ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local added = redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ttl * 4)
-return {redis.call('ZCARD', KEYS[1]), added}
+local members = redis.call('ZRANGE', KEYS[1], 0, -1)
+table.sort(members)
+local rank = 0
+for i = 1, #members do if members[i] == ARGV[1] then rank = i - 1 end end
+return {#members, added, rank}
 """
 
 # Per (key, window), atomically, for each KEYS[i] (ARGV: id, N, and one
@@ -317,9 +322,10 @@ class TwoTierStorage:
         self._instances = instances
         self._n_floor: tuple[int, float] = (1, 0.0)
         self._joined = False  # a first sync succeeded: a missing membership after it is a server reset
+        self._rank = 0  # this instance's rank among the live ones, by id (the blind share's remainder)
         self._blind = False
         self._blind_clock = FakeClock()
-        self._blind_limiters: dict[tuple[LimiterConfig, int], Any] = {}
+        self._blind_limiters: dict[tuple[LimiterConfig, int, int], Any] = {}
         self._blind_keys: dict[tuple[LimiterConfig, str], Any] = {}  # -> the limiter that holds it
         self._blind_units = 0
         self._wake = threading.Event()
@@ -617,23 +623,27 @@ class TwoTierStorage:
         return self._fleet(track, k - 1) * min(1.0, max(0.0, weight))
 
     def _blind_allow(self, track: _Track, cost: int, now: float, commit: bool) -> bool:
-        """While Redis is unreachable: the native kernel with ``limit // N``."""
+        """While Redis is unreachable: the native kernel with this instance's
+        share of the limit, ``L // N`` plus one of the remainder's units for
+        the lowest ranks, so the shares add up to ``L`` (and an instance whose
+        share is 0, when ``L < N``, admits nothing)."""
         n = max(1, self._instances)
+        rank = self._rank
         config = track.config
-        limiter: Any = self._blind_limiters.get((config, n))
+        limiter: Any = self._blind_limiters.get((config, n, rank))
         if limiter is None:
+            limit = config.limit // n + (1 if rank < config.limit % n else 0)
+            burst = None
+            if config.burst is not None:
+                burst = config.burst // n + (1 if rank < config.burst % n else 0)
+            if limit == 0 or burst == 0:
+                return False
             cls = getattr(self._twin, LIMITER_CLASS_NAMES[config.algorithm.value])
-            burst = None if config.burst is None else max(1, config.burst // n)
             self._blind_clock.set(now)
             limiter = cls(
-                max(1, config.limit // n),
-                config.window_seconds,
-                self.local,
-                self._blind_clock,
-                config.rule,
-                burst=burst,
+                limit, config.window_seconds, self.local, self._blind_clock, config.rule, burst=burst
             )
-            self._blind_limiters[(config, n)] = limiter
+            self._blind_limiters[(config, n, rank)] = limiter
         if cost > limiter.capacity:
             return False
         self._blind_clock.set(now)
@@ -727,6 +737,7 @@ class TwoTierStorage:
         pushed_units = 0
         with self._lock:
             live = max(1, int(replies[0][0]))
+            self._rank = int(replies[0][2])
             rejoined = bool(int(replies[0][1])) and self._joined and not self._blind
             self._joined = True
             if rejoined:
