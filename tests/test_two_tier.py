@@ -512,6 +512,34 @@ def test_blind_shares_add_up_to_the_limit(backend: Any, own_server: Any) -> None
             tier.close()
 
 
+def test_a_first_lease_weighs_the_previous_window(backend: Any, redis_server: Any) -> None:
+    """A sliding counter's lease must leave room for the previous window's
+    weight even on a track's first sync, when the instance has never read
+    that window: the script weighs its fresh total in the same call."""
+    a = make_tier(redis_server, "prev-a", start=False)
+    b = make_tier(redis_server, "prev-b", start=False)
+    client = redis_server.client()
+    try:
+        for tier in (a, b, a):
+            tier.sync_now()
+        clock = backend.FakeClock(20_000.2)
+        on_a = backend.SlidingWindowCounter(100, 1.0, storage=a, clock=clock, rule="pv")
+        on_b = backend.SlidingWindowCounter(100, 1.0, storage=b, clock=clock, rule="pv")
+        for _ in range(20):  # b spends the whole window 20000 (its lease halves what remains)
+            sum(on_b.allow("k").allowed for _ in range(100))
+            b.sync_now()
+        assert b.fleet_counts(on_b.config, "k")[20_000] == 100
+        clock.set(20_001.5)  # the previous window weighs 50: room for 50 at most
+        assert on_a.allow("k").allowed  # a's first decision of the key: its default share
+        a.sync_now()
+        [key] = [k for k in client.scan_iter(match="*{k}*20001")]
+        lease = int(client.hget(key, "lease:prev-a"))
+        assert lease <= math.ceil((100 - 50 - 1) / 2), lease
+    finally:
+        a.close()
+        b.close()
+
+
 def test_long_windows_outlive_the_hour(backend: Any, redis_server: Any) -> None:
     """A daily window's hash must outlive its window (docs: two windows
     after it), not a fixed hour: else an instance restarted an hour later

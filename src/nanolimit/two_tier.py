@@ -87,9 +87,10 @@ return {#members, added, rank}
 """
 
 # Per (key, window), atomically, for each KEYS[i] (ARGV: id, N, and one
-# string of six words per key: count, limit, weighted previous window,
-# expiry ms, current?, wanted cost — one argument, not 6 per key, to keep the
-# client's packing cheap):
+# string of eight words per key: count, limit, weighted previous window,
+# expiry ms, current?, wanted cost, the position of the same key's previous
+# window among KEYS (0: not sent) and its weight — one argument, not 8 per
+# key, to keep the client's packing cheap):
 # write this instance's absolute count, sum every instance's count and every
 # *other* instance's lease (units it may still admit before its next sync),
 # and grant this instance a lease of ceil(remaining / N), or of the wanted
@@ -104,9 +105,10 @@ local n = tonumber(ARGV[2])
 local spec = {}
 for word in string.gmatch(ARGV[3], '%S+') do spec[#spec + 1] = word end
 local out = {}
+local totals = {}
 for i = 1, #KEYS do
   local h = KEYS[i]
-  local b = (i - 1) * 6
+  local b = (i - 1) * 8
   local mine = spec[b + 1]
   local counts, leases = tonumber(mine), 0
   local limit = tonumber(spec[b + 2])
@@ -121,6 +123,12 @@ for i = 1, #KEYS do
         counts = counts + tonumber(flat[j + 1])
       end
     end
+  end
+  totals[i] = counts
+  local before = tonumber(spec[b + 7])
+  if before > 0 then  -- the previous window, read in this very call: its fleet total now
+    local weighted = totals[before] * tonumber(spec[b + 8])
+    if weighted > prev then prev = weighted end
   end
   local lease = 0
   local rem = limit - prev - counts - leases
@@ -200,6 +208,7 @@ class _Work:
     current: bool  # the key's current window: a lease is granted
     hash_key: str
     spec: str  # the script's six words: count, limit, previous window, expiry ms, current?, wanted cost
+    weight: float = 0.0  # a sliding current window: the weight of window - 1 in the estimate
 
 
 class _Guard:
@@ -857,12 +866,15 @@ class TwoTierStorage:
                 ms = max(3_600_000, math.ceil(2 * window * 1000) + 1000)
             current = w == k
             value = own.get(w, 0)
+            weight = 0.0
             if current and not self._leaving:
                 previous = repr(self._previous_weighted(track, w)) if track.sliding else "0.0"
                 spec = f"{value} {track.limit} {previous} {ms} 1 {track.want.get(w, 0)}"
+                if track.sliding:
+                    weight = min(1.0, max(0.0, 1.0 - (track.last_now - w * window) / window))
             else:
                 spec = f"{value} {track.limit} 0.0 {ms} 0 0"
-            work.append(_Work(track, w, value, current, self._hash_key(track, w), spec))
+            work.append(_Work(track, w, value, current, self._hash_key(track, w), spec, weight))
 
     def _exchange(self, work: list[_Work], n: int, ttl_ms: int, load: bool) -> list[Any]:
         """The sync's round trip: the heartbeat and the reconcile script over
@@ -883,7 +895,17 @@ class TwoTierStorage:
         for members in groups.values():
             for c in range(0, len(members), RECONCILE_CHUNK):
                 part = members[c : c + RECONCILE_CHUNK]
-                spec = " ".join([work[i].spec for i in part])
+                # two more words per key: where in this call the same key's
+                # previous window is (0: not here) and its weight, so the
+                # script weighs that window's fresh total, not our last read
+                at: dict[tuple[int, int], int] = {}
+                words = []
+                for pos, i in enumerate(part, 1):
+                    item = work[i]
+                    before = at.get((id(item.track), item.window - 1), 0) if item.weight > 0.0 else 0
+                    at[(id(item.track), item.window)] = pos
+                    words.append(f"{item.spec} {before} {item.weight!r}")
+                spec = " ".join(words)
                 pipe.execute_command(
                     "EVALSHA",
                     _RECONCILE_SCRIPT.sha,
