@@ -8,6 +8,7 @@ the in-process ones on every server kind available.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +192,20 @@ def make_tier(server: Any, instance_id: str, **kwargs: Any) -> Any:
     return TwoTierStorage(None, server.client(), instance_id=instance_id, **kwargs)
 
 
+@contextlib.contextmanager
+def synced(server: Any, *instance_ids: str) -> Iterator[list[Any]]:
+    """Tiers without the background thread, each synced twice in turn (so
+    every one counts all the others), closed at the end."""
+    tiers = [make_tier(server, instance_id, start=False) for instance_id in instance_ids]
+    try:
+        for tier in tiers + tiers:
+            tier.sync_now()
+        yield tiers
+    finally:
+        for tier in tiers:
+            tier.close()
+
+
 def test_dead_instance_stops_counting_after_ttl(redis_server: Any) -> None:
     import nanolimit
 
@@ -359,9 +375,7 @@ def test_reset_state_and_eviction(backend: Any, redis_server: Any) -> None:
 
 
 def test_reset_while_blind_gives_the_key_its_share_back(backend: Any, own_server: Any) -> None:
-    tier = make_tier(own_server, "blind-reset", start=False)
-    try:
-        tier.sync_now()
+    with synced(own_server, "blind-reset") as (tier,):
         clock = backend.FakeClock(70_000.0)
         limiter = backend.FixedWindowCounter(10, 60.0, storage=tier, clock=clock)
         own_server.kill()
@@ -370,14 +384,10 @@ def test_reset_while_blind_gives_the_key_its_share_back(backend: Any, own_server
         assert sum(limiter.allow("k").allowed for _ in range(12)) == 10  # the whole share (one instance)
         limiter.reset("k")
         assert sum(limiter.allow("k").allowed for _ in range(12)) == 10
-    finally:
-        tier.close()
 
 
 def test_units_pushed_counts_each_unit_once_across_a_partition(backend: Any, own_server: Any) -> None:
-    tier = make_tier(own_server, "metric", start=False)
-    try:
-        tier.sync_now()
+    with synced(own_server, "metric") as (tier,):
         clock = backend.FakeClock(95_000.0)
         limiter = backend.FixedWindowCounter(100, 60.0, storage=tier, clock=clock)
         assert sum(limiter.allow("k").allowed for _ in range(10)) == 10
@@ -392,19 +402,13 @@ def test_units_pushed_counts_each_unit_once_across_a_partition(backend: Any, own
         metrics = tier.metrics()
         assert metrics["partition"] is False and metrics["units_pushed"] == 15
         assert tier.fleet_counts(limiter.config, "k")[95_000 // 60] == 15
-    finally:
-        tier.close()
 
 
 def test_a_cost_above_the_even_share_passes_after_a_sync(backend: Any, redis_server: Any) -> None:
     """SPEC §3: a cost the limit admits must not be denied forever. With
     N = 2 and L = 10 the even lease is 5; a request of 8 asks the next sync
     for a lease that size, and the fleet still never passes the limit."""
-    a = make_tier(redis_server, "big-a", start=False)
-    b = make_tier(redis_server, "big-b", start=False)
-    try:
-        for tier in (a, b, a):
-            tier.sync_now()
+    with synced(redis_server, "big-a", "big-b") as (a, b):
         assert a.instances == b.instances == 2
         clock = backend.FakeClock(50_000.0)
         on_a = backend.FixedWindowCounter(10, 60.0, storage=a, clock=clock, rule="big")
@@ -418,18 +422,13 @@ def test_a_cost_above_the_even_share_passes_after_a_sync(backend: Any, redis_ser
         a.sync_now()
         more = sum(on_b.allow("k").allowed for _ in range(5)) + sum(on_a.allow("k").allowed for _ in range(5))
         assert 8 + more == 10
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_reload_keeps_the_units_spent(backend: Any, redis_server: Any) -> None:
     """SPEC §6: a reload that keeps a rule's name and algorithm keeps the
     budget spent under it. The new config's limiter writes the same hashes,
     so it takes over the key's counts instead of starting from zero."""
-    tier = make_tier(redis_server, "reload", start=False)
-    try:
-        tier.sync_now()
+    with synced(redis_server, "reload") as (tier,):
         clock = backend.FakeClock(80_010.0)
         before = backend.FixedWindowCounter(10, 60.0, storage=tier, clock=clock, rule="api")
         assert sum(before.allow("u").allowed for _ in range(15)) == 10
@@ -441,14 +440,10 @@ def test_a_reload_keeps_the_units_spent(backend: Any, redis_server: Any) -> None
         tier.sync_now()
         assert admitted == 2
         assert tier.fleet_counts(after.config, "u")[80_010 // 60] == 12
-    finally:
-        tier.close()
 
 
 def test_evict_idle_keeps_keys_whose_window_is_current(backend: Any, redis_server: Any) -> None:
-    tier = make_tier(redis_server, "evict", start=False)
-    try:
-        tier.sync_now()
+    with synced(redis_server, "evict") as (tier,):
         clock = backend.FakeClock(50_000.0)  # window [49980, 50040)
         limiter = backend.FixedWindowCounter(10, 60.0, storage=tier, clock=clock, rule="ev")
         assert sum(limiter.allow("k").allowed for _ in range(12)) == 10
@@ -458,18 +453,14 @@ def test_evict_idle_keeps_keys_whose_window_is_current(backend: Any, redis_serve
         assert sum(limiter.allow("k").allowed for _ in range(3)) == 0
         tier.sync_now()
         assert tier.evict_idle(50_040.0) == 1  # its window is over
-    finally:
-        tier.close()
 
 
 def test_a_flushed_server_gets_every_count_back_at_the_next_sync(backend: Any, redis_server: Any) -> None:
     """redis-py reconnects through a restart (or a FLUSHALL) silently, so no
     partition is seen; the heartbeat notices the instance's membership gone
     and the next sync re-writes every count, idle keys' included."""
-    tier = make_tier(redis_server, "flushed", start=False)
     client = redis_server.client()
-    try:
-        tier.sync_now()
+    with synced(redis_server, "flushed") as (tier,):
         clock = backend.FakeClock(60_000.0)
         limiter = backend.FixedWindowCounter(10, 60.0, storage=tier, clock=clock, rule="fl")
         assert sum(limiter.allow("idle").allowed for _ in range(10)) == 10
@@ -482,18 +473,13 @@ def test_a_flushed_server_gets_every_count_back_at_the_next_sync(backend: Any, r
         stored = [client.hget(k, "flushed") for k in client.scan_iter(match="*{idle}*")]
         assert stored == [b"10"]
         assert sum(limiter.allow("idle").allowed for _ in range(3)) == 0
-    finally:
-        tier.close()
 
 
 def test_blind_shares_add_up_to_the_limit(backend: Any, own_server: Any) -> None:
     """While Redis is unreachable each instance admits its share: L // N,
     plus one unit of the remainder for the lowest ranks by id, so the fleet
     admits at most L even when L < N (it admitted N with a floor of 1)."""
-    tiers = [make_tier(own_server, f"share-{c}", start=False) for c in "abcd"]
-    try:
-        for tier in tiers + tiers:
-            tier.sync_now()
+    with synced(own_server, "share-a", "share-b", "share-c", "share-d") as tiers:
         assert [t.instances for t in tiers] == [4] * 4
         clock = backend.FakeClock(60_000.0)
         for limit in (2, 7):
@@ -507,21 +493,14 @@ def test_blind_shares_add_up_to_the_limit(backend: Any, own_server: Any) -> None
             got = [sum(lim.allow("k").allowed for _ in range(5)) for lim in limiters]
             assert sum(got) == limit, got
             assert got == sorted(got, reverse=True)  # ranks by id: share-a first
-    finally:
-        for tier in tiers:
-            tier.close()
 
 
 def test_a_first_lease_weighs_the_previous_window(backend: Any, redis_server: Any) -> None:
     """A sliding counter's lease must leave room for the previous window's
     weight even on a track's first sync, when the instance has never read
     that window: the script weighs its fresh total in the same call."""
-    a = make_tier(redis_server, "prev-a", start=False)
-    b = make_tier(redis_server, "prev-b", start=False)
     client = redis_server.client()
-    try:
-        for tier in (a, b, a):
-            tier.sync_now()
+    with synced(redis_server, "prev-a", "prev-b") as (a, b):
         clock = backend.FakeClock(20_000.2)
         on_a = backend.SlidingWindowCounter(100, 1.0, storage=a, clock=clock, rule="pv")
         on_b = backend.SlidingWindowCounter(100, 1.0, storage=b, clock=clock, rule="pv")
@@ -535,9 +514,6 @@ def test_a_first_lease_weighs_the_previous_window(backend: Any, redis_server: An
         [key] = [k for k in client.scan_iter(match="*{k}*20001")]
         lease = int(client.hget(key, "lease:prev-a"))
         assert lease <= math.ceil((100 - 50 - 1) / 2), lease
-    finally:
-        a.close()
-        b.close()
 
 
 def test_long_windows_outlive_the_hour(backend: Any, redis_server: Any) -> None:
