@@ -305,15 +305,24 @@ def test_run_kernel_all_seam(make_storage: Any) -> None:
 # Near-cache and metrics
 
 
+def _spent_bucket(
+    backend: types.SimpleNamespace, make_storage: Any, window: float, ttl: float, key: str
+) -> Any:
+    """A near-caching storage and a 2-token bucket whose ``key`` was just
+    spent and then denied once: (storage, clock, limiter, that denial)."""
+    storage = make_storage(near_cache=True, near_cache_ttl=ttl)
+    clock = backend.FakeClock(0.0)
+    limiter = backend.TokenBucket(2, window, storage, clock, rule="nc")
+    assert limiter.allow(key, 2).allowed
+    first = limiter.allow(key)
+    assert not first.allowed
+    return storage, clock, limiter, first
+
+
 def test_near_cache_denies_a_hot_key_without_a_round_trip(
     backend: types.SimpleNamespace, make_storage: Any
 ) -> None:
-    storage = make_storage(near_cache=True, near_cache_ttl=5.0)
-    clock = backend.FakeClock(0.0)
-    limiter = backend.TokenBucket(2, 10.0, storage, clock, rule="hot")
-    assert limiter.allow("abuser", 2).allowed
-    first = limiter.allow("abuser")
-    assert not first.allowed
+    storage, clock, limiter, first = _spent_bucket(backend, make_storage, 10.0, 5.0, "abuser")
     decisions_before = storage.metrics()["decisions"]
     for _ in range(100):
         d = limiter.allow("abuser")
@@ -337,12 +346,8 @@ def test_near_cache_reports_the_stores_wait_not_its_own_lifetime(
 ) -> None:
     # the cache keeps a denial for at most near_cache_ttl (1 s); the client
     # must still be told the store's wait, counting down, or it retries early
-    storage = make_storage(near_cache=True, near_cache_ttl=1.0)
-    clock = backend.FakeClock(0.0)
-    limiter = backend.TokenBucket(2, 100.0, storage, clock, rule="slow")
-    assert limiter.allow("k", 2).allowed
-    first = limiter.allow("k")
-    assert not first.allowed and first.retry_after == pytest.approx(50.0)
+    storage, clock, limiter, first = _spent_bucket(backend, make_storage, 100.0, 1.0, "k")
+    assert first.retry_after == pytest.approx(50.0)
     clock.advance(0.25)
     hits = storage.metrics()["near_cache_hits"]
     cached = limiter.allow("k")
@@ -399,6 +404,7 @@ def test_a_client_that_decodes_responses(backend: types.SimpleNamespace, redis_s
 def test_a_valkey_py_client(backend: types.SimpleNamespace, redis_server: Any) -> None:
     """valkey-py (a redis-py fork) works by duck typing, derived client included."""
     import valkey  # in the test extra
+
     client = valkey.Valkey(host="127.0.0.1", port=redis_server.port)
     storage = RedisStorage(client, on_error="raise", timeout=1.0)
     assert type(storage.client) is valkey.Valkey and storage.client is not client
