@@ -171,12 +171,13 @@ def public(obj) -> set[str]:
 def method_parameters(func):
     """(name, keyword-only, default) of a method, without ``self``.
 
-    Methods of the native twin are cyfunctions (binding=True): their
-    signature must be there."""
+    Methods of the native twin are builtin methods (binding=False, which
+    saves ~100 instructions a call); the clinic-format embedded signature
+    must make theirs visible all the same."""
     try:
         sig = inspect.signature(func)
     except (TypeError, ValueError) as exc:
-        pytest.fail(f"no signature for {func!r}: {exc} (build with binding=True)")
+        pytest.fail(f"no signature for {func!r}: {exc} (build with embedsignature.format=clinic)")
     params = [p for p in sig.parameters.values() if p.name != "self"]
     return [(p.name, p.kind == inspect.Parameter.KEYWORD_ONLY, p.default) for p in params]
 
@@ -184,7 +185,7 @@ def method_parameters(func):
 def constructor_parameters(cls):
     """Like ``method_parameters`` for a class, or None where Python cannot
     see it: a cdef class's ``__init__``/``__cinit__`` is a slot wrapper
-    without a signature, even with binding=True."""
+    without a signature."""
     try:
         sig = inspect.signature(cls)
     except (TypeError, ValueError):
