@@ -49,6 +49,7 @@ def _extensions() -> list:
         extra_link_args=link_args,
         depends=[
             "src/nanolimit/_native.h",
+            "src/nanolimit/_decision_pool.h",
             "src/nanolimit/_types.pxd",
             "src/nanolimit/_kernels.pxd",
             "src/nanolimit/_table.pxd",

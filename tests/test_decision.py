@@ -321,3 +321,70 @@ def test_event_counters_lose_no_count_under_threads(request, kind: str) -> None:
     for t in threads:
         t.join()
     assert counter.value == 8 * 20_005
+
+
+# -- the native Decision pool: dead Decisions are reused by the hot path ------
+
+
+def _storage_full_then_fresh(module):
+    """A degraded storage_full denial under rule "full", then an ordinary
+    decision of a slow GCRA under rule "fresh": every field differs."""
+    from nanolimit import FakeClock
+
+    clock = FakeClock(50.0)
+    storage = module.InMemoryStorage(stripes=1, max_keys=1, on_full="deny_new")
+    full = module.TokenBucket(5, 1.0, storage, clock, rule="full")
+    every = (*FIELDS, "degraded", "reason")
+    full.allow("a")
+    refused = tuple(getattr(full.allow("b"), f) for f in every)  # dead at once: pooled
+    fresh = module.GCRA(3, 7.0, clock=clock, rule="fresh")
+    return [refused] + [tuple(getattr(fresh.allow("k", 2), f) for f in every) for _ in range(3)]
+
+
+@pytest.mark.native
+def test_a_reused_decision_keeps_nothing_of_its_last_life(native) -> None:
+    """The pool hands back objects whose fields hold the last decision's
+    values: every one must be overwritten (a field left unset would show
+    the storage_full denial's rule, reason or numbers here)."""
+    from nanolimit import reference
+
+    if native._decision_pool_size() < 0:
+        pytest.skip("this build of CPython has no Decision pool (free-threaded or debug)")
+    got = _storage_full_then_fresh(native)
+    assert native._decision_pool_size() > 0
+    assert got == _storage_full_then_fresh(reference)
+    assert got[0][8:] == (True, "storage_full")
+    assert [d[8:] for d in got[1:]] == [(False, "")] * 3
+
+
+@pytest.mark.native
+def test_a_live_decision_is_never_reused(native) -> None:
+    from nanolimit import FakeClock
+
+    limiter = native.TokenBucket(300, 1.0, clock=FakeClock(0.0))
+    kept = [limiter.allow("k") for _ in range(300)]
+    for _ in range(500):
+        limiter.peek("k")  # churns the pool
+    assert len({id(d) for d in kept}) == 300
+    assert [d.remaining for d in kept] == list(range(299, -1, -1))
+
+
+@pytest.mark.native
+def test_the_pool_holds_at_most_64_and_releases_what_it_held(native) -> None:
+    """A pooled Decision still references its rule name; the pool is
+    bounded, and reusing an object drops its old references."""
+    import sys
+
+    if native._decision_pool_size() < 0:
+        pytest.skip("this build of CPython has no Decision pool (free-threaded or debug)")
+    rule = "".join(["pool-", "rule"])  # a string of this test's own
+    limiter = native.TokenBucket(10**6, 1.0, rule=rule)
+    base = sys.getrefcount(rule)
+    for _ in range(1000):
+        limiter.allow("k")
+    assert native._decision_pool_size() <= 64
+    assert sys.getrefcount(rule) - base <= 64
+    other = native.TokenBucket(10**6, 1.0, rule="other")
+    for _ in range(1000):
+        other.allow("k")
+    assert sys.getrefcount(rule) == base

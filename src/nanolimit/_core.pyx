@@ -15,6 +15,7 @@ cimport cython
 from cpython.array cimport array, clone
 from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsSsize_t
+from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.math cimport ceil, fabs, floor, isfinite
@@ -175,7 +176,6 @@ cdef inline double clock_value(object value) except? -1.0:
 # ============================================================== Decision
 
 @cython.final
-@cython.freelist(64)
 cdef class Decision:
     """The answer to one request (SPEC §2). Frozen: a Decision is a fact.
 
@@ -244,8 +244,22 @@ cdef inline int64_t whole_units(double remaining) noexcept nogil:
     return <int64_t>remaining if remaining >= 1.0 else 0
 
 
+cdef extern from "_decision_pool.h":
+    Decision nl_decision_new()
+    int nl_decision_pool_install(PyTypeObject* decision_type) except -1
+    int nl_decision_pool_size()
+
+nl_decision_pool_install(<PyTypeObject*>Decision)
+
+
+def _decision_pool_size():
+    """Dead Decisions held for reuse; -1 where this build has no pool (tests)."""
+    return nl_decision_pool_size()
+
+
 cdef inline Decision make_decision(const Verdict* v, int64_t limit, str rule, double window):
-    cdef Decision d = Decision.__new__(Decision)
+    # Every field is set below: a pooled Decision still holds its last values.
+    cdef Decision d = nl_decision_new()
     d.allowed = v.allowed
     d.limit = limit
     d.remaining = whole_units(v.remaining)
