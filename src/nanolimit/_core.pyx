@@ -1524,7 +1524,7 @@ cdef class _Limiter:
         cdef const char* data
         cdef uint64_t h
         cdef int64_t units
-        cdef double now
+        cdef double now = 0.0  # set below on either clock path; this quiets -Wmaybe-uninitialized
         cdef int status
         if self.store is None:
             return self.decide_elsewhere(key, cost, commit)
