@@ -14,7 +14,15 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 
-OURS = ("nanolimit/_core", "_core.c", "_native.h", "_decision_pool.h", "_kernels.pxd", "_table.pxd", "_core.pyx")
+OURS = (
+    "nanolimit/_core",
+    "_core.c",
+    "_native.h",
+    "_decision_pool.h",
+    "_kernels.pxd",
+    "_table.pxd",
+    "_core.pyx",
+)
 
 
 def frames_are_ours(error: ET.Element) -> bool:
