@@ -23,7 +23,7 @@ from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint32_t, uint64_t, uintpt
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
 
-from nanolimit._kernels cimport init_state, log_at, log_ring_size, run_kernel
+from nanolimit._kernels cimport init_state, log_at, log_reserve, log_ring_size, run_kernel
 from nanolimit._table cimport (
     NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
     stripe_make_room, stripe_sweep_idle,
@@ -33,7 +33,7 @@ from nanolimit._table cimport (
 )
 from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET, ALG_SLIDING_COUNTER,
-    ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_OK, NL_REENTRANT,
+    ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_NOMEM_NEW_KEY, NL_OK, NL_REENTRANT,
     NL_TABLE_FULL, Entry, Params, Verdict, nl_hash_seeded, nl_lock_spin, nl_mum,
     nl_namespace_seed, nl_set_secrets, nl_add_u64_relaxed, nl_load_u64_relaxed,
     nl_cas_u64, nl_floor_i64, nl_load_pointer_relaxed, nl_load_u64_seq,
@@ -340,10 +340,35 @@ cdef inline int table_decide(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns
     now = e.updated_at if e.updated_at > clock_now else clock_now
     if commit:
         status = run_kernel(e, now, cost, p, True, v)
+        if status != NL_OK:
+            # out of memory (a sliding log's ring): the entry is as it was,
+            # and a key made just now must go again (``settle_new_key``)
+            return NL_NOMEM_NEW_KEY if position < 0 else status
         e.updated_at = now
-        return status
+        return NL_OK
     scratch = e[0]
     return run_kernel(&scratch, now, cost, p, False, v)
+
+
+cdef void forget_entry(Stripe* s, uint64_t h, uint32_t ns, const char* key,
+                       uint32_t klen) noexcept nogil:
+    """Remove a limiter's entry (never an ``apply`` one: no Python object to
+    release) that an out-of-memory left half made."""
+    cdef uint32_t slot
+    cdef Py_ssize_t position = stripe_find(s, h, ns, key, klen, &slot)
+    if position >= 0:
+        stripe_delete(s, slot, <uint32_t>position)
+
+
+cdef inline int settle_new_key(int status, Stripe* s, uint64_t h, uint32_t ns, const char* key,
+                               uint32_t klen) noexcept nogil:
+    """``table_decide``'s status, for a caller still holding the lock: a key
+    it made and then could not charge is removed (so an out-of-memory leaves
+    the table as it was), and the status becomes plain ``NL_NOMEM``."""
+    if status == NL_NOMEM_NEW_KEY:
+        forget_entry(s, h, ns, key, klen)
+        return NL_NOMEM
+    return status
 
 
 cdef inline int lock_stripe(Stripe* s) noexcept:
@@ -503,6 +528,8 @@ cdef class InMemoryStorage:
         if status != NL_OK:
             return status
         status = table_decide(s, self.bounds_or_null(), h, ns, key, <uint32_t>klen, now, cost, p, commit, v)
+        if status != NL_OK:
+            status = settle_new_key(status, s, h, ns, key, <uint32_t>klen)
         nl_unlock(&s.lock)
         return status
 
@@ -560,6 +587,7 @@ cdef class InMemoryStorage:
             status = table_decide(s, bounds, h, ns, keys[i], <uint32_t>sizes[i],
                                   now if times == NULL else times[i], costs[i], p, True, &v)
             if status != NL_OK:
+                status = settle_new_key(status, s, h, ns, keys[i], <uint32_t>sizes[i])
                 break
             allowed[i] = v.allowed
             storage_full[i] = v.storage_full
@@ -659,6 +687,43 @@ cdef class InMemoryStorage:
         return LimiterState(algorithm, copy.updated_at, log=entries)
 
     # -- compound limits ------------------------------------------------------
+    cdef int prepare_compound(self, Py_ssize_t n, const uint64_t* hashes, const uint32_t* namespaces,
+                              const char** data, const Py_ssize_t* sizes, const double* nows,
+                              const int64_t* units, const Params** params, uint8_t* created) noexcept nogil:
+        """Before ``allow_all`` charges anything, make what charging will
+        allocate: every new key's entry and every sliding log's room. If any
+        of it fails, the new entries go again, so an out-of-memory charges
+        nothing rather than the limits before the failing one."""
+        cdef Py_ssize_t i
+        cdef uint32_t slot
+        cdef Py_ssize_t position
+        cdef Stripe* s
+        cdef Entry* e
+        cdef int status = NL_OK
+        for i in range(n):
+            created[i] = 0
+        for i in range(n):
+            s = self.stripe_for(hashes[i])
+            position = stripe_find(s, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], &slot)
+            if position < 0:
+                e = stripe_insert(s, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], slot, &status)
+                if e == NULL:
+                    break
+                init_state(e, nows[i], params[i])
+                created[i] = 1
+            else:
+                e = &s.entries[position]
+            if (namespaces[i] & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
+                # before expiry: at least what the kernel will need after it
+                status = log_reserve(&e.state.log, <int64_t>e.state.log.length + units[i], params[i].capacity)
+                if status != NL_OK:
+                    break
+        if status != NL_OK:
+            for i in range(n):
+                if created[i]:
+                    forget_entry(self.stripe_for(hashes[i]), hashes[i], namespaces[i], data[i], <uint32_t>sizes[i])
+        return status
+
     def allow_all(self, requests):
         """Decide a request bound by several limiters of this storage at once,
         all-or-nothing (SPEC §6 compound limits): every stripe involved is
@@ -687,8 +752,10 @@ cdef class InMemoryStorage:
         cdef bint all_allowed = True
         cdef int status = NL_OK
         cdef Bounds reserve, unbounded
+        cdef uint8_t* created
         cdef size_t row = (sizeof(char*) + sizeof(Py_ssize_t) + sizeof(int64_t) + sizeof(uint64_t)
-                           + sizeof(double) + sizeof(Params*) + 2 * sizeof(uint32_t) + sizeof(Verdict))
+                           + sizeof(double) + sizeof(Params*) + 2 * sizeof(uint32_t) + sizeof(Verdict)
+                           + sizeof(uint8_t))
         block = <char*>malloc(<size_t>n * row)
         if block == NULL:
             raise MemoryError()
@@ -701,6 +768,7 @@ cdef class InMemoryStorage:
         params = <const Params**>(nows + n)
         namespaces = <uint32_t*>(params + n)
         stripe_ids = namespaces + n
+        created = <uint8_t*>(stripe_ids + n)
         try:
             for i in range(n):
                 candidate, key, cost = items[i]
@@ -752,12 +820,17 @@ cdef class InMemoryStorage:
                         break
                     all_allowed = all_allowed and verdicts[i].allowed
                 if status == NL_OK and all_allowed:
+                    status = self.prepare_compound(n, hashes, namespaces, data, sizes, nows, units, params,
+                                                   created)
+                if status == NL_OK and all_allowed:
                     for i in range(n):
                         status = table_decide(self.stripe_for(hashes[i]), &unbounded if self.bounded else NULL,
                                               hashes[i], namespaces[i], data[i],
                                               <uint32_t>sizes[i], nows[i], units[i], params[i], True,
                                               &verdicts[i])
-                        if status != NL_OK:
+                        if status != NL_OK:  # not after prepare_compound; kept for safety
+                            status = settle_new_key(status, self.stripe_for(hashes[i]), hashes[i],
+                                                    namespaces[i], data[i], <uint32_t>sizes[i])
                             break
             while locked > 0:
                 locked -= 1

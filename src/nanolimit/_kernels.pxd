@@ -164,21 +164,28 @@ cdef inline int sliding_log(Entry* e, double now, int64_t cost, const Params* p,
     cdef int64_t capacity = p.capacity
     cdef double window = p.window
     cdef double cutoff
-    cdef uint32_t tail, size
+    cdef uint32_t tail, size, expired = 0
     cdef int64_t i
     while lg.length > capacity:          # capacity lowered by a hot reload
         log_drop_oldest(lg)
     cutoff = now - window
-    while lg.length > 0 and lg.ring[lg.head] <= cutoff:
+    if lg.length > 0 and lg.ring[lg.head] <= cutoff:
+        expired = 1
+        while expired < lg.length and log_at(lg, expired) <= cutoff:
+            expired += 1
+    # Room first, then the expiry: an out-of-memory leaves the log as it was.
+    if commit and lg.length - expired + cost <= capacity:
+        if log_reserve(lg, lg.length + cost, capacity) != NL_OK:
+            return NL_NOMEM
+    while expired > 0:
         log_drop_oldest(lg)
+        expired -= 1
     v.retry_after = 0.0
     v.delay = 0.0
     v.allowed = lg.length + cost <= capacity
     if v.allowed:
         if commit:
-            if log_reserve(lg, lg.length + cost, capacity) != NL_OK:
-                return NL_NOMEM
-            size = log_ring_size(lg)
+            size = log_ring_size(lg)     # room made above
             tail = lg.head + lg.length
             if tail >= size:
                 tail -= size
