@@ -495,6 +495,91 @@ def test_blind_shares_add_up_to_the_limit(backend: Any, own_server: Any) -> None
             assert got == sorted(got, reverse=True)  # ranks by id: share-a first
 
 
+def _drain(limiter: Any, tier: Any, key: str = "k") -> int:
+    """Admit on ``tier`` until its leases run dry: allow until denied, sync,
+    and again, until a round admits nothing."""
+    admitted = 0
+    for _ in range(50):
+        got = 0
+        while limiter.allow(key).allowed:
+            got += 1
+        admitted += got
+        tier.sync_now()
+        if got == 0:
+            return admitted
+    raise AssertionError("leases kept coming")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sync_interval": 0}, "sync_interval"),
+        ({"heartbeat_ttl": 0.05}, "heartbeat_ttl"),
+        ({"partition_grace": 1.0}, "partition_grace"),  # under heartbeat_ttl (2 s)
+        ({"partition_grace": True}, "partition_grace"),
+        ({"partition_grace": "30"}, "partition_grace"),
+        ({"partition_grace": 10**6}, "partition_grace"),
+        ({"instances": 0}, "instances"),
+        ({"prefix": "a{b}"}, "prefix"),
+    ],
+)
+def test_bad_settings_are_refused(redis_server: Any, kwargs: dict[str, Any], message: str) -> None:
+    from nanolimit import ValidationError
+    from nanolimit.two_tier import TwoTierStorage
+
+    with pytest.raises(ValidationError, match=message):
+        TwoTierStorage(None, redis_server.client(), start=False, **kwargs)
+
+
+def _keep_syncing(tier: Any, seconds: float) -> None:
+    """What the background thread would do meanwhile (so ``tier`` stays live)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        tier.sync_now()
+        time.sleep(SYNC)
+    tier.sync_now()
+
+
+def test_a_partial_partition_keeps_the_fleet_within_the_limit(backend: Any, own_server: Any) -> None:
+    """One of two instances loses Redis (its ACL user is switched off) while
+    the other keeps it. The cut one admits its blind share, 50 of 100; once
+    its heartbeat lapses the other reserves that share, so a fresh window
+    holds 100 (it held 150 when a silent member simply stopped counting).
+    After ``partition_grace`` the silent member is dropped and its share is
+    handed out again."""
+    from nanolimit.two_tier import TwoTierStorage
+
+    admin = own_server.client()
+    admin.execute_command("ACL", "SETUSER", "cut", "on", ">pw", "~*", "&*", "+@all")
+    timing = {"start": False, "heartbeat_ttl": 0.3, "partition_grace": 1.5}
+    a = make_tier(own_server, "a", **timing)
+    b = TwoTierStorage(
+        None, own_server.client(username="cut", password="pw"), instance_id="b", sync_interval=SYNC, **timing
+    )
+    try:
+        for tier in (a, b, a, b):
+            assert tier.sync_now()
+        assert a.instances == b.instances == 2
+        admin.execute_command("ACL", "SETUSER", "cut", "off")
+        admin.execute_command("CLIENT", "KILL", "USER", "cut")
+        assert not b.sync_now() and b.partitioned and not a.partitioned
+        _keep_syncing(a, 0.45)  # past b's heartbeat: a counts it silent, no longer live
+        assert (a.instances, a.metrics()["silent_instances"]) == (1, 1)
+        clock = backend.FakeClock(3_000.0)  # a window neither instance has seen
+        on_a = backend.FixedWindowCounter(100, 30.0, storage=a, clock=clock, rule="pp")
+        on_b = backend.FixedWindowCounter(100, 30.0, storage=b, clock=clock, rule="pp")
+        blind = sum(on_b.allow("k").allowed for _ in range(120))
+        leased = _drain(on_a, a)
+        assert (blind, leased) == (50, 50)
+        _keep_syncing(a, 1.3)  # past b's grace: dropped, its share free again
+        assert (a.instances, a.metrics()["silent_instances"]) == (1, 0)
+        clock.advance(30.0)
+        assert _drain(on_a, a) == 100
+    finally:
+        a.close()
+        b.close(deregister=False)
+
+
 def test_a_first_lease_weighs_the_previous_window(backend: Any, redis_server: Any) -> None:
     """A sliding counter's lease must leave room for the previous window's
     weight even on a track's first sync, when the instance has never read

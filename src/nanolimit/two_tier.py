@@ -66,24 +66,38 @@ _REFUSED = (
     "use RedisStorage (one round trip per decision) for it"
 )
 
-# Register this instance and count the live ones, by the server's clock (one
-# clock for the fleet): score = expiry in ms; expired members are dropped.
-# Returns {live instances, 1 if this instance was not a member, its rank
-# among the members by id}: after our first sync, a missing member means the
-# server restarted or was flushed (or we were silent past the TTL), and our
-# counts may be gone with it; the rank shares a partition's remainder out.
+# Register this instance and count the others, by the server's clock (one
+# clock for the fleet): score = when a member's heartbeat expires, in ms. A
+# member is live until then, then *silent* (partitioned or dead: nobody can
+# tell) until ``partition_grace`` after its last heartbeat, then dropped.
+# Returns {live, 1 if this instance was not a member, its rank among all
+# members by id, all members, the silent members' ranks}: after our first
+# sync, a missing member means the server restarted or was flushed (or we
+# were silent past the grace), and our counts may be gone with it. A blind
+# instance admits its share, L // all plus one of the remainder's units by
+# rank; the others reserve that same share for each silent member, so a
+# partition of some instances keeps the fleet within L.
 _HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local grace = tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - (grace - ttl))
 local added = redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ttl * 4)
-local members = redis.call('ZRANGE', KEYS[1], 0, -1)
+redis.call('PEXPIRE', KEYS[1], (grace + ttl) * 2)
+local flat = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+local members, expiry = {}, {}
+for i = 1, #flat, 2 do
+  members[#members + 1] = flat[i]
+  expiry[flat[i]] = tonumber(flat[i + 1])
+end
 table.sort(members)
-local rank = 0
-for i = 1, #members do if members[i] == ARGV[1] then rank = i - 1 end end
-return {#members, added, rank}
+local rank, silent = 0, {}
+for i = 1, #members do
+  if members[i] == ARGV[1] then rank = i - 1 end
+  if expiry[members[i]] <= now then silent[#silent + 1] = i - 1 end
+end
+return {#members - #silent, added, rank, #members, table.concat(silent, ' ')}
 """
 
 # Per (key, window), atomically, for each KEYS[i] (ARGV: id, N, and one
@@ -96,14 +110,27 @@ return {#members, added, rank}
 # and grant this instance a lease of ceil(remaining / N), or of the wanted
 # cost when that is larger (a request above ceil(L / N) would otherwise be
 # refused forever). The lease never exceeds what remains, so the counts plus
-# the leases of instances that have synced never pass the limit. Returns
-# count, lease, count, lease, ...
+# the leases of instances that have synced never pass the limit. What
+# remains leaves out the silent members' blind shares (ARGV[4]: all members,
+# then each silent member's rank; see _HEARTBEAT). Returns count, lease,
+# count, lease, ...
 _RECONCILE = r"""
 local id = ARGV[1]
 local lid = 'lease:' .. id
 local n = tonumber(ARGV[2])
 local spec = {}
 for word in string.gmatch(ARGV[3], '%S+') do spec[#spec + 1] = word end
+local silent = {}
+for word in string.gmatch(ARGV[4], '%S+') do silent[#silent + 1] = tonumber(word) end
+local function reserved(limit)  -- the silent members' blind shares of this limit
+  if #silent < 2 then return 0 end
+  local all, total = silent[1], 0
+  for i = 2, #silent do
+    total = total + math.floor(limit / all)
+    if silent[i] < limit % all then total = total + 1 end
+  end
+  return total
+end
 local out = {}
 local totals = {}
 for i = 1, #KEYS do
@@ -131,7 +158,7 @@ for i = 1, #KEYS do
     if weighted > prev then prev = weighted end
   end
   local lease = 0
-  local rem = limit - prev - counts - leases
+  local rem = limit - prev - counts - leases - reserved(limit)
   if spec[b + 5] == '1' and rem > 0 then
     lease = math.ceil(rem / n)
     local want = tonumber(spec[b + 6])
@@ -256,7 +283,7 @@ class TwoTierStorage:
     before their first sync of a window goes unseen (module docstring).
 
     Partitions: when a sync fails, every instance enforces ``limit // N``
-    locally with the native kernel (``N`` = live instances last seen), on top
+    locally with the native kernel (``N`` = members last seen), on top
     of the fleet total it last saw; it keeps counting what it admits, and the
     first successful sync re-writes its cumulative per-window counts (``HSET``
     of an absolute value per instance field: idempotent, so a retried or lost
@@ -267,7 +294,13 @@ class TwoTierStorage:
 
     Instances register in a sorted set scored by heartbeat expiry (server
     clock), refreshed each sync; an instance that stops syncing stops counting
-    toward ``N`` ``heartbeat_ttl`` seconds later. Its admitted units still count.
+    toward the live ``N`` ``heartbeat_ttl`` seconds later, but stays a
+    *silent* member until ``partition_grace`` seconds (default 30) after its
+    last heartbeat: it may be cut off from Redis and admitting its blind
+    share, so the others keep that share out of their leases. A partition of
+    some instances then keeps the fleet within ``L`` for as long as the
+    grace; a dead instance's share is idle for as long. ``close()`` leaves at
+    once. Its admitted units still count.
     ``instances`` is the ``N`` assumed until the first sync answers (an
     instance started while Redis is down has nothing better to divide by).
     """
@@ -281,6 +314,7 @@ class TwoTierStorage:
         instance_id: str | None = None,
         instances: int = 1,
         heartbeat_ttl: float = 2.0,
+        partition_grace: float = 30.0,
         prefix: str = "tt:",
         timeout: float | None = None,
         start: bool = True,
@@ -291,6 +325,14 @@ class TwoTierStorage:
             raise ValidationError(f"sync_interval must be seconds in (0, 60], got {sync_interval!r}")
         if not (isinstance(heartbeat_ttl, (int, float)) and heartbeat_ttl >= 2 * sync_interval):
             raise ValidationError("heartbeat_ttl must be seconds >= 2 * sync_interval")
+        if not (
+            isinstance(partition_grace, (int, float))
+            and not isinstance(partition_grace, bool)
+            and heartbeat_ttl <= partition_grace <= 86_400
+        ):
+            raise ValidationError(
+                f"partition_grace must be seconds in [heartbeat_ttl, 86400], got {partition_grace!r}"
+            )
         if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
             raise ValidationError("prefix must be a str without '{' or '}'")
         import nanolimit  # the twin in use; imported late (nanolimit may export us)
@@ -305,6 +347,7 @@ class TwoTierStorage:
         self.timeout = float(timeout) if timeout is not None else max(0.25, 2 * self.sync_interval)
         self.client = derive_client(self.remote.user_client, self.timeout)
         self.heartbeat_ttl = float(heartbeat_ttl)
+        self.partition_grace = float(partition_grace)
         self.instance_id = instance_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         if self.instance_id.startswith("lease:"):
             raise ValidationError("instance_id must not start with 'lease:' (the lease fields' prefix)")
@@ -331,7 +374,9 @@ class TwoTierStorage:
         self._instances = instances
         self._n_floor: tuple[int, float] = (1, 0.0)
         self._joined = False  # a first sync succeeded: a missing membership after it is a server reset
-        self._rank = 0  # this instance's rank among the live ones, by id (the blind share's remainder)
+        self._rank = 0  # this instance's rank among all members, by id (the blind share's remainder)
+        self._members = 0  # live and silent members at the last sync: the blind shares' N (0: none yet)
+        self._silent: tuple[int, ...] = ()  # the silent members' ranks, whose blind shares are reserved
         self._blind = False
         self._blind_clock = FakeClock()
         self._blind_limiters: dict[tuple[LimiterConfig, int, int], Any] = {}
@@ -547,7 +592,7 @@ class TwoTierStorage:
         if track.book is None:
             return
         k = math.floor(track.last_now / track.window)
-        default = math.ceil(track.limit / self._instances)
+        default = self._first_share(track.limit)
         share = track.lease.get(k)
         if share is None:
             share = default
@@ -561,6 +606,16 @@ class TwoTierStorage:
             track.last_now,
             default,  # a later window's ceiling, when C rolls the key over before a sync
         )
+
+    def _reserved(self, limit: int) -> int:
+        """The silent members' blind shares of ``limit`` (as _RECONCILE reserves them)."""
+        members = max(1, self._members)
+        return sum(limit // members + (1 if rank < limit % members else 0) for rank in self._silent)
+
+    def _first_share(self, limit: int) -> int:
+        """What we may admit in a window before its first lease: an even
+        share of what the silent members' blind shares leave."""
+        return math.ceil(max(0, limit - self._reserved(limit)) / self._instances)
 
     def _fleet(self, track: _Track, k: int) -> int:
         """Fleet units in window ``k``: the others as last read, plus our own now."""
@@ -593,7 +648,7 @@ class TwoTierStorage:
         since = track.own.get(k, 0) - track.pushed.get(k, 0)
         share = track.lease.get(k)
         if share is None:
-            share = math.ceil(limit / self._instances)
+            share = self._first_share(limit)
         fits = estimate + cost <= limit
         degraded = False
         if self._blind:
@@ -635,8 +690,10 @@ class TwoTierStorage:
         """While Redis is unreachable: the native kernel with this instance's
         share of the limit, ``L // N`` plus one of the remainder's units for
         the lowest ranks, so the shares add up to ``L`` (and an instance whose
-        share is 0, when ``L < N``, admits nothing)."""
-        n = max(1, self._instances)
+        share is 0, when ``L < N``, admits nothing). ``N`` counts every member
+        the last heartbeat saw, silent ones included: the instances still
+        reaching Redis reserve this same share for us while we are silent."""
+        n = max(1, self._members or self._instances)
         rank = self._rank
         config = track.config
         limiter: Any = self._blind_limiters.get((config, n, rank))
@@ -728,16 +785,19 @@ class TwoTierStorage:
                     if track.alive:
                         self._plan(track, full, wall, work)
         ttl_ms = max(1, math.ceil(self.heartbeat_ttl * 1000))
+        grace_ms = max(ttl_ms, math.ceil(self.partition_grace * 1000))
+        with self._lock:
+            reserve = " ".join(map(str, (self._members, *self._silent))) if self._silent else ""
         began = time.perf_counter()
         try:
             try:
-                replies = self._exchange(work, n, ttl_ms, load)
+                replies = self._exchange(work, n, ttl_ms, grace_ms, reserve, load)
             except self._errors as exc:
                 # a node that restarted or failed over lost the script: the
                 # reconcile writes absolute values, so sending again is safe
                 if not _is_noscript(exc):
                     raise
-                replies = self._exchange(work, n, ttl_ms, True)
+                replies = self._exchange(work, n, ttl_ms, grace_ms, reserve, True)
         except self._errors:
             self._script_loaded = False
             self._failed()
@@ -745,8 +805,12 @@ class TwoTierStorage:
         latency = time.perf_counter() - began
         pushed_units = 0
         with self._lock:
-            live = max(1, int(replies[0][0]))
-            self._rank = int(replies[0][2])
+            beat = replies[0]
+            live = max(1, int(beat[0]))
+            self._rank = int(beat[2])
+            members = max(live, int(beat[3]))
+            words = beat[4].decode() if isinstance(beat[4], bytes) else str(beat[4])
+            silent = tuple(int(r) for r in words.split())
             rejoined = bool(int(replies[0][1])) and self._joined and not self._blind
             self._joined = True
             if rejoined:
@@ -789,10 +853,13 @@ class TwoTierStorage:
                     self._pull(track)  # what native decisions admitted during the round trip
                     self._load(track)  # its new lease and totals
         with self._lock:
-            # N changes here, with every record reloaded in the same hold, so
-            # the C path and the Python path never divide by different Ns
-            if instances != self._instances:
+            # N and the silent members change here, with every record reloaded
+            # in the same hold, so the C path and the Python path never divide
+            # by different Ns or reserve different shares
+            self._members = members
+            if instances != self._instances or silent != self._silent:
                 self._instances = instances
+                self._silent = silent
                 for track in self._tracks.values():
                     self._pull(track)
                     self._load(track)
@@ -876,15 +943,18 @@ class TwoTierStorage:
                 spec = f"{value} {track.limit} 0.0 {ms} 0 0"
             work.append(_Work(track, w, value, current, self._hash_key(track, w), spec, weight))
 
-    def _exchange(self, work: list[_Work], n: int, ttl_ms: int, load: bool) -> list[Any]:
+    def _exchange(
+        self, work: list[_Work], n: int, ttl_ms: int, grace_ms: int, reserve: str, load: bool
+    ) -> list[Any]:
         """The sync's round trip: the heartbeat and the reconcile script over
         chunks of (key, window) — per slot on a cluster — in one pipeline.
+        ``reserve`` is the silent members as the last heartbeat saw them.
         Returns the heartbeat's reply, then ``(total, lease)`` per work item."""
         if load:  # first sync, or a server lost it; SCRIPT LOAD reaches every primary of a cluster
             self.client.script_load(_RECONCILE_SCRIPT.source)
         pipe = self.client.pipeline(transaction=False)
         # execute_command: a cluster pipeline routes EVAL/EVALSHA by key but has no eval()
-        pipe.execute_command("EVAL", _HEARTBEAT, 1, self._members_key, self.instance_id, ttl_ms)
+        pipe.execute_command("EVAL", _HEARTBEAT, 1, self._members_key, self.instance_id, ttl_ms, grace_ms)
         groups: dict[int, list[int]] = {}
         if self._slot_of is not None:
             for i, item in enumerate(work):
@@ -914,6 +984,7 @@ class TwoTierStorage:
                     self.instance_id,
                     n,
                     spec,
+                    reserve,
                 )
                 order += part
         raw = pipe.execute()
@@ -962,8 +1033,10 @@ class TwoTierStorage:
         did not answer, ``sync_errors`` when a sync raised anything else),
         sync latency (s), keys
         tracked, units pushed and reconciled after a partition, partition
-        mode, live instances, decisions (``decisions_native`` of them, peeks
-        included, answered in C on the lease)."""
+        mode, live instances, ``silent_instances`` (members whose heartbeat
+        lapsed less than ``partition_grace`` ago: their blind shares are
+        reserved), decisions (``decisions_native`` of them, peeks included,
+        answered in C on the lease)."""
         with self._lock:
             for track in self._tracks.values():
                 self._pull(track)
@@ -975,6 +1048,7 @@ class TwoTierStorage:
             out["keys_tracked"] = len(self._tracks)
             out["partition"] = self._blind
             out["instances"] = self._instances
+            out["silent_instances"] = len(self._silent)
             out["sync_latency_avg"] = out["sync_latency_total"] / out["syncs"] if out["syncs"] else 0.0
         return out
 
