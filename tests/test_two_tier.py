@@ -531,6 +531,23 @@ def test_bad_settings_are_refused(redis_server: Any, kwargs: dict[str, Any], mes
         TwoTierStorage(None, redis_server.client(), start=False, **kwargs)
 
 
+def test_units_admitted_before_a_cut_count_against_the_blind_share(backend: Any, own_server: Any) -> None:
+    """An instance that admitted 30 of its window before losing Redis admits
+    only the rest of its share, 50 - 30, while blind in that window (it
+    admitted a whole share on top: 80 of its 50), and a whole share again in
+    the next window."""
+    with synced(own_server, "cut-a", "cut-b") as (a, b):
+        clock = backend.FakeClock(6_000.0)
+        on_b = backend.FixedWindowCounter(100, 30.0, storage=b, clock=clock, rule="pre")
+        assert sum(on_b.allow("k").allowed for _ in range(30)) == 30
+        b.sync_now()
+        own_server.kill()
+        assert not b.sync_now() and b.partitioned
+        assert sum(on_b.allow("k").allowed for _ in range(60)) == 20
+        clock.advance(30.0)
+        assert sum(on_b.allow("k").allowed for _ in range(60)) == 50
+
+
 def _keep_syncing(tier: Any, seconds: float) -> None:
     """What the background thread would do meanwhile (so ``tier`` stays live)."""
     deadline = time.monotonic() + seconds

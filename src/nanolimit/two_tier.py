@@ -717,6 +717,11 @@ class TwoTierStorage:
         if self._blind_keys.get(ident) is not limiter:  # a fresh share each blind episode
             limiter.reset(track.key)
             self._blind_keys[ident] = limiter
+            # what we admitted in this window before the cut is part of our
+            # share (the others see it in our count and leave it out)
+            spent = min(track.own.get(math.floor(now / track.window), 0), limiter.capacity)
+            if spent > 0:
+                limiter.allow(track.key, spent)
         decision = limiter.allow(track.key, cost) if commit else limiter.peek(track.key, cost)
         return bool(decision.allowed)
 
