@@ -65,6 +65,43 @@ def test_deny_new_refuses_new_keys_and_serves_existing_ones(backend) -> None:
     assert storage.stats()["evicted_at_rest"] == 1
 
 
+def test_peek_on_a_full_deny_new_store_answers_as_allow_would(backend) -> None:
+    """A new key's peek on a full deny_new stripe is refused exactly when its
+    allow would be, and counts nothing: while every key is active, and once
+    one is at rest (allow would reclaim it) or idle past evict_idle_after."""
+    clock = backend.FakeClock(0.0)
+    storage = backend.InMemoryStorage(stripes=1, max_keys=2, on_full="deny_new", evict_idle_after=100.0)
+    limiter = backend.TokenBucket(5, 60.0, storage, clock, rule="r")  # refills one unit per 12 s
+    for key in ("a", "b"):
+        assert limiter.allow(key, 3).allowed
+    clock.advance(20.0)
+    assert limiter.allow("b").allowed  # b stays active longer than a
+    stats = storage.stats()
+    peeked = limiter.peek("c")
+    assert (peeked.allowed, peeked.degraded, peeked.reason) == (False, True, "storage_full")
+    assert storage.stats() == stats and len(storage) == 2 and limiter.state("c") is None
+    assert limiter.allow("c") == peeked
+    clock.advance(20.0)  # a refilled to the brim at 36 s: at rest, so allow would reclaim it
+    peeked = limiter.peek("d")
+    assert (peeked.allowed, peeked.degraded, peeked.remaining) == (True, False, 4)
+    assert storage.stats()["evicted_at_rest"] == 0 and len(storage) == 2
+    assert limiter.allow("d") == peeked
+    # idle past evict_idle_after, though not at rest: the sweep would take it
+    slow = backend.TokenBucket(
+        5,
+        600.0,
+        backend.InMemoryStorage(stripes=1, max_keys=1, on_full="deny_new", evict_idle_after=100.0),
+        clock,
+        rule="s",
+    )
+    assert slow.allow("x", 5).allowed  # refills one unit per 120 s
+    clock.advance(50.0)
+    assert not slow.peek("y").allowed and not slow.allow("y").allowed
+    clock.advance(60.0)  # x untouched for 110 s, 0.9 units back
+    assert slow.peek("y").allowed and slow.state("x") is not None
+    assert slow.allow("y").allowed and slow.state("x") is None
+
+
 def test_idle_sweep_runs_without_a_timer(backend) -> None:
     clock = backend.FakeClock(0.0)
     storage = backend.InMemoryStorage(stripes=1, evict_idle_after=30.0)

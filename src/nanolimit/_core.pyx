@@ -26,7 +26,7 @@ from libc.string cimport memcmp, memcpy, memmove, memset
 from nanolimit._kernels cimport init_state, log_at, log_reserve, log_ring_size, run_kernel
 from nanolimit._table cimport (
     NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
-    stripe_make_room, stripe_sweep_idle,
+    stripe_could_make_room, stripe_make_room, stripe_sweep_idle,
     prefetch_slot, stripe_clear, stripe_delete, stripe_evict, stripe_find, stripe_reclaim,
     BatchReaders, IndexHeader, batch_join, batch_leave,
     stripe_insert,
@@ -297,6 +297,14 @@ cdef inline bint room_for_new_key(Stripe* s, const Bounds* b, double now) noexce
     return True
 
 
+cdef inline bint peek_finds_room(const Stripe* s, const Bounds* b, double now) noexcept nogil:
+    """``room_for_new_key`` for ``peek``: the same answer, nothing changed.
+    Only a full ``deny_new`` stripe can refuse."""
+    if b.stripe_cap == 0 or b.evict_active or s.count < s.cap:
+        return True
+    return stripe_could_make_room(s, b.chunks, now, b.idle_after > 0.0, now - b.idle_after)
+
+
 cdef inline void refuse_new_key(Verdict* v) noexcept nogil:
     v.allowed = False
     v.storage_full = True
@@ -323,6 +331,9 @@ cdef inline int table_decide(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns
         if not commit:
             if b != NULL and b.reserve_on_peek and not room_for_new_key(s, b, clock_now):
                 refuse_new_key(v)
+                return NL_OK
+            if b != NULL and not b.reserve_on_peek and not peek_finds_room(s, b, clock_now):
+                refuse_new_key(v)   # what allow would answer, counting nothing
                 return NL_OK
             init_state(&scratch, clock_now, p)
             return run_kernel(&scratch, clock_now, cost, p, False, v)

@@ -566,6 +566,43 @@ cdef inline void stripe_sweep_idle(Stripe* s, double cutoff) noexcept nogil:
             s.sweep += 1
 
 
+cdef inline bint stripe_could_make_room(const Stripe* s, Params** chunks, double now,
+                                       bint sweep_idle, double idle_cutoff) noexcept nogil:
+    """Whether a new key's ``allow`` on this full ``deny_new`` stripe would
+    find room, changing nothing (``peek``): the idle sweep's steps and then
+    ``stripe_make_room``'s scan and sample (from a copy of the stripe's
+    random state), visited as they would be. Exact when the stripe holds
+    ``cap`` keys; one freed entry is taken as enough above it (a compound
+    request may leave a stripe over its cap)."""
+    cdef uint32_t i, position, cursor = s.sweep, x = s.random
+    cdef const Entry* e
+    if s.count == 0:
+        return True
+    if sweep_idle:
+        for i in range(<uint32_t>SWEEP_STEP):
+            if cursor >= s.count:
+                cursor = 0
+            e = &s.entries[cursor]
+            if e.updated_at < idle_cutoff and e.ns != ALG_APPLY:
+                return True
+            cursor += 1
+    for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
+        if i < <uint32_t>EVICTION_SCAN:
+            if cursor >= s.count:
+                cursor = 0
+            position = cursor
+            cursor += 1
+        else:
+            x ^= x << 13
+            x ^= x >> 17
+            x ^= x << 5
+            position = x % s.count
+        e = &s.entries[position]
+        if e.ns != ALG_APPLY and entry_at_rest(e, params_for(chunks, e.ns), now):
+            return True
+    return False
+
+
 cdef inline bint stripe_make_room(Stripe* s, Params** chunks, double now,
                                   bint evict_active) noexcept nogil:
     """Free one entry of a full stripe. First an entry at rest (forgetting it

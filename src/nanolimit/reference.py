@@ -410,6 +410,24 @@ class InMemoryStorage:
                 return False
         return True
 
+    def _peek_finds_room(self, stripe: int, now: float) -> bool:
+        """``_room_for_new_key`` for ``peek``: the same answer, nothing
+        changed. Only a full ``deny_new`` stripe can refuse."""
+        table = self._maps[stripe]
+        cap = self._caps[stripe]
+        if not cap or self.on_full != "deny_new" or len(table) < cap:
+            return True
+        candidates = [(k, entry) for k, entry in table.items() if k[0] is not None]
+        if self.evict_idle_after is not None:
+            cutoff = now - self.evict_idle_after
+            if any(entry[0] < cutoff for _, entry in candidates):
+                return True
+        for k, entry in candidates:
+            cfg = self._params.get(k[0])
+            if cfg is not None and _at_rest(entry[1], cfg, now):
+                return True
+        return False
+
     def _make_room(self, table: dict[tuple[Any, ...], list[Any]], now: float) -> bool:
         """Forget one entry: one at rest, else (``evict``) the least recently
         used one. False when neither exists."""
@@ -471,8 +489,11 @@ class InMemoryStorage:
             if not commit and state is not None:
                 state = state.copy()
             stripe = hash(full_key) % len(self._maps)
-            if commit and entry is None and self._bounded and not self._room_for_new_key(stripe, now):
-                return STORAGE_FULL
+            if entry is None and self._bounded:
+                if commit and not self._room_for_new_key(stripe, now):
+                    return STORAGE_FULL
+                if not commit and not self._peek_finds_room(stripe, now):
+                    return STORAGE_FULL  # what allow would answer, counting nothing
             state, verdict = _decide(state, now, cost, cfg)
             if commit:
                 table[full_key] = [state.updated_at, state]
