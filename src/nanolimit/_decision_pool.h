@@ -57,7 +57,8 @@ static int nl_decision_pool_install(PyTypeObject *type)
     Py_INCREF(type);
     nl_decision_type = type;
 #if NL_HAVE_DECISION_POOL
-    if (!PyType_HasFeature(type, Py_TPFLAGS_HAVE_GC) && type->tp_itemsize == 0) {
+    if (!PyType_HasFeature(type, Py_TPFLAGS_HAVE_GC) && type->tp_itemsize == 0
+        && type->tp_dealloc != nl_decision_dealloc) {  /* never wrap ourselves */
         nl_decision_base_dealloc = type->tp_dealloc;
         type->tp_dealloc = nl_decision_dealloc;
     }
