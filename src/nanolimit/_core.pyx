@@ -23,7 +23,7 @@ from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint32_t, uint64_t, uintpt
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
 
-from nanolimit._kernels cimport init_state, log_at, log_reserve, log_ring_size, run_kernel
+from nanolimit._kernels cimport init_state, log_at, log_free, log_reserve, log_ring_size, run_kernel
 from nanolimit._table cimport (
     NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
     stripe_could_make_room, stripe_make_room, stripe_sweep_idle,
@@ -33,7 +33,7 @@ from nanolimit._table cimport (
 )
 from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET, ALG_SLIDING_COUNTER,
-    ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_NOMEM_NEW_KEY, NL_OK, NL_REENTRANT,
+    ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_OK, NL_REENTRANT,
     NL_TABLE_FULL, Entry, Params, Verdict, nl_hash_seeded, nl_lock_spin, nl_mum,
     nl_namespace_seed, nl_set_secrets, nl_add_u64_relaxed, nl_load_u64_relaxed,
     nl_cas_u64, nl_floor_i64, nl_load_pointer_relaxed, nl_load_u64_seq,
@@ -314,6 +314,44 @@ cdef inline void refuse_new_key(Verdict* v) noexcept nogil:
     v.delay = 0.0
 
 
+cdef int decide_new_key(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns, const char* key,
+                        uint32_t klen, uint32_t slot, double clock_now, int64_t cost,
+                        const Params* p, bint commit, Verdict* v) noexcept nogil:
+    """``table_decide`` for a key not in the table (kept out of line: the
+    hot path is a key that is there). ``slot`` is where the probe ended."""
+    cdef Entry* e
+    cdef Entry scratch
+    cdef int status = NL_OK
+    if not commit:
+        if b != NULL and b.reserve_on_peek and not room_for_new_key(s, b, clock_now):
+            refuse_new_key(v)
+            return NL_OK
+        if b != NULL and not b.reserve_on_peek and not peek_finds_room(s, b, clock_now):
+            refuse_new_key(v)   # what allow would answer, counting nothing
+            return NL_OK
+        init_state(&scratch, clock_now, p)
+        return run_kernel(&scratch, clock_now, cost, p, False, v)
+    if b != NULL:
+        if not room_for_new_key(s, b, clock_now):
+            refuse_new_key(v)
+            return NL_OK
+        stripe_find(s, h, ns, key, klen, &slot)   # eviction may have moved the probe run
+    # Decided on a scratch state first: the key goes in only once its charge
+    # has succeeded, so an out-of-memory leaves no key behind.
+    init_state(&scratch, clock_now, p)
+    status = run_kernel(&scratch, clock_now, cost, p, True, v)
+    if status != NL_OK:
+        return status
+    e = stripe_insert(s, h, ns, key, klen, slot, &status)
+    if e == NULL:
+        if (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
+            log_free(&scratch.state.log)
+        return status
+    e.state = scratch.state
+    e.updated_at = clock_now
+    return NL_OK
+
+
 cdef inline int table_decide(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns, const char* key,
                              uint32_t klen, double clock_now, int64_t cost,
                              const Params* p, bint commit, Verdict* v) noexcept nogil:
@@ -325,38 +363,17 @@ cdef inline int table_decide(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns
     cdef Entry* e
     cdef Entry scratch
     cdef double now
-    cdef int status = NL_OK
+    cdef int status
     v.storage_full = False
     if position < 0:
-        if not commit:
-            if b != NULL and b.reserve_on_peek and not room_for_new_key(s, b, clock_now):
-                refuse_new_key(v)
-                return NL_OK
-            if b != NULL and not b.reserve_on_peek and not peek_finds_room(s, b, clock_now):
-                refuse_new_key(v)   # what allow would answer, counting nothing
-                return NL_OK
-            init_state(&scratch, clock_now, p)
-            return run_kernel(&scratch, clock_now, cost, p, False, v)
-        if b != NULL:
-            if not room_for_new_key(s, b, clock_now):
-                refuse_new_key(v)
-                return NL_OK
-            stripe_find(s, h, ns, key, klen, &slot)   # eviction may have moved the probe run
-        e = stripe_insert(s, h, ns, key, klen, slot, &status)
-        if e == NULL:
-            return status
-        init_state(e, clock_now, p)
-    else:
-        e = &s.entries[position]
+        return decide_new_key(s, b, h, ns, key, klen, slot, clock_now, cost, p, commit, v)
+    e = &s.entries[position]
     now = e.updated_at if e.updated_at > clock_now else clock_now
     if commit:
         status = run_kernel(e, now, cost, p, True, v)
-        if status != NL_OK:
-            # out of memory (a sliding log's ring): the entry is as it was,
-            # and a key made just now must go again (``settle_new_key``)
-            return NL_NOMEM_NEW_KEY if position < 0 else status
-        e.updated_at = now
-        return NL_OK
+        if status == NL_OK:   # out of memory (a sliding log's ring) leaves the entry as it was
+            e.updated_at = now
+        return status
     scratch = e[0]
     return run_kernel(&scratch, now, cost, p, False, v)
 
@@ -369,17 +386,6 @@ cdef void forget_entry(Stripe* s, uint64_t h, uint32_t ns, const char* key,
     cdef Py_ssize_t position = stripe_find(s, h, ns, key, klen, &slot)
     if position >= 0:
         stripe_delete(s, slot, <uint32_t>position)
-
-
-cdef inline int settle_new_key(int status, Stripe* s, uint64_t h, uint32_t ns, const char* key,
-                               uint32_t klen) noexcept nogil:
-    """``table_decide``'s status, for a caller still holding the lock: a key
-    it made and then could not charge is removed (so an out-of-memory leaves
-    the table as it was), and the status becomes plain ``NL_NOMEM``."""
-    if status == NL_NOMEM_NEW_KEY:
-        forget_entry(s, h, ns, key, klen)
-        return NL_NOMEM
-    return status
 
 
 cdef inline int lock_stripe(Stripe* s) noexcept:
@@ -539,8 +545,6 @@ cdef class InMemoryStorage:
         if status != NL_OK:
             return status
         status = table_decide(s, self.bounds_or_null(), h, ns, key, <uint32_t>klen, now, cost, p, commit, v)
-        if status != NL_OK:
-            status = settle_new_key(status, s, h, ns, key, <uint32_t>klen)
         nl_unlock(&s.lock)
         return status
 
@@ -598,7 +602,6 @@ cdef class InMemoryStorage:
             status = table_decide(s, bounds, h, ns, keys[i], <uint32_t>sizes[i],
                                   now if times == NULL else times[i], costs[i], p, True, &v)
             if status != NL_OK:
-                status = settle_new_key(status, s, h, ns, keys[i], <uint32_t>sizes[i])
                 break
             allowed[i] = v.allowed
             storage_full[i] = v.storage_full
@@ -839,9 +842,7 @@ cdef class InMemoryStorage:
                                               hashes[i], namespaces[i], data[i],
                                               <uint32_t>sizes[i], nows[i], units[i], params[i], True,
                                               &verdicts[i])
-                        if status != NL_OK:  # not after prepare_compound; kept for safety
-                            status = settle_new_key(status, self.stripe_for(hashes[i]), hashes[i],
-                                                    namespaces[i], data[i], <uint32_t>sizes[i])
+                        if status != NL_OK:  # not after prepare_compound, which made the room
                             break
             while locked > 0:
                 locked -= 1

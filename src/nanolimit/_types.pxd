@@ -48,7 +48,6 @@ cdef enum:
     NL_TABLE_FULL = -2
     NL_REENTRANT = -3
     NL_FULL = -4
-    NL_NOMEM_NEW_KEY = -5           # table_decide: out of memory charging a key it just made
 
 # Keys up to this many UTF-8 bytes live inside the entry; longer ones on the heap.
 cdef enum:
