@@ -524,13 +524,16 @@ cdef inline const Params* params_for(Params** chunks, uint32_t ns) noexcept nogi
     return &chunk[ident % NAMESPACE_CHUNK]
 
 
-cdef inline uint32_t stripe_random(Stripe* s, uint32_t bound) noexcept nogil:
-    cdef uint32_t x = s.random
+cdef inline uint32_t xorshift32(uint32_t x) noexcept nogil:
     x ^= x << 13
     x ^= x >> 17
     x ^= x << 5
-    s.random = x
-    return x % bound
+    return x
+
+
+cdef inline uint32_t stripe_random(Stripe* s, uint32_t bound) noexcept nogil:
+    s.random = xorshift32(s.random)
+    return s.random % bound
 
 
 cdef inline uint32_t slot_of(const Stripe* s, uint32_t position) noexcept nogil:
@@ -593,9 +596,7 @@ cdef inline bint stripe_could_make_room(const Stripe* s, Params** chunks, double
             position = cursor
             cursor += 1
         else:
-            x ^= x << 13
-            x ^= x >> 17
-            x ^= x << 5
+            x = xorshift32(x)      # stripe_random's sequence, not advanced
             position = x % s.count
         e = &s.entries[position]
         if e.ns != ALG_APPLY and entry_at_rest(e, params_for(chunks, e.ns), now):
