@@ -1710,6 +1710,10 @@ cdef class _Limiter:
 
         ``times`` (replays) gives each request its own clock reading instead
         of one reading for the batch; per key, time still never runs backwards.
+
+        A batch is a sequence of decisions, not one (``allow_all`` is): if
+        memory for a new key's state runs out part-way, ``MemoryError`` is
+        raised and the requests before that one stay decided and charged.
         """
         # The batch borrows each key's bytes and decides with the GIL
         # released: it holds its own reference to every key (``held``), so

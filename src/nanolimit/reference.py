@@ -705,6 +705,10 @@ class _Limiter:
 
         ``times`` (replays) gives each request its own clock reading instead
         of one reading for the batch; per key, time still never runs backwards.
+
+        A batch is a sequence of decisions, not one (``allow_all`` is): if
+        memory for a new key's state runs out part-way, ``MemoryError`` is
+        raised and the requests before that one stay decided and charged.
         """
         keys = list(keys)
         costs = [1] * len(keys) if costs is None else list(costs)
