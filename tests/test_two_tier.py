@@ -548,6 +548,21 @@ def test_units_admitted_before_a_cut_count_against_the_blind_share(backend: Any,
         assert sum(on_b.allow("k").allowed for _ in range(60)) == 50
 
 
+def test_a_blind_sliding_counter_weighs_its_previous_window(backend: Any, own_server: Any) -> None:
+    """A sliding counter cut off at the start of a window weighs what it
+    admitted in the window before against its blind share: 40 of its 50
+    then, so 10 now (it admitted 50 when its blind state started empty)."""
+    with synced(own_server, "slide-a", "slide-b") as (a, b):
+        clock = backend.FakeClock(9_000.0)
+        on_b = backend.SlidingWindowCounter(100, 10.0, storage=b, clock=clock, rule="sw")
+        assert sum(on_b.allow("k").allowed for _ in range(40)) == 40
+        b.sync_now()
+        clock.set(9_010.0)  # the next window's first instant: window 900 weighs 1.0
+        own_server.kill()
+        assert not b.sync_now() and b.partitioned
+        assert sum(on_b.allow("k").allowed for _ in range(60)) == 10
+
+
 def _keep_syncing(tier: Any, seconds: float) -> None:
     """What the background thread would do meanwhile (so ``tier`` stays live)."""
     deadline = time.monotonic() + seconds

@@ -718,8 +718,16 @@ class TwoTierStorage:
             limiter.reset(track.key)
             self._blind_keys[ident] = limiter
             # what we admitted in this window before the cut is part of our
-            # share (the others see it in our count and leave it out)
-            spent = min(track.own.get(math.floor(now / track.window), 0), limiter.capacity)
+            # share (the others see it in our count and leave it out), and a
+            # sliding counter's estimate weighs the window before it too
+            k = math.floor(now / track.window)
+            if config.algorithm is Algorithm.SLIDING_COUNTER:
+                before = min(track.own.get(k - 1, 0), limiter.capacity)
+                if before > 0:
+                    self._blind_clock.set((k - 0.5) * track.window)  # inside window k - 1
+                    limiter.allow(track.key, before)
+                    self._blind_clock.set(now)
+            spent = min(track.own.get(k, 0), limiter.capacity)
             if spent > 0:
                 limiter.allow(track.key, spent)
         decision = limiter.allow(track.key, cost) if commit else limiter.peek(track.key, cost)
