@@ -417,28 +417,32 @@ class InMemoryStorage:
         cap = self._caps[stripe]
         if not cap or self.on_full != "deny_new" or len(table) < cap:
             return True
-        candidates = [(k, entry) for k, entry in table.items() if k[0] is not None]
         if self.evict_idle_after is not None:
             cutoff = now - self.evict_idle_after
-            if any(entry[0] < cutoff for _, entry in candidates):
+            if any(k[0] is not None and entry[0] < cutoff for k, entry in table.items()):
                 return True
-        for k, entry in candidates:
-            cfg = self._params.get(k[0])
-            if cfg is not None and _at_rest(entry[1], cfg, now):
-                return True
-        return False
+        return self._first_at_rest(table, now) is not None
+
+    def _first_at_rest(self, table: dict[tuple[Any, ...], list[Any]], now: float) -> tuple[Any, ...] | None:
+        """A limiter's key whose state is at rest at ``now`` (forgetting it
+        changes no decision), or None."""
+        for k, entry in table.items():
+            if k[0] is not None:
+                cfg = self._params.get(k[0])
+                if cfg is not None and _at_rest(entry[1], cfg, now):
+                    return k
+        return None
 
     def _make_room(self, table: dict[tuple[Any, ...], list[Any]], now: float) -> bool:
         """Forget one entry: one at rest, else (``evict``) the least recently
         used one. False when neither exists."""
         counters = self._counters
+        resting = self._first_at_rest(table, now)
+        if resting is not None:
+            del table[resting]
+            counters["evicted_at_rest"] += 1
+            return True
         candidates = [k for k in table if k[0] is not None]
-        for k in candidates:
-            cfg = self._params.get(k[0])
-            if cfg is not None and _at_rest(table[k][1], cfg, now):
-                del table[k]
-                counters["evicted_at_rest"] += 1
-                return True
         if self.on_full == "evict" and candidates:
             # the one that would be at rest soonest gives back the least budget
             del table[min(candidates, key=lambda k: (self._rest_at(k, table[k]), table[k][0]))]

@@ -787,6 +787,8 @@ class TwoTierStorage:
                 self._need_full = False
             candidates = self._candidates(full)
             n = self._instances
+            # the silent members as the last heartbeat saw them, for the reconcile
+            reserve = " ".join(map(str, (self._members, *self._silent))) if self._silent else ""
             load = not self._script_loaded
         # Built in chunks, the lock (and the gate) released in between: native
         # decisions wait at most one chunk, not a whole sync of many keys.
@@ -799,8 +801,6 @@ class TwoTierStorage:
                         self._plan(track, full, wall, work)
         ttl_ms = max(1, math.ceil(self.heartbeat_ttl * 1000))
         grace_ms = max(ttl_ms, math.ceil(self.partition_grace * 1000))
-        with self._lock:
-            reserve = " ".join(map(str, (self._members, *self._silent))) if self._silent else ""
         began = time.perf_counter()
         try:
             try:
