@@ -5,6 +5,7 @@ never shared with a forked child."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import threading
@@ -74,19 +75,19 @@ def test_keep_connections_is_validated(redis_server: Any, bad: Any) -> None:
         RedisStorage(redis_server.client(), keep_connections=bad)
 
 
-def test_small_and_blocking_pools_keep_fewer_or_none(redis_server: Any) -> None:
+def test_only_the_derived_client_keeps_and_small_or_blocking_pools_keep_fewer(redis_server: Any) -> None:
     import redis
 
     small = redis.Redis(connection_pool=redis.ConnectionPool(port=redis_server.port, max_connections=3))
-    assert RedisStorage(small, derive=False)._spares._keep == 1
-    assert RedisStorage(small, derive=False, keep_connections=0)._spares is None
+    assert RedisStorage(small)._spares._keep == 1  # the derived pool copies max_connections
+    assert RedisStorage(small, keep_connections=0)._spares is None
+    assert RedisStorage(small, derive=False)._spares is None  # the caller's pool: nothing kept
     tiny = redis.Redis(connection_pool=redis.ConnectionPool(port=redis_server.port, max_connections=1))
-    assert RedisStorage(tiny, derive=False)._spares is None
+    assert RedisStorage(tiny)._spares is None
     blocking = redis.Redis(
         connection_pool=redis.BlockingConnectionPool(port=redis_server.port, max_connections=50, timeout=1)
     )
-    assert RedisStorage(blocking)._spares is None
-    through_pool = RedisStorage(blocking, derive=False)
+    through_pool = RedisStorage(blocking)
     assert through_pool._spares is None
     config = LimiterConfig.build("token_bucket", 5, 60.0)
     verdicts = [through_pool.run_kernel(config, "k", 1, None, True) for _ in range(6)]
@@ -188,20 +189,42 @@ def test_close_and_collection_give_kept_connections_back(
     backend: types.SimpleNamespace, redis_server: Any
 ) -> None:
     user = redis_server.client()
-    pool = user.connection_pool
-    storage = RedisStorage(user, derive=False)
+    storage = RedisStorage(user)
+    pool = storage.client.connection_pool
     backend.GCRA(10, 60.0, storage, rule="close").allow("k")
-    assert len(pool._in_use_connections) == 1  # kept
+    (kept,) = [entry[0] for entry in storage._spares._idle]
+    assert pool._in_use_connections == {kept} and kept._sock is not None
     storage.close()
-    assert len(pool._in_use_connections) == 0
+    assert not pool._in_use_connections and kept._sock is None  # given back, and closed with the pool
     assert user.ping()  # the caller's client is untouched
-    dropped = RedisStorage(user, derive=False)
+    dropped = RedisStorage(user)
+    dropped_pool = dropped.client.connection_pool
     backend.GCRA(10, 60.0, dropped, rule="close").allow("k")
-    assert len(pool._in_use_connections) == 1
+    assert len(dropped_pool._in_use_connections) == 1
     del dropped
     gc.collect()
-    assert len(pool._in_use_connections) == 0
+    assert not dropped_pool._in_use_connections
     user.close()
+
+
+def test_a_connection_redis_py_wants_back_goes_through_the_pool(
+    backend: types.SimpleNamespace, make_storage: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reconnect flag (a maintenance notice) or a long keep sends a kept
+    connection back through the pool, where redis-py acts on its release."""
+    storage = make_storage()
+    storage.load_scripts()
+    pool = storage.client.connection_pool
+    borrows = _count_borrows(pool, monkeypatch)
+    limiter = backend.TokenBucket(100, 60.0, storage, rule="due")
+    limiter.allow("k")
+    (kept,) = [entry[0] for entry in storage._spares._idle]
+    kept.mark_for_reconnect()
+    assert limiter.allow("k").remaining == 98
+    assert borrows[0] == 2 and not kept.should_reconnect()  # released (and reconnected) by the pool
+    monkeypatch.setattr(_SpareConnections, "MAX_KEPT", 0.0)
+    assert limiter.allow("k").remaining == 97
+    assert borrows[0] == 3
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -258,3 +281,135 @@ def test_commands_are_packed_as_the_connection_would(
     third = backend.TokenBucket(5, 60.0, differs, rule="pack")
     assert third.allow("caf\u00e9").remaining == 2
     assert differs._spares._pack is None
+
+
+# --------------------------------------------------------------------------
+# The asyncio storage: the same on its derived client
+
+
+def _async_storage(server: Any, **kwargs: Any) -> Any:
+    import redis.asyncio
+
+    from nanolimit.redis_storage import AsyncRedisStorage
+
+    kwargs.setdefault("timeout", 2.0)
+    kwargs.setdefault("on_error", "raise")
+    return AsyncRedisStorage(redis.asyncio.Redis(host="127.0.0.1", port=server.port), **kwargs)
+
+
+def _count_async_borrows(pool: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    borrows = [0]
+    original = pool.get_connection
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        borrows[0] += 1
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(pool, "get_connection", counted)
+    return borrows
+
+
+def test_async_decisions_reuse_a_kept_connection_and_close_gives_it_back(
+    backend: types.SimpleNamespace, redis_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> None:
+        storage = _async_storage(redis_server)
+        await storage.load_scripts()
+        pool = storage.client.connection_pool
+        borrows = _count_async_borrows(pool, monkeypatch)
+        limiter = backend.TokenBucket(100, 60.0, storage, rule="async-reuse")
+        remaining = [(await limiter.allow_async("k")).remaining for _ in range(30)]
+        assert remaining == list(range(99, 69, -1))
+        assert borrows[0] == 1
+        assert len(storage._spares._idle) == 1 and len(pool._in_use_connections) == 1
+        await storage.close()
+        assert len(pool._in_use_connections) == 0
+
+    asyncio.run(main())
+
+
+def test_async_caller_client_borrows_every_time(
+    backend: types.SimpleNamespace, redis_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> None:
+        storage = _async_storage(redis_server, derive=False)
+        assert storage._spares is None  # a kept connection could only be given back by awaiting
+        await storage.load_scripts()
+        borrows = _count_async_borrows(storage.client.connection_pool, monkeypatch)
+        limiter = backend.TokenBucket(100, 60.0, storage, rule="async-borrow")
+        assert [(await limiter.allow_async("k")).remaining for _ in range(5)] == [99, 98, 97, 96, 95]
+        assert borrows[0] == 5
+        await storage.client.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_connection_the_server_closed_is_replaced_before_use(
+    backend: types.SimpleNamespace, redis_server: Any
+) -> None:
+    async def main() -> None:
+        storage = _async_storage(redis_server, on_error="allow")
+        limiter = backend.TokenBucket(100, 60.0, storage, rule="async-killed")
+        assert (await limiter.allow_async("k")).remaining == 99
+        admin = redis_server.client()
+        assert admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes") >= 1
+        admin.close()
+        await asyncio.sleep(0.05)  # the loop reads the server's FIN
+        d = await limiter.allow_async("k")
+        assert not d.degraded and d.remaining == 98
+        assert storage.metrics()["errors"] == 0
+        await storage.close()
+
+    asyncio.run(main())
+
+
+def test_a_fork_the_hook_missed_is_caught_by_the_pid(
+    backend: types.SimpleNamespace, make_storage: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A C-level fork that skips Python's at-fork hooks: the kept
+    connections were recorded under another process id, so they are dropped
+    unused (the pool resets itself for the new process)."""
+    storage = make_storage()
+    storage.load_scripts()
+    borrows = _count_borrows(storage.client.connection_pool, monkeypatch)
+    limiter = backend.TokenBucket(100, 60.0, storage, rule="pid")
+    limiter.allow("k")
+    (kept,) = [entry[0] for entry in storage._spares._idle]
+    storage._spares._pid = -1  # as if recorded by the parent
+    assert limiter.allow("k").remaining == 98
+    assert borrows[0] == 2
+    assert [entry[0] for entry in storage._spares._idle] != [kept]
+
+
+def test_async_sends_on_the_stream_unless_health_checks_are_due(
+    backend: types.SimpleNamespace, redis_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kept asyncio connection gets the packed command written to its
+    stream (redis-py's send wraps it in a Task per call); a client with
+    health checks goes through redis-py's send, which runs them."""
+    import redis.asyncio
+
+    from nanolimit.redis_storage import AsyncRedisStorage
+
+    sent_by_redis_py = [0]
+    original = redis.asyncio.Connection.send_packed_command
+
+    async def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        sent_by_redis_py[0] += 1
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(redis.asyncio.Connection, "send_packed_command", counted)
+
+    async def main(**client_kwargs: Any) -> int:
+        client = redis.asyncio.Redis(host="127.0.0.1", port=redis_server.port, **client_kwargs)
+        storage = AsyncRedisStorage(client, timeout=2.0, on_error="raise")
+        await storage.load_scripts()
+        limiter = backend.GCRA(10, 60.0, storage, rule=f"send{len(client_kwargs)}")
+        sent_by_redis_py[0] = 0
+        assert [(await limiter.allow_async("k")).remaining for _ in range(5)] == [9, 8, 7, 6, 5]
+        await storage.close()
+        await client.aclose()
+        return sent_by_redis_py[0]
+
+    assert asyncio.run(main()) == 0
+    assert asyncio.run(main(health_check_interval=30)) == 5

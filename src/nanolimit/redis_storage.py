@@ -39,6 +39,7 @@ of an hour of real time, so a slow fake clock never meets a real expiry.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import importlib
@@ -555,8 +556,7 @@ def derive_client(client: Any, timeout: float) -> Any:
         connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs, **extra
     )
     derived = type(client)(connection_pool=new_pool)
-    if is_asyncio_client(client):
-        derived.auto_close_connection_pool = True  # our pool: ``aclose()`` disconnects it
+    derived.auto_close_connection_pool = True  # our pool: ``close()``/``aclose()`` disconnects it
     return derived
 
 
@@ -693,44 +693,76 @@ except ImportError:  # pragma: no cover - the connection packs
 
 
 class _SpareConnections:
-    """Connections a storage keeps out of its client's pool between calls.
+    """Connections a storage keeps out of its derived client's pool between
+    calls.
 
     Taking a connection from a redis-py pool and giving it back costs more
-    than the server spends on a decision (about 15 µs here: two lock
-    holds, observability hooks, a release event, and a ``poll`` through two
-    socket-mode switches to check the socket holds no stray data). A
-    connection this storage got back intact, its reply read in full, has
-    none of its own, so up to ``keep`` of them wait in a list (``pop`` and
-    ``append`` are atomic: any thread takes any of them). Before reuse one
-    ``poll`` (0.6 µs) checks the server has not closed it; one idle longer
-    than ``IDLE_CHECK`` seconds, or one that fails that check, goes back
-    through the pool, whose own check reconnects it. After an error a
-    connection is disconnected and goes back to the pool (an error reply
-    from the server leaves it intact and kept), and a forked child forgets
-    its parent's.
+    than the server spends on a decision (about 15 µs here for the
+    synchronous pool: two lock holds, observability hooks, a release event,
+    and a ``poll`` through two socket-mode switches; 7 µs for the asyncio
+    one). A connection whose reply was read in full has nothing of its own
+    waiting, so up to ``keep`` of them wait in a list (``pop`` and
+    ``append`` are atomic: any thread takes any of them).
+
+    Before reuse a cheap check shows the server has not closed it (one
+    ``poll``, 0.6 µs; the asyncio stream's own state): one that fails it is
+    disconnected and goes back through the pool, which connects it again
+    (redis-py 8's pools skip their own check when maintenance notifications
+    are on). What redis-py does on release (a refreshed credential's
+    re-authentication, a reconnect after a maintenance notice) still
+    happens: a connection that wants either, that sat idle over
+    ``IDLE_CHECK`` seconds, or that has been kept over ``MAX_KEPT`` seconds
+    in all goes back through the pool. After an error a connection is
+    disconnected and goes back (an error reply from the server leaves it
+    intact and kept); a forked child forgets its parent's. Commands are
+    packed by hiredis directly where that writes the connection's own bytes
+    (redis-py's packing wraps the same call in 2.2 µs of argument handling;
+    the asyncio client packs in Python, 6 µs).
+
+    Only the derived client's pool keeps connections: it is the storage's
+    own, so nothing else waits for one (``close()`` disconnects it whole).
     """
 
     IDLE_CHECK: ClassVar[float] = 0.5
+    MAX_KEPT: ClassVar[float] = 1.0
     _live: ClassVar[weakref.WeakSet[_SpareConnections]] = weakref.WeakSet()
 
-    __slots__ = ("__weakref__", "_conn_args", "_idle", "_keep", "_pack", "_pool", "_reply_error")
+    __slots__ = (
+        "__weakref__",
+        "_broken",
+        "_conn_args",
+        "_idle",
+        "_keep",
+        "_pack",
+        "_pid",
+        "_pool",
+        "_reply_error",
+    )
 
-    def __init__(self, pool: Any, conn_args: tuple[str, ...], keep: int, reply_error: Any) -> None:
+    def __init__(self, pool: Any, conn_args: tuple[str, ...], keep: int, exceptions: Any) -> None:
         self._pool = pool
         self._conn_args = conn_args
         self._keep = keep
-        self._reply_error: tuple[type[BaseException], ...] = (
-            (reply_error,) if isinstance(reply_error, type) and issubclass(reply_error, Exception) else ()
-        )
-        # (connection, its socket, a poll object registered on that socket, when it was put back)
-        self._idle: list[tuple[Any, Any, Any, float]] = []
+        self._pid = os.getpid()
+
+        def error_class(*names: str) -> tuple[type[BaseException], ...]:
+            for name in names:
+                found = getattr(exceptions, name, None)
+                if isinstance(found, type) and issubclass(found, Exception):
+                    return (found,)
+            return ()
+
+        # the server's error reply (the connection is intact), and what a broken one raises
+        self._reply_error = error_class("ResponseError")
+        self._broken: tuple[type[BaseException], ...] = (OSError, *error_class("RedisError", "ValkeyError"))
+        # (connection, what its check needs, when it was put back, when it was first kept)
+        self._idle: list[tuple[Any, Any, float, float]] = []
         self._pack: Any = _UNPROBED
         _SpareConnections._live.add(self)
 
     def _packer(self, conn: Any) -> Any:
         """hiredis's ``pack_command`` where it writes exactly the bytes the
-        connection would (redis-py's own packing wraps the same call in
-        2.2 µs of argument handling); else None: the connection packs."""
+        connection would; else None: the connection packs."""
         pack = _hiredis_pack
         if pack is None:
             return None
@@ -742,61 +774,38 @@ class _SpareConnections:
             return None
         return pack
 
-    def call(self, args: tuple[Any, ...]) -> Any:
-        """One command, one attempt, on a kept connection if one is idle."""
-        pool = self._pool
-        try:
-            conn, sock, poller, since = self._idle.pop()
-        except IndexError:
-            conn = pool.get_connection(*self._conn_args)
-            sock = poller = None
-        else:
-            if (
-                time.monotonic() - since > self.IDLE_CHECK
-                or getattr(conn, "_sock", None) is not sock
-                or poller.poll(0)  # readable: closed by the server, or data nobody asked for
-            ):
-                pool.release(conn)  # the pool checks it on the way back out
-                conn = pool.get_connection(*self._conn_args)
-                sock = poller = None
+    def _packed(self, conn: Any) -> Any:
         pack = self._pack
         if pack is _UNPROBED:
             pack = self._pack = self._packer(conn)
+        return pack
+
+    def _take(self) -> tuple[Any, Any, float, bool] | None:
+        """A kept connection, its check state, when it was first kept, and
+        whether it is due back through the pool whatever its check says."""
+        if self._pid != os.getpid():  # a fork that skipped the at-fork hook
+            self._idle.clear()
+            self._pid = os.getpid()
         try:
-            if pack is None:
-                conn.send_command(*args)
-            else:
-                conn.send_packed_command((pack(args),))
-            reply = conn.read_response()
-        except self._reply_error:
-            self._put_back(conn, sock, poller)  # the server's error reply, read in full
-            raise
-        except BaseException:
-            conn.disconnect()  # a reply may be half read: never reuse the socket as is
-            pool.release(conn)
-            raise
-        self._put_back(conn, sock, poller)
-        return reply
+            conn, check, since, first = self._idle.pop()
+        except IndexError:
+            return None
+        now = time.monotonic()
+        due = (
+            now - since > self.IDLE_CHECK
+            or now - first > self.MAX_KEPT
+            or getattr(conn, "_re_auth_token", None) is not None
+            or bool(getattr(conn, "should_reconnect", bool)())
+        )
+        return conn, check, first, due
 
-    def _put_back(self, conn: Any, sock: Any, poller: Any) -> None:
-        """Keep a connection whose reply was read in full, or give it back."""
-        current = getattr(conn, "_sock", None)
-        if current is None or len(self._idle) >= self._keep:
-            self._pool.release(conn)
-            return
-        if current is not sock:
-            poller = select.poll()
-            poller.register(current, select.POLLIN)
-        self._idle.append((conn, current, poller, time.monotonic()))
-
-    def release_all(self) -> None:
-        """Every kept connection back to the pool."""
-        while True:
-            try:
-                conn = self._idle.pop()[0]
-            except IndexError:
-                return
-            self._pool.release(conn)
+    def _keep_or_release(self, conn: Any, check: Any, first: float) -> bool:
+        """Keep ``conn`` if there is room; False means the caller gives it back."""
+        if len(self._idle) >= self._keep:
+            return False
+        now = time.monotonic()
+        self._idle.append((conn, check, now, first if first else now))
+        return True
 
     @classmethod
     def forget_after_fork(cls) -> None:
@@ -804,6 +813,150 @@ class _SpareConnections:
         resets itself in the child; nothing here may touch them."""
         for spares in list(cls._live):
             spares._idle.clear()
+            spares._pid = os.getpid()
+
+
+class _SyncSpareConnections(_SpareConnections):
+    """:class:`_SpareConnections` of a synchronous pool."""
+
+    __slots__ = ()
+
+    def call(self, args: tuple[Any, ...]) -> Any:
+        """One command, one attempt, on a kept connection if one is idle."""
+        pool = self._pool
+        conn: Any = None
+        try:
+            kept = self._take()
+            if kept is None:
+                sock = poller = None
+                first = 0.0
+                conn = pool.get_connection(*self._conn_args)
+            else:
+                conn, (sock, poller), first, due = kept
+                # readable: closed by the server, or data nobody asked for
+                broken = getattr(conn, "_sock", None) is not sock or bool(poller.poll(0))
+                if broken or due:
+                    if broken:
+                        conn.disconnect()  # the pool may skip its own check
+                    held, conn = conn, None
+                    pool.release(held)
+                    sock = poller = None
+                    first = 0.0
+                    conn = pool.get_connection(*self._conn_args)
+            pack = self._packed(conn)
+            if pack is None:
+                conn.send_command(*args)
+            else:
+                conn.send_packed_command((pack(args),))
+            reply = conn.read_response()
+        except self._reply_error:
+            self._put_back(conn, sock, poller, first)  # the server's error reply, read in full
+            raise
+        except BaseException:
+            if conn is not None:
+                conn.disconnect()  # a reply may be half read: never reuse the socket as is
+                pool.release(conn)
+            raise
+        self._put_back(conn, sock, poller, first)
+        return reply
+
+    def _put_back(self, conn: Any, sock: Any, poller: Any, first: float) -> None:
+        """Keep a connection whose reply was read in full, or give it back."""
+        try:
+            current = getattr(conn, "_sock", None)
+            if current is not None:
+                if current is not sock:
+                    first = 0.0  # a new socket: its keeping starts now
+                    poller = select.poll()
+                    poller.register(current, select.POLLIN)
+                if self._keep_or_release(conn, (current, poller), first):
+                    return
+        except BaseException:
+            self._pool.release(conn)
+            raise
+        self._pool.release(conn)
+
+    def release_all(self) -> None:
+        """Every kept connection disconnected and back to the pool."""
+        while True:
+            try:
+                conn = self._idle.pop()[0]
+            except IndexError:
+                return
+            conn.disconnect()
+            self._pool.release(conn)
+
+
+class _AsyncSpareConnections(_SpareConnections):
+    """:class:`_SpareConnections` of an asyncio pool (one event loop, as the
+    storage itself). Its check is the connection's own ``can_read()``: the
+    loop reads the socket all along, so a closed one is already at EOF
+    there, with no system call."""
+
+    __slots__ = ()
+
+    async def call(self, args: tuple[Any, ...]) -> Any:
+        """One command, one attempt, on a kept connection if one is idle."""
+        pool = self._pool
+        conn: Any = None
+        first = 0.0
+        try:
+            kept = self._take()
+            if kept is None:
+                conn = await pool.get_connection(*self._conn_args)
+            else:
+                conn, _, first, due = kept
+                try:
+                    broken = not conn.is_connected or await conn.can_read()
+                except self._broken:
+                    broken = True
+                if broken or due:
+                    if broken:
+                        await conn.disconnect(nowait=True)  # the pool may skip its own check
+                    held, conn = conn, None
+                    first = 0.0
+                    await pool.release(held)
+                    conn = await pool.get_connection(*self._conn_args)
+            pack = self._packed(conn)
+            if pack is None:
+                await conn.send_command(*args)
+            else:
+                writer = getattr(conn, "_writer", None)
+                if type(writer) is asyncio.StreamWriter and not getattr(conn, "health_check_interval", 1):
+                    # redis-py bounds a send by wrapping it in ``asyncio.wait_for``,
+                    # a new Task per call (15 µs here). A command this small is
+                    # sent at once or buffered; the reply's read timeout bounds
+                    # the wait either way, and a lost connection shows there.
+                    writer.write(pack(args))
+                else:
+                    await conn.send_packed_command(pack(args))
+            reply = await conn.read_response()
+        except self._reply_error:
+            await self._put_back(conn, first)  # the server's error reply, read in full
+            raise
+        except BaseException:
+            # a timeout, a socket error or a cancellation: a reply may be half
+            # read, so the socket is never reused as is
+            if conn is not None:
+                await conn.disconnect(nowait=True)
+                await pool.release(conn)
+            raise
+        await self._put_back(conn, first)
+        return reply
+
+    async def _put_back(self, conn: Any, first: float) -> None:
+        if not (conn.is_connected and self._keep_or_release(conn, None, first)):
+            await self._pool.release(conn)
+
+    async def release_all(self) -> None:
+        """Every kept connection disconnected and back to the pool."""
+        while True:
+            try:
+                conn = self._idle.pop()[0]
+            except IndexError:
+                return
+            await conn.disconnect(nowait=True)
+            await self._pool.release(conn)
 
 
 if hasattr(os, "register_at_fork"):
@@ -934,7 +1087,7 @@ class _RedisBase:
         """
         self._pool: Any = None
         self._conn_args: tuple[str, ...] = ()
-        self._spares: _SpareConnections | None = None
+        self._spares: Any = None  # _SyncSpareConnections or _AsyncSpareConnections
         pool = getattr(self.client, "connection_pool", None)
         if self.cluster or pool is None or getattr(self.client, "connection", None) is not None:
             return
@@ -955,23 +1108,29 @@ class _RedisBase:
         ):
             self._conn_args = ("EVALSHA",)  # older redis-py and valkey-py want a command name
         self._pool = pool
-        if not self._asyncio:
-            self._keep_spares(pool, keep)
+        self._keep_spares(pool, keep)
 
     def _keep_spares(self, pool: Any, keep: int) -> None:
-        """Let single calls keep up to ``keep`` connections out of the pool
-        between calls (see :class:`_SpareConnections`). Not for a blocking
-        pool, nor one so small that a kept connection could starve its other
-        users; the pool still owns them, and gets them back on ``close()``,
-        when the storage is collected, or after an error."""
+        """Let single calls keep up to ``keep`` connections out of the
+        derived client's pool between calls (see :class:`_SpareConnections`):
+        never the caller's pool, which may have other users waiting, nor a
+        blocking one, and fewer than half of a bounded one."""
         limit = getattr(pool, "max_connections", None)
         if isinstance(limit, int):
             keep = min(keep, limit // 2)
-        if keep <= 0 or isinstance(getattr(pool, "timeout", None), (int, float)):
+        if (
+            keep <= 0
+            or self.client is self.user_client
+            or isinstance(getattr(pool, "timeout", None), (int, float))
+        ):
             return
-        reply_error = getattr(_client_package(self.client).exceptions, "ResponseError", None)
-        self._spares = _SpareConnections(pool, self._conn_args, keep, reply_error)
-        weakref.finalize(self, self._spares.release_all)
+        exceptions = getattr(_client_package(self.client), "exceptions", None)
+        if self._asyncio:
+            self._spares = _AsyncSpareConnections(pool, self._conn_args, keep, exceptions)
+            return
+        spares = _SyncSpareConnections(pool, self._conn_args, keep, exceptions)
+        self._spares = spares
+        weakref.finalize(self, spares.release_all)
 
     # -- keys -------------------------------------------------------------------
     def _rule_prefix(self, cfg: LimiterConfig) -> str:
@@ -1317,12 +1476,13 @@ class RedisStorage(_RedisBase):
     ``near_cache=True`` denies a key the store has just denied locally until
     its ``retry_after`` (see :class:`_NearCache`).
 
-    ``keep_connections`` (default 8): how many connections a decision may
-    keep out of the client's pool between calls, instead of taking one and
-    giving it back each time, which costs more than the server spends on the
-    decision. ``0`` borrows from the pool on every call. A blocking pool,
-    or one whose ``max_connections`` is below twice this, keeps fewer or
-    none; ``close()`` gives them back.
+    ``keep_connections`` (default 8): how many connections decisions may
+    keep out of the derived client's pool between calls, instead of taking
+    one and giving it back each time, which costs more than the server
+    spends on the decision (see :class:`_SpareConnections`). ``0`` borrows
+    from the pool on every call, as does ``derive=False`` (your pool may
+    have other users to serve). A blocking pool, or one whose
+    ``max_connections`` is below twice this, keeps fewer or none.
     """
 
     # -- script calls -------------------------------------------------------------
@@ -1545,8 +1705,7 @@ class AsyncRedisStorage(_RedisBase):
     :meth:`snapshot_async` and :meth:`count`. The derived client (short
     timeout, no retries) is bound to the event loop that first uses it:
     build the storage per loop, and ``await storage.close()`` at the end.
-    ``keep_connections`` is :class:`RedisStorage`'s alone: here each call
-    still borrows from the client's pool.
+    ``keep_connections`` works as in :class:`RedisStorage`.
     """
 
     _asyncio: ClassVar[bool] = True
@@ -1565,6 +1724,9 @@ class AsyncRedisStorage(_RedisBase):
         cancellation disconnects the connection (redis-py's ``send_command``
         and ``read_response`` do it) before it goes back to the pool, so no
         late reply is ever read by the next caller."""
+        spares = self._spares
+        if spares is not None:
+            return await spares.call(args)
         pool = self._pool
         if pool is None:
             return await self.client.execute_command(*args)
@@ -1657,7 +1819,10 @@ class AsyncRedisStorage(_RedisBase):
         return len(names)
 
     async def close(self) -> None:
-        """Close the derived client's connections (never the caller's client)."""
+        """Give kept connections back and close the derived client's
+        connections (never the caller's client)."""
+        if self._spares is not None:
+            await self._spares.release_all()
         if self.client is not self.user_client:
             closer = getattr(self.client, "aclose", None) or self.client.close
             await closer()
