@@ -66,9 +66,22 @@ SCENARIOS: dict[str, str] = {
     "peek": "peek() on one hot key (decides, spends nothing)",
     "allow_many_100k": "allow_many() over 100,000 stored keys, per decision (nanolimit only)",
 }
-#: The short run leaves out the million-key scenario: filling a peer's store
-#: with a million keys one Python call at a time takes minutes.
-QUICK_SCENARIOS = tuple(s for s in SCENARIOS if s != "keys_1m")
+#: The same calls against each library's Redis backend (``--redis URL``):
+#: nanolimit's ``RedisStorage``, ``limits``' ``RedisStorage``, throttled-py's
+#: ``RedisStore``, pyrate-limiter's ``RedisBucket``/``RedisStateStore``.
+REDIS_SCENARIOS: dict[str, str] = {
+    "redis_hot_allowed": "Redis: allow() on one hot key, always allowed",
+    "redis_hot_denied": "Redis: allow() on one hot key whose budget is spent, always denied",
+    "redis_keys_1k": "Redis: allow() round-robin over 1,000 keys already in Redis",
+    "redis_cost_5": "Redis: allow(key, cost=5) on one hot key, always allowed",
+    "redis_peek": "Redis: peek() on one hot key (decides, spends nothing)",
+}
+SCENARIOS.update(REDIS_SCENARIOS)
+#: The short run leaves out the million-key scenario (filling a peer's store
+#: with a million keys one Python call at a time takes minutes), and the
+#: Redis ones unless a server is named.
+QUICK_SCENARIOS = tuple(s for s in SCENARIOS if s != "keys_1m" and s not in REDIS_SCENARIOS)
+MEMORY_SCENARIOS = tuple(s for s in SCENARIOS if s not in REDIS_SCENARIOS)
 
 #: Allowed-path scenarios need a budget no run can exhaust: 16M per second.
 HIGH_LIMIT = 1 << 24
@@ -78,6 +91,9 @@ DENIED_LIMIT = 1
 DENIED_WINDOW = 3600.0
 COST = 5
 BATCH = 1000
+#: a Redis decision is a round trip (tens of µs): fewer calls per timed repeat
+REDIS_BATCH = 100
+REDIS_KEYS = 1000
 KEYS_100K = 100_000
 KEYS_1M = 1_000_000
 HOT_KEY = "user:42"
@@ -131,6 +147,8 @@ class Library:
     #: what ``makers()`` will offer, known without importing the library
     algorithms: tuple[str, ...]
     note: str = ""
+    #: the same for the library's Redis backend, if it has one
+    redis_makers: Callable[[RedisTarget], dict[str, Maker]] | None = None
 
     def available(self) -> bool:
         return _importable(self.module)
@@ -324,17 +342,238 @@ def _token_bucket_makers() -> dict[str, Maker]:
     return {"token_bucket": make}
 
 
+# ---------------------------------------------------------------------------
+# The Redis backends
+# ---------------------------------------------------------------------------
+
+
+class RedisTarget:
+    """The server ``--redis URL`` names, and this run's mark on it.
+
+    Every key any library writes there carries ``marker`` (nanolimit through
+    its storage's prefix, a peer through a prefix on the key it is asked
+    about: one string concatenation, ~0.1 µs against a round trip of tens),
+    and each limiter gets a namespace of its own, so a cell never sees
+    another's state. :meth:`cleanup` deletes exactly those keys: nothing
+    else on the server is touched.
+    """
+
+    def __init__(self, url: str) -> None:
+        import os
+
+        self.url = url
+        self.marker = f"nlbench-{os.urandom(6).hex()}"
+        self._made = 0
+
+    def client(self) -> Any:
+        redis: Any = importlib.import_module("redis")
+        return redis.Redis.from_url(self.url)
+
+    def namespace(self) -> str:
+        self._made += 1
+        return f"{self.marker}-{self._made}:"
+
+    def check(self) -> None:
+        """Fail early, with the URL, if the server does not answer."""
+        client = self.client()
+        try:
+            client.ping()
+        finally:
+            client.close()
+
+    def cleanup(self) -> int:
+        client = self.client()
+        try:
+            removed = 0
+            batch: list[Any] = []
+            for key in client.scan_iter(match=f"*{self.marker}*", count=1000):
+                batch.append(key)
+                if len(batch) == 500:
+                    removed += int(client.delete(*batch))
+                    batch = []
+            if batch:
+                removed += int(client.delete(*batch))
+            return removed
+        finally:
+            client.close()
+
+
+def _nanolimit_redis_makers(module_name: str) -> Callable[[RedisTarget], dict[str, Maker]]:
+    """nanolimit's ``RedisStorage`` (one ``EVALSHA`` per decision, the
+    server's clock), failing loudly: a degraded answer must never be timed."""
+
+    def makers(target: RedisTarget) -> dict[str, Maker]:
+        module = importlib.import_module(module_name)
+        storage_type = importlib.import_module("nanolimit.redis_storage").RedisStorage
+        clock_type = importlib.import_module("nanolimit").SystemClock
+
+        def maker(cls_name: str) -> Maker:
+            def make(limit: int, window: float) -> Subject:
+                client = target.client()
+                storage = storage_type(client, prefix=target.namespace(), on_error="raise")
+                storage.load_scripts()
+                limiter = getattr(module, cls_name)(limit, window, storage, clock=clock_type())
+
+                def close() -> None:
+                    storage.close()
+                    client.close()
+
+                return Subject(
+                    allow=limiter.allow,
+                    allow_cost=limiter.allow,
+                    allowed=_decision_allowed,
+                    peek=limiter.peek,
+                    peek_allowed=_decision_allowed,
+                    allow_many=limiter.allow_many,
+                    close=close,
+                )
+
+            return make
+
+        return {alg: maker(cls) for alg, cls in LIMITER_CLASS_NAMES.items()}
+
+    return makers
+
+
+def _limits_redis_makers(target: RedisTarget) -> dict[str, Maker]:
+    """``limits``' ``RedisStorage`` under the same three strategies."""
+    limits: Any = importlib.import_module("limits")
+    storage_type, item_type, strategies = (
+        limits.storage.RedisStorage,
+        limits.RateLimitItemPerSecond,
+        limits.strategies,
+    )
+
+    def maker(strategy_type: Any) -> Maker:
+        def make(limit: int, window: float) -> Subject:
+            storage = storage_type(target.url)
+            strategy = strategy_type(storage)
+            item = item_type(limit, int(window))
+            hit, test, ns = strategy.hit, strategy.test, target.namespace()
+            return Subject(
+                allow=lambda key: hit(item, ns + key),
+                allow_cost=lambda key, cost: hit(item, ns + key, cost=cost),
+                allowed=bool,
+                peek=lambda key: test(item, ns + key),
+                peek_allowed=bool,
+            )
+
+        return make
+
+    return {
+        "fixed_window": maker(strategies.FixedWindowRateLimiter),
+        "sliding_log": maker(strategies.MovingWindowRateLimiter),
+        "sliding_counter": maker(strategies.SlidingWindowCounterRateLimiter),
+    }
+
+
+def _throttled_redis_makers(target: RedisTarget) -> dict[str, Maker]:
+    """throttled-py's ``RedisStore``."""
+    throttled: Any = importlib.import_module("throttled")
+
+    def maker(using: str) -> Maker:
+        def make(limit: int, window: float) -> Subject:
+            store = throttled.RedisStore(server=target.url)
+            quota = throttled.per_duration(datetime.timedelta(seconds=window), limit)
+            throttle = throttled.Throttled(using=using, quota=quota, store=store)
+            limit_call, peek, ns = throttle.limit, throttle.peek, target.namespace()
+            return Subject(
+                allow=lambda key: limit_call(ns + key),
+                allow_cost=lambda key, cost: limit_call(ns + key, cost),
+                allowed=_throttled_allowed,
+                peek=lambda key: peek(ns + key),
+                peek_allowed=_throttled_peek_allowed,
+            )
+
+        return make
+
+    return {
+        "token_bucket": maker("token_bucket"),
+        "leaky_bucket": maker("leaking_bucket"),
+        "fixed_window": maker("fixed_window"),
+        "sliding_counter": maker("sliding_window"),
+        "gcra": maker("gcra"),
+    }
+
+
+def _pyrate_redis_makers(target: RedisTarget) -> dict[str, Maker]:
+    """pyrate-limiter's Redis buckets, one per key through a ``BucketFactory``:
+    a ``RedisBucket`` (a sorted-set log) for the log algorithms, a
+    ``StateBucket`` over a ``RedisStateStore`` for the constant-state ones.
+    Both judge by the wall clock, in milliseconds."""
+    pl: Any = importlib.import_module("pyrate_limiter")
+
+    class PerKeyFactory(pl.BucketFactory):  # type: ignore[misc]
+        def __init__(self, build: Callable[[str], Any]) -> None:
+            self.clock = pl.WallClock()
+            self.build = build
+            self.buckets: dict[str, Any] = {}
+
+        def wrap_item(self, name: str, weight: int = 1) -> Any:
+            return pl.RateItem(name, self.clock.now(), weight=weight)
+
+        def get(self, item: Any) -> Any:
+            bucket = self.buckets.get(item.name)
+            if bucket is None:
+                bucket = self.buckets[item.name] = self.build(item.name)
+            return bucket
+
+    def maker(algorithm: Callable[[], Any], state: bool) -> Maker:
+        def make(limit: int, window: float) -> Subject:
+            client = target.client()
+            rates = [pl.Rate(limit, int(window * 1000))]
+            ns = target.namespace()
+
+            def build(name: str) -> Any:
+                if state:
+                    return pl.StateBucket(
+                        rates, algorithm=algorithm(), store=pl.RedisStateStore(client, ns + name)
+                    )
+                return pl.RedisBucket.init(rates, client, ns + name, algorithm=algorithm())
+
+            limiter = pl.Limiter(PerKeyFactory(build))
+            acquire = limiter.try_acquire
+
+            def close() -> None:
+                limiter.close()
+                client.close()
+
+            return Subject(
+                allow=partial(acquire, blocking=False),
+                allow_cost=lambda key, cost: acquire(key, cost, False),
+                allowed=bool,
+                close=close,
+            )
+
+        return make
+
+    return {
+        "token_bucket": maker(pl.TokenBucket, True),
+        "fixed_window": maker(pl.FixedWindow, False),
+        "sliding_log": maker(pl.SlidingWindowLog, False),
+        "gcra": maker(pl.GCRA, True),
+    }
+
+
 #: Every library the engine knows, ours first.
 LIBRARIES: dict[str, Library] = {
     lib.name: lib
     for lib in (
-        Library("nanolimit", "nanolimit", _nanolimit_makers("nanolimit"), ALGORITHMS, "the default twin"),
+        Library(
+            "nanolimit",
+            "nanolimit",
+            _nanolimit_makers("nanolimit"),
+            ALGORITHMS,
+            "the default twin",
+            _nanolimit_redis_makers("nanolimit"),
+        ),
         Library(
             "limits",
             "limits",
             _limits_makers,
             ("fixed_window", "sliding_log", "sliding_counter"),
             "MemoryStorage; moving window = sliding log",
+            _limits_redis_makers,
         ),
         Library(
             "throttled",
@@ -342,6 +581,7 @@ LIBRARIES: dict[str, Library] = {
             _throttled_makers,
             ("token_bucket", "leaky_bucket", "fixed_window", "sliding_counter", "gcra"),
             "throttled-py, MemoryStore",
+            _throttled_redis_makers,
         ),
         Library(
             "pyrate",
@@ -349,6 +589,7 @@ LIBRARIES: dict[str, Library] = {
             _pyrate_makers,
             ("token_bucket", "fixed_window", "sliding_log", "gcra"),
             "pyrate-limiter, a bucket per key",
+            _pyrate_redis_makers,
         ),
         Library("token_bucket", "token_bucket", _token_bucket_makers, ("token_bucket",), "token-bucket"),
         Library(
@@ -357,6 +598,7 @@ LIBRARIES: dict[str, Library] = {
             _nanolimit_makers("nanolimit.reference"),
             ALGORITHMS,
             "the pure-Python twin (only when asked for)",
+            _nanolimit_redis_makers("nanolimit.reference"),
         ),
     )
 }
@@ -492,8 +734,11 @@ def prepare(name: str, make: Maker, shared: Shared) -> Prepared:
 
     Raises ``NotImplementedError`` when the library has no API for it (no
     ``peek``, no batch call), and :class:`WrongPath` when its first answers
-    are not the ones the scenario is about.
+    are not the ones the scenario is about. A ``redis_`` scenario takes a
+    maker of the library's Redis backend.
     """
+    if name in REDIS_SCENARIOS:
+        return _prepare_redis(name.removeprefix("redis_"), make)
     if name in ("hot_allowed", "cost_5", "peek"):
         s = make(HIGH_LIMIT, HIGH_WINDOW)
         if name == "hot_allowed":
@@ -557,6 +802,76 @@ def prepare(name: str, make: Maker, shared: Shared) -> Prepared:
             lambda: _expect(bool(many([HOT_KEY]).allowed[0]), "allow_many denied"),
         )
     raise ValueError(f"unknown scenario {name!r}")
+
+
+def _prepare_redis(name: str, make: Maker) -> Prepared:
+    """The Redis scenarios: the in-memory ones' calls, ``REDIS_BATCH`` per
+    timed repeat, and a round-robin over ``REDIS_KEYS`` keys."""
+    if name == "keys_1k":
+        s = make(HIGH_LIMIT, HIGH_WINDOW)
+        keys = key_list(REDIS_KEYS)
+        for k in keys:
+            s.allow(k)
+        _expect(s.allowed(s.allow(keys[0])), "a stored key was denied")
+        cursor = 0
+
+        def setup() -> tuple[Any, ...]:
+            nonlocal cursor
+            chunk = keys[cursor : cursor + REDIS_BATCH]
+            cursor = (cursor + REDIS_BATCH) % len(keys)
+            return s.allow, chunk
+
+        return Prepared(
+            _run,
+            setup,
+            REDIS_BATCH,
+            lambda: _expect(s.allowed(s.allow(keys[cursor])), "a stored key was denied"),
+            s.close,
+        )
+    hot = [HOT_KEY] * REDIS_BATCH
+    if name == "hot_denied":
+        s = make(DENIED_LIMIT, DENIED_WINDOW)
+        _expect(s.allowed(s.allow(HOT_KEY)), "the first request was denied")
+        _expect(not s.allowed(s.allow(HOT_KEY)), "the second request passed")
+        return Prepared(
+            _run,
+            lambda: (s.allow, hot),
+            REDIS_BATCH,
+            lambda: _expect(not s.allowed(s.allow(HOT_KEY)), "a spent key passed"),
+            s.close,
+        )
+    s = make(HIGH_LIMIT, HIGH_WINDOW)
+    if name == "hot_allowed":
+        return Prepared(
+            _run,
+            lambda: (s.allow, hot),
+            REDIS_BATCH,
+            lambda: _expect(s.allowed(s.allow(HOT_KEY)), "the hot key was denied"),
+            s.close,
+        )
+    if name == "cost_5":
+        return Prepared(
+            _run_cost,
+            lambda: (s.allow_cost, hot, COST),
+            REDIS_BATCH,
+            lambda: _expect(s.allowed(s.allow_cost(HOT_KEY, COST)), "cost 5 was denied"),
+            s.close,
+        )
+    if name == "peek":
+        peek, peek_allowed = s.peek, s.peek_allowed
+        if peek is None or peek_allowed is None:
+            s.close()
+            raise NotImplementedError("no peek")
+        s.allow(HOT_KEY)
+        return Prepared(
+            _run,
+            lambda: (peek, hot),
+            REDIS_BATCH,
+            lambda: _expect(peek_allowed(peek(HOT_KEY)), "peek said no"),
+            s.close,
+        )
+    s.close()
+    raise ValueError(f"unknown Redis scenario {name!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -697,39 +1012,96 @@ def run(
     algorithms: Iterable[str] | None = None,
     scenarios: Iterable[str] | None = None,
     progress: Callable[[str], None] | None = None,
+    redis_url: str | None = None,
 ) -> Results:
     """Measure every library × algorithm × scenario asked for, in this process.
 
     Unknown names raise ``ValueError``; a library that is not installed, or
     lacks an algorithm or a scenario's API, simply has no cell (or an
-    ``error`` cell saying why), so the run always completes.
+    ``error`` cell saying why), so the run always completes. ``redis_url``
+    adds the ``redis_`` scenarios (they need it); the keys they write there
+    are deleted at the end.
     """
     libs = list(libraries or DEFAULT_LIBRARIES)
     algs = list(algorithms or ALGORITHMS)
-    scens = list(scenarios or (QUICK_SCENARIOS if quick else SCENARIOS))
+    default = list(QUICK_SCENARIOS if quick else MEMORY_SCENARIOS)
+    if redis_url:
+        default += list(REDIS_SCENARIOS)
+    scens = list(scenarios or default)
     for name, known in ((libs, LIBRARIES), (algs, ALGORITHMS), (scens, SCENARIOS)):
         unknown = [n for n in name if n not in known]
         if unknown:
             raise ValueError(f"unknown: {', '.join(unknown)} (known: {', '.join(known)})")
+    wants_redis = [scen for scen in scens if scen in REDIS_SCENARIOS]
+    if wants_redis and not redis_url:
+        raise ValueError(f"{', '.join(wants_redis)} need a server: --redis redis://HOST:PORT/DB")
+    target = RedisTarget(redis_url) if redis_url and wants_redis else None
+    if target is not None:
+        try:
+            target.check()
+        except Exception as exc:  # any client error: say which server, and why
+            raise ValueError(f"no Redis answering at {_public_url(target.url)}: {exc}") from exc
     budget = QUICK_BUDGET if quick else FULL_BUDGET
     results = Results(_meta(quick))
     results.meta["loop_overhead_ns"] = round(loop_overhead_ns(budget), 1)
+    if target is not None:
+        results.meta["redis"] = _public_url(target.url)
     say = progress or (lambda _msg: None)
     missing = [lib for lib in libs if not LIBRARIES[lib].available()]
     results.meta["missing"] = missing
     shared = Shared()
     for lib_name in missing:
         say(f"{lib_name}: not installed, skipped (pip install 'nanolimit[bench]')")
-    makers = {lib: LIBRARIES[lib].makers() for lib in libs if lib not in missing}
+    present = [lib for lib in libs if lib not in missing]
+    makers = {lib: LIBRARIES[lib].makers() for lib in present}
+    redis_makers: dict[str, dict[str, Maker]] = {}
+    if target is not None:
+        for lib in present:
+            found = LIBRARIES[lib].redis_makers
+            if found is not None:
+                redis_makers[lib] = found(target)
+    try:
+        _run_cells(results, algs, makers, redis_makers, scens, shared, budget, say)
+    finally:
+        if target is not None:
+            results.meta["redis_keys_removed"] = target.cleanup()
+    return results
+
+
+def _public_url(url: str) -> str:
+    """``url`` without its password, for a report."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host += f":{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + host))
+
+
+def _run_cells(
+    results: Results,
+    algs: list[str],
+    makers: dict[str, dict[str, Maker]],
+    redis_makers: dict[str, dict[str, Maker]],
+    scens: list[str],
+    shared: Shared,
+    budget: Budget,
+    say: Callable[[str], None],
+) -> None:
     # algorithm outermost: ours and each peer's figures for one algorithm are
     # taken seconds apart, so a change in the machine's load skews no ratio
     for alg in algs:
         for lib_name, lib_makers in makers.items():
-            make = lib_makers.get(alg)
-            if make is None:
-                continue
             try:
                 for scen in scens:
+                    source = redis_makers.get(lib_name, {}) if scen in REDIS_SCENARIOS else lib_makers
+                    make = source.get(alg)
+                    if make is None:
+                        continue
                     if scen == "allow_many_100k" and not lib_name.startswith(OURS):
                         continue
                     say(f"{alg} {lib_name} {scen}")
@@ -750,7 +1122,6 @@ def run(
             finally:
                 shared.close()
                 gc.collect()
-    return results
 
 
 # ---------------------------------------------------------------------------
@@ -904,7 +1275,7 @@ def _csv(value: str | None) -> list[str] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``nanolimit bench [--full] [--json] [--plot PATH] [--libraries a,b] ...``"""
+    """``nanolimit bench [--full] [--json] [--plot PATH] [--redis URL] [--libraries a,b] ...``"""
     parser = argparse.ArgumentParser(
         prog="nanolimit bench",
         description="nanolimit and its peers side by side: ns per decision, measured in this process.",
@@ -916,6 +1287,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--libraries", help=f"comma-separated, from: {', '.join(LIBRARIES)}")
     parser.add_argument("--algorithms", help=f"comma-separated, from: {', '.join(ALGORITHMS)}")
     parser.add_argument("--scenarios", help=f"comma-separated, from: {', '.join(SCENARIOS)}")
+    parser.add_argument(
+        "--redis",
+        metavar="URL",
+        help="also run the redis_ scenarios against this server (redis://HOST:PORT/DB); "
+        "the keys written there are deleted at the end",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     if args.plot and not _importable("matplotlib"):  # fail now, not after minutes
@@ -931,6 +1308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             algorithms=_csv(args.algorithms),
             scenarios=_csv(args.scenarios),
             progress=None if args.quiet else progress,
+            redis_url=args.redis,
         )
     except ValueError as exc:
         parser.exit(2, f"nanolimit bench: {exc}\n")
