@@ -1142,7 +1142,7 @@ def format_table(results: Results) -> str:
         f"nanolimit bench ({'quick' if meta.get('quick') else 'full'}) - {meta['date']}",
         f"{meta['python']} on {meta['platform']}",
         "versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
-        f"ns per decision, median (min-max) over repeats of {BATCH} calls; "
+        f"ns per decision, median (min-max) over repeats of {BATCH} calls ({REDIS_BATCH} on Redis); "
         f"every figure includes the driving loop, {meta['loop_overhead_ns']} ns",
         "",
     ]
@@ -1185,7 +1185,7 @@ def format_markdown(results: Results) -> str:
         f"{meta['python']}, {meta['platform']}, {meta['date']}; "
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         "",
-        f"ns per decision, median of repeats of {BATCH} calls "
+        f"ns per decision, median of repeats of {BATCH} calls ({REDIS_BATCH} on Redis) "
         f"(loop included: {meta['loop_overhead_ns']} ns); in brackets, how many times faster nanolimit is.",
     ]
     for scen, title in SCENARIOS.items():
