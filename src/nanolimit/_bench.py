@@ -653,8 +653,8 @@ class Prepared:
     close: Callable[[], None] = _nothing
 
 
-def _hot(call: Callable[[str], Any]) -> tuple[Callable[..., Any], Callable[[], tuple[Any, ...]]]:
-    keys = [HOT_KEY] * BATCH
+def _hot(call: Callable[[str], Any], batch: int) -> tuple[Callable[..., Any], Callable[[], tuple[Any, ...]]]:
+    keys = [HOT_KEY] * batch
     return _run, lambda: (call, keys)
 
 
@@ -668,21 +668,23 @@ def _prefill(subject: Subject, keys: list[str]) -> None:
             allow(k)
 
 
-def _round_robin(subject: Subject, keys: list[str], close: Callable[[], None]) -> Prepared:
+def _round_robin(
+    subject: Subject, keys: list[str], close: Callable[[], None], batch: int = BATCH
+) -> Prepared:
     _expect(subject.allowed(subject.allow(keys[0])), "a stored key was denied")
     cursor = 0
     allow = subject.allow
 
     def setup() -> tuple[Any, ...]:
         nonlocal cursor
-        chunk = keys[cursor : cursor + BATCH]
-        cursor = (cursor + BATCH) % len(keys)
+        chunk = keys[cursor : cursor + batch]
+        cursor = (cursor + batch) % len(keys)
         return allow, chunk
 
     def check() -> None:
         _expect(subject.allowed(allow(keys[cursor])), "a stored key was denied")
 
-    return Prepared(_run, setup, BATCH, check, close)
+    return Prepared(_run, setup, batch, check, close)
 
 
 def _fresh(subject: Subject, population: int) -> Prepared:
@@ -738,48 +740,16 @@ def prepare(name: str, make: Maker, shared: Shared) -> Prepared:
     maker of the library's Redis backend.
     """
     if name in REDIS_SCENARIOS:
-        return _prepare_redis(name.removeprefix("redis_"), make)
-    if name in ("hot_allowed", "cost_5", "peek"):
-        s = make(HIGH_LIMIT, HIGH_WINDOW)
-        if name == "hot_allowed":
-            body, setup = _hot(s.allow)
-            return Prepared(
-                body,
-                setup,
-                BATCH,
-                lambda: _expect(s.allowed(s.allow(HOT_KEY)), "the hot key was denied"),
-                s.close,
-            )
-        if name == "cost_5":
-            keys = [HOT_KEY] * BATCH
-            return Prepared(
-                _run_cost,
-                lambda: (s.allow_cost, keys, COST),
-                BATCH,
-                lambda: _expect(s.allowed(s.allow_cost(HOT_KEY, COST)), "cost 5 was denied"),
-                s.close,
-            )
-        peek, peek_allowed = s.peek, s.peek_allowed
-        if peek is None or peek_allowed is None:
-            s.close()
-            raise NotImplementedError("no peek")
-        s.allow(HOT_KEY)
-        body, setup = _hot(peek)
-        return Prepared(
-            body, setup, BATCH, lambda: _expect(peek_allowed(peek(HOT_KEY)), "peek said no"), s.close
-        )
-    if name == "hot_denied":
-        s = make(DENIED_LIMIT, DENIED_WINDOW)
-        _expect(s.allowed(s.allow(HOT_KEY)), "the first request was denied")
-        _expect(not s.allowed(s.allow(HOT_KEY)), "the second request passed")
-        body, setup = _hot(s.allow)
-        return Prepared(
-            body,
-            setup,
-            BATCH,
-            lambda: _expect(not s.allowed(s.allow(HOT_KEY)), "a spent key passed"),
-            s.close,
-        )
+        name = name.removeprefix("redis_")
+        if name == "keys_1k":
+            s = make(HIGH_LIMIT, HIGH_WINDOW)
+            keys = key_list(REDIS_KEYS)
+            for k in keys:
+                s.allow(k)
+            return _round_robin(s, keys, s.close, REDIS_BATCH)
+        return _hot_cell(name, make, REDIS_BATCH)
+    if name in ("hot_allowed", "hot_denied", "cost_5", "peek"):
+        return _hot_cell(name, make, BATCH)
     if name == "keys_1m":
         keys = key_list(KEYS_1M)
         s = make(HIGH_LIMIT, HIGH_WINDOW)
@@ -804,74 +774,48 @@ def prepare(name: str, make: Maker, shared: Shared) -> Prepared:
     raise ValueError(f"unknown scenario {name!r}")
 
 
-def _prepare_redis(name: str, make: Maker) -> Prepared:
-    """The Redis scenarios: the in-memory ones' calls, ``REDIS_BATCH`` per
-    timed repeat, and a round-robin over ``REDIS_KEYS`` keys."""
-    if name == "keys_1k":
-        s = make(HIGH_LIMIT, HIGH_WINDOW)
-        keys = key_list(REDIS_KEYS)
-        for k in keys:
-            s.allow(k)
-        _expect(s.allowed(s.allow(keys[0])), "a stored key was denied")
-        cursor = 0
-
-        def setup() -> tuple[Any, ...]:
-            nonlocal cursor
-            chunk = keys[cursor : cursor + REDIS_BATCH]
-            cursor = (cursor + REDIS_BATCH) % len(keys)
-            return s.allow, chunk
-
-        return Prepared(
-            _run,
-            setup,
-            REDIS_BATCH,
-            lambda: _expect(s.allowed(s.allow(keys[cursor])), "a stored key was denied"),
-            s.close,
-        )
-    hot = [HOT_KEY] * REDIS_BATCH
+def _hot_cell(name: str, make: Maker, batch: int) -> Prepared:
+    """The one-key scenarios: ``batch`` calls on ``HOT_KEY`` per timed repeat."""
     if name == "hot_denied":
         s = make(DENIED_LIMIT, DENIED_WINDOW)
         _expect(s.allowed(s.allow(HOT_KEY)), "the first request was denied")
         _expect(not s.allowed(s.allow(HOT_KEY)), "the second request passed")
+        body, setup = _hot(s.allow, batch)
         return Prepared(
-            _run,
-            lambda: (s.allow, hot),
-            REDIS_BATCH,
+            body,
+            setup,
+            batch,
             lambda: _expect(not s.allowed(s.allow(HOT_KEY)), "a spent key passed"),
             s.close,
         )
     s = make(HIGH_LIMIT, HIGH_WINDOW)
     if name == "hot_allowed":
+        body, setup = _hot(s.allow, batch)
         return Prepared(
-            _run,
-            lambda: (s.allow, hot),
-            REDIS_BATCH,
+            body,
+            setup,
+            batch,
             lambda: _expect(s.allowed(s.allow(HOT_KEY)), "the hot key was denied"),
             s.close,
         )
     if name == "cost_5":
+        keys = [HOT_KEY] * batch
         return Prepared(
             _run_cost,
-            lambda: (s.allow_cost, hot, COST),
-            REDIS_BATCH,
+            lambda: (s.allow_cost, keys, COST),
+            batch,
             lambda: _expect(s.allowed(s.allow_cost(HOT_KEY, COST)), "cost 5 was denied"),
             s.close,
         )
-    if name == "peek":
-        peek, peek_allowed = s.peek, s.peek_allowed
-        if peek is None or peek_allowed is None:
-            s.close()
-            raise NotImplementedError("no peek")
-        s.allow(HOT_KEY)
-        return Prepared(
-            _run,
-            lambda: (peek, hot),
-            REDIS_BATCH,
-            lambda: _expect(peek_allowed(peek(HOT_KEY)), "peek said no"),
-            s.close,
-        )
-    s.close()
-    raise ValueError(f"unknown Redis scenario {name!r}")
+    peek, peek_allowed = s.peek, s.peek_allowed
+    if name != "peek" or peek is None or peek_allowed is None:
+        s.close()
+        if name != "peek":
+            raise ValueError(f"unknown scenario {name!r}")
+        raise NotImplementedError("no peek")
+    s.allow(HOT_KEY)
+    body, setup = _hot(peek, batch)
+    return Prepared(body, setup, batch, lambda: _expect(peek_allowed(peek(HOT_KEY)), "peek said no"), s.close)
 
 
 # ---------------------------------------------------------------------------
@@ -1146,7 +1090,9 @@ def format_table(results: Results) -> str:
         f"every figure includes the driving loop, {meta['loop_overhead_ns']} ns",
         "",
     ]
-    header = f"{'scenario':<16} {'algorithm':<16} {'library':<20} {'median':>9} {'min-max':>19}  nanolimit is"
+    w = max(len(c.scenario) for c in results.cells) if results.cells else 16
+    header = f"{'scenario':<{w}} {'algorithm':<16} {'library':<20} {'median':>9} {'min-max':>19}"
+    header += "  nanolimit is"
     lines += [header, "-" * len(header)]
     order = {s: i for i, s in enumerate(SCENARIOS)}
     alg_order = {a: i for i, a in enumerate(ALGORITHMS)}
@@ -1163,14 +1109,14 @@ def format_table(results: Results) -> str:
         alg = c.algorithm if group != previous else ""
         previous = group
         if c.error:
-            lines.append(f"{scen:<16} {alg:<16} {c.library:<20} error: {c.error}")
+            lines.append(f"{scen:<{w}} {alg:<16} {c.library:<20} error: {c.error}")
             continue
         ratio = results.ratio(c)
         spread = f"{_ns(c.min_ns)}-{_ns(c.max_ns)}"
         verdict = ""
         if ratio is not None:
             verdict = f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x SLOWER"
-        lines.append(f"{scen:<16} {alg:<16} {c.library:<20} {_ns(c.median_ns):>9} {spread:>19}  {verdict}")
+        lines.append(f"{scen:<{w}} {alg:<16} {c.library:<20} {_ns(c.median_ns):>9} {spread:>19}  {verdict}")
     if meta.get("missing"):
         lines += ["", "not installed: " + ", ".join(meta["missing"]) + " (pip install 'nanolimit[bench]')"]
     return "\n".join(lines)
