@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+from conftest import check_adapter
 
 from nanolimit import _bench
 from nanolimit._bench import ALGORITHMS, LIBRARIES, Maker, Prepared, Shared
@@ -72,7 +72,7 @@ def shared() -> Iterator[Shared]:
 
 
 @pytest.mark.parametrize(("lib", "alg", "scen"), CASES)
-def test_peer(benchmark, shared: Shared, lib: str, alg: str, scen: str) -> None:
+def test_peer(time_cell: Callable[..., None], shared: Shared, lib: str, alg: str, scen: str) -> None:
     if scen == "keys_1m" and lib != "nanolimit" and not os.environ.get("NANOLIMIT_BENCH_MILLION"):
         pytest.skip("a peer's million-key fill takes minutes: set NANOLIMIT_BENCH_MILLION=1")
     make = _cached_maker(lib, alg)
@@ -80,45 +80,13 @@ def test_peer(benchmark, shared: Shared, lib: str, alg: str, scen: str) -> None:
         prepared: Prepared = _bench.prepare(scen, make, shared)
     except NotImplementedError as exc:
         pytest.skip(f"{lib} has {exc}")
-    try:
-        benchmark.group = f"{alg}/{scen}"
-        args = prepared.setup()
-        t0 = time.perf_counter()
-        prepared.body(*args)  # warm-up, and the size of a round
-        rounds = max(3, min(200, int(CASE_SECONDS / max(time.perf_counter() - t0, 1e-9))))
-        benchmark.pedantic(prepared.body, setup=lambda: (prepared.setup(), {}), rounds=rounds)
-        prepared.check()
-        stats = benchmark.stats.stats if benchmark.stats else None
-        if stats is not None:
-            benchmark.extra_info["ns_per_decision_median"] = round(stats.median / prepared.decisions * 1e9, 1)
-            benchmark.extra_info["ns_per_decision_min"] = round(stats.min / prepared.decisions * 1e9, 1)
-    finally:
-        prepared.close()
+    time_cell(prepared, f"{alg}/{scen}", CASE_SECONDS, 200)
 
 
 @pytest.mark.parametrize(("lib", "alg"), PAIRS)
 def test_adapter_sanity(lib: str, alg: str) -> None:
-    """Each adapter decides: 5 per hour admits exactly 5 of 7 on a fresh key,
-    a cost of 4 against 10 passes twice of three times, and peek (where the
-    library has one) says yes to a fresh key and spends nothing."""
-    make = _maker(lib, alg)
-    s = make(5, 3600.0)
-    try:
-        verdicts = [s.allowed(s.allow("sanity")) for _ in range(7)]
-        assert verdicts == [True] * 5 + [False] * 2, verdicts
-        assert s.allowed(s.allow("another")), "keys must not share a budget"
-    finally:
-        s.close()
-    s = make(10, 3600.0)
-    try:
-        verdicts = [s.allowed(s.allow_cost("weighted", 4)) for _ in range(3)]
-        assert verdicts == [True, True, False], verdicts
-        if s.peek is not None and s.peek_allowed is not None:
-            for _ in range(3):
-                assert s.peek_allowed(s.peek("peeked"))
-            assert [s.allowed(s.allow_cost("peeked", 4)) for _ in range(3)] == [True, True, False]
-    finally:
-        s.close()
+    """Each adapter decides (see ``conftest.check_adapter``)."""
+    check_adapter(_maker(lib, alg))
 
 
 def test_bench_cli_smoke(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,16 +16,11 @@ instead of ~27 µs for PING), which measures the scheduler, not the limiter.
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
+from conftest import pinned_to_one_core
 from redis_servers import Server, find_binary
 
 from nanolimit import FakeClock
@@ -46,16 +41,8 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         pytest.skip(f"!!! {request.param}-server not found: Redis benchmarks NOT run !!!")
     srv = Server(binary, request.param)
     srv.start()
-    pinned = os.environ.get("NANOLIMIT_BENCH_PIN", "1") != "0" and hasattr(os, "sched_setaffinity")
-    before = os.sched_getaffinity(0) if pinned else None
-    if pinned:
-        cpu = min(os.sched_getaffinity(0))
-        assert srv.proc is not None
-        os.sched_setaffinity(srv.proc.pid, {cpu})
-        os.sched_setaffinity(0, {cpu})
-    yield srv
-    if before is not None:
-        os.sched_setaffinity(0, before)
+    with pinned_to_one_core(srv):
+        yield srv
     srv.stop()
 
 

@@ -35,6 +35,21 @@ def _count_borrows(pool: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return borrows
 
 
+def _counted(
+    backend: types.SimpleNamespace,
+    make_storage: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    rule: str,
+    **kwargs: Any,
+) -> tuple[Any, list[int], Any]:
+    """A storage with its scripts loaded, its pool's borrows counted from
+    here on, and a token bucket of 100 on it."""
+    storage = make_storage(**kwargs)
+    storage.load_scripts()
+    borrows = _count_borrows(storage.client.connection_pool, monkeypatch)
+    return storage, borrows, backend.TokenBucket(100, 60.0, storage, rule=rule)
+
+
 def _received(server: Any) -> int:
     """Connections the server has accepted so far."""
     admin = server.client()
@@ -47,10 +62,7 @@ def _received(server: Any) -> int:
 def test_decisions_reuse_a_kept_connection(
     backend: types.SimpleNamespace, make_storage: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    storage = make_storage()
-    storage.load_scripts()
-    borrows = _count_borrows(storage.client.connection_pool, monkeypatch)
-    limiter = backend.TokenBucket(100, 60.0, storage, rule="reuse")
+    storage, borrows, limiter = _counted(backend, make_storage, monkeypatch, "reuse")
     remaining = [limiter.allow("k").remaining for _ in range(50)]
     assert remaining == list(range(99, 49, -1))
     assert borrows[0] == 1
@@ -60,11 +72,8 @@ def test_decisions_reuse_a_kept_connection(
 def test_keep_connections_zero_borrows_every_time(
     backend: types.SimpleNamespace, make_storage: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    storage = make_storage(keep_connections=0)
+    storage, borrows, limiter = _counted(backend, make_storage, monkeypatch, "borrow", keep_connections=0)
     assert storage._spares is None
-    storage.load_scripts()
-    borrows = _count_borrows(storage.client.connection_pool, monkeypatch)
-    limiter = backend.TokenBucket(100, 60.0, storage, rule="borrow")
     assert [limiter.allow("k").remaining for _ in range(10)] == list(range(99, 89, -1))
     assert borrows[0] == 10
 
@@ -115,11 +124,7 @@ def test_a_connection_the_server_closed_is_replaced_before_use(
 def test_an_idle_connection_goes_back_through_the_pool(
     backend: types.SimpleNamespace, make_storage: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    storage = make_storage()
-    storage.load_scripts()
-    pool = storage.client.connection_pool
-    borrows = _count_borrows(pool, monkeypatch)
-    limiter = backend.TokenBucket(100, 60.0, storage, rule="idle")
+    _, borrows, limiter = _counted(backend, make_storage, monkeypatch, "idle")
     limiter.allow("k")
     monkeypatch.setattr(_SpareConnections, "IDLE_CHECK", 0.0)
     time.sleep(0.01)
@@ -212,11 +217,7 @@ def test_a_connection_redis_py_wants_back_goes_through_the_pool(
 ) -> None:
     """A reconnect flag (a maintenance notice) or a long keep sends a kept
     connection back through the pool, where redis-py acts on its release."""
-    storage = make_storage()
-    storage.load_scripts()
-    pool = storage.client.connection_pool
-    borrows = _count_borrows(pool, monkeypatch)
-    limiter = backend.TokenBucket(100, 60.0, storage, rule="due")
+    storage, borrows, limiter = _counted(backend, make_storage, monkeypatch, "due")
     limiter.allow("k")
     (kept,) = [entry[0] for entry in storage._spares._idle]
     kept.mark_for_reconnect()
@@ -369,10 +370,7 @@ def test_a_fork_the_hook_missed_is_caught_by_the_pid(
     """A C-level fork that skips Python's at-fork hooks: the kept
     connections were recorded under another process id, so they are dropped
     unused (the pool resets itself for the new process)."""
-    storage = make_storage()
-    storage.load_scripts()
-    borrows = _count_borrows(storage.client.connection_pool, monkeypatch)
-    limiter = backend.TokenBucket(100, 60.0, storage, rule="pid")
+    storage, borrows, limiter = _counted(backend, make_storage, monkeypatch, "pid")
     limiter.allow("k")
     (kept,) = [entry[0] for entry in storage._spares._idle]
     storage._spares._pid = -1  # as if recorded by the parent

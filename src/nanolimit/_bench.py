@@ -191,51 +191,101 @@ def _decision_allowed(decision: Any) -> bool:
     return bool(decision.allowed)
 
 
-def _limits_makers() -> dict[str, Maker]:
-    """``limits``: the three strategies over ``MemoryStorage``.
-
-    Its moving window is an exact log (our sliding log), its sliding window
-    counter the same approximation as ours.
-    """
-    limits: Any = importlib.import_module("limits")  # Any: peers are optional, and untyped to mypy here
-    storage_type, item_type, strategies = (
-        limits.storage.MemoryStorage,
-        limits.RateLimitItemPerSecond,
-        limits.strategies,
+def _limits_subject(
+    storage: Any, strategy_type: Any, item: Any, ns: str, close: Callable[[], None]
+) -> Subject:
+    """One ``limits`` strategy over ``storage``; ``ns`` prefixes each key
+    (Redis: a namespace per limiter), and none means the bound methods
+    themselves."""
+    strategy = strategy_type(storage)
+    hit, test = strategy.hit, strategy.test
+    if not ns:
+        return Subject(
+            allow=partial(hit, item),
+            allow_cost=lambda key, cost: hit(item, key, cost=cost),
+            allowed=bool,
+            peek=partial(test, item),
+            peek_allowed=bool,
+            close=close,
+        )
+    return Subject(
+        allow=lambda key: hit(item, ns + key),
+        allow_cost=lambda key, cost: hit(item, ns + key, cost=cost),
+        allowed=bool,
+        peek=lambda key: test(item, ns + key),
+        peek_allowed=bool,
+        close=close,
     )
+
+
+def _limits_strategies(limits: Any) -> dict[str, Any]:
+    """Its moving window is an exact log (our sliding log), its sliding
+    window counter the same approximation as ours."""
+    strategies = limits.strategies
+    return {
+        "fixed_window": strategies.FixedWindowRateLimiter,
+        "sliding_log": strategies.MovingWindowRateLimiter,
+        "sliding_counter": strategies.SlidingWindowCounterRateLimiter,
+    }
+
+
+def _limits_makers() -> dict[str, Maker]:
+    """``limits``: the three strategies over ``MemoryStorage``."""
+    limits: Any = importlib.import_module("limits")  # Any: peers are optional, and untyped to mypy here
 
     def maker(strategy_type: Any) -> Maker:
         def make(limit: int, window: float) -> Subject:
-            storage = storage_type()
-            strategy = strategy_type(storage)
-            item = item_type(limit, int(window))
-            hit = strategy.hit
+            storage = limits.storage.MemoryStorage()
 
             def close() -> None:
                 storage.timer.cancel()  # its expiry sweep would run on in the next cell
                 storage.reset()
 
-            return Subject(
-                allow=partial(hit, item),
-                allow_cost=lambda key, cost: hit(item, key, cost=cost),
-                allowed=bool,
-                peek=partial(strategy.test, item),
-                peek_allowed=bool,
-                close=close,
-            )
+            item = limits.RateLimitItemPerSecond(limit, int(window))
+            return _limits_subject(storage, strategy_type, item, "", close)
 
         return make
 
-    return {
-        "fixed_window": maker(strategies.FixedWindowRateLimiter),
-        "sliding_log": maker(strategies.MovingWindowRateLimiter),
-        "sliding_counter": maker(strategies.SlidingWindowCounterRateLimiter),
-    }
+    return {alg: maker(strategy) for alg, strategy in _limits_strategies(limits).items()}
 
 
 #: throttled-py's MemoryStore is an LRU of 1,024 keys by default; a smaller
 #: store than the key set would measure evictions, not decisions.
 THROTTLED_MAX_SIZE = 4 * KEYS_1M
+
+
+#: ours -> throttled-py's name for it
+THROTTLED_ALGORITHMS = {
+    "token_bucket": "token_bucket",
+    "leaky_bucket": "leaking_bucket",
+    "fixed_window": "fixed_window",
+    "sliding_counter": "sliding_window",
+    "gcra": "gcra",
+}
+
+
+def _throttled_subject(throttled: Any, store: Any, using: str, limit: int, window: float, ns: str) -> Subject:
+    """One ``Throttled`` over ``store``; ``ns`` prefixes each key (Redis), and
+    none means the bound methods themselves."""
+    quota = throttled.per_duration(datetime.timedelta(seconds=window), limit)
+    throttle = throttled.Throttled(using=using, quota=quota, store=store)
+    limit_call, peek = throttle.limit, throttle.peek
+    if not ns:
+        return Subject(
+            allow=limit_call,
+            allow_cost=limit_call,
+            allowed=_throttled_allowed,
+            peek=peek,
+            # peek answers a state, not a verdict: a unit left means a pass
+            peek_allowed=_throttled_peek_allowed,
+        )
+    return Subject(
+        allow=lambda key: limit_call(ns + key),
+        allow_cost=lambda key, cost: limit_call(ns + key, cost),
+        allowed=_throttled_allowed,
+        peek=lambda key: peek(ns + key),
+        peek_allowed=_throttled_peek_allowed,
+    )
 
 
 def _throttled_makers() -> dict[str, Maker]:
@@ -245,26 +295,11 @@ def _throttled_makers() -> dict[str, Maker]:
     def maker(using: str) -> Maker:
         def make(limit: int, window: float) -> Subject:
             store = throttled.MemoryStore(options={"MAX_SIZE": THROTTLED_MAX_SIZE})
-            quota = throttled.per_duration(datetime.timedelta(seconds=window), limit)
-            throttle = throttled.Throttled(using=using, quota=quota, store=store)
-            return Subject(
-                allow=throttle.limit,
-                allow_cost=throttle.limit,
-                allowed=_throttled_allowed,
-                peek=throttle.peek,
-                # peek answers a state, not a verdict: a unit left means a pass
-                peek_allowed=_throttled_peek_allowed,
-            )
+            return _throttled_subject(throttled, store, using, limit, window, "")
 
         return make
 
-    return {
-        "token_bucket": maker("token_bucket"),
-        "leaky_bucket": maker("leaking_bucket"),
-        "fixed_window": maker("fixed_window"),
-        "sliding_counter": maker("sliding_window"),
-        "gcra": maker("gcra"),
-    }
+    return {alg: maker(using) for alg, using in THROTTLED_ALGORITHMS.items()}
 
 
 def _throttled_allowed(result: Any) -> bool:
@@ -273,6 +308,50 @@ def _throttled_allowed(result: Any) -> bool:
 
 def _throttled_peek_allowed(state: Any) -> bool:
     return bool(state.remaining >= 1)
+
+
+def _pyrate_per_key(pl: Any, build: Callable[[str], Any], clock: Any, leak: bool) -> Any:
+    """pyrate-limiter's per-key limits: a ``BucketFactory`` that builds one
+    bucket per name (what its README documents); ``leak`` schedules the
+    in-memory buckets' leak task, as ``BucketFactory.create`` does."""
+
+    class PerKeyFactory(pl.BucketFactory):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.clock = clock
+            self.buckets: dict[str, Any] = {}
+
+        def wrap_item(self, name: str, weight: int = 1) -> Any:
+            return pl.RateItem(name, self.clock.now(), weight=weight)
+
+        def get(self, item: Any) -> Any:
+            bucket = self.buckets.get(item.name)
+            if bucket is None:
+                bucket = self.buckets[item.name] = build(item.name)
+                if leak:
+                    self.schedule_leak(bucket)
+            return bucket
+
+    return PerKeyFactory()
+
+
+def _pyrate_subject(limiter: Any, close: Callable[[], None]) -> Subject:
+    acquire = limiter.try_acquire
+    return Subject(
+        allow=partial(acquire, blocking=False),
+        allow_cost=lambda key, cost: acquire(key, cost, False),
+        allowed=bool,
+        close=close,
+    )
+
+
+#: ours -> (pyrate-limiter's algorithm, whether it keeps constant state)
+def _pyrate_algorithms(pl: Any) -> dict[str, tuple[Any, bool]]:
+    return {
+        "token_bucket": (pl.TokenBucket, True),
+        "fixed_window": (pl.FixedWindow, False),
+        "sliding_log": (pl.SlidingWindowLog, False),
+        "gcra": (pl.GCRA, True),
+    }
 
 
 def _pyrate_makers() -> dict[str, Maker]:
@@ -286,49 +365,22 @@ def _pyrate_makers() -> dict[str, Maker]:
     """
     pl: Any = importlib.import_module("pyrate_limiter")
 
-    class PerKeyFactory(pl.BucketFactory):  # type: ignore[misc]
-        def __init__(self, build: Callable[[], Any]) -> None:
-            self.clock = pl.MonotonicClock()
-            self.build = build
-            self.buckets: dict[str, Any] = {}
-
-        def wrap_item(self, name: str, weight: int = 1) -> Any:
-            return pl.RateItem(name, self.clock.now(), weight=weight)
-
-        def get(self, item: Any) -> Any:
-            bucket = self.buckets.get(item.name)
-            if bucket is None:
-                bucket = self.buckets[item.name] = self.build()
-                self.schedule_leak(bucket)  # what BucketFactory.create does
-            return bucket
-
     def maker(algorithm: Callable[[], Any], state: bool) -> Maker:
         def make(limit: int, window: float) -> Subject:
             rates = [pl.Rate(limit, int(window * 1000))]
             algo = algorithm()
 
-            def build() -> Any:
+            def build(_name: str) -> Any:
                 if state:
                     return pl.StateBucket(rates, algorithm=algo)
                 return pl.InMemoryBucket(rates, algorithm=algo)
 
-            limiter = pl.Limiter(PerKeyFactory(build))
-            acquire = limiter.try_acquire
-            return Subject(
-                allow=partial(acquire, blocking=False),
-                allow_cost=lambda key, cost: acquire(key, cost, False),
-                allowed=bool,
-                close=limiter.close,
-            )
+            limiter = pl.Limiter(_pyrate_per_key(pl, build, pl.MonotonicClock(), leak=True))
+            return _pyrate_subject(limiter, limiter.close)
 
         return make
 
-    return {
-        "token_bucket": maker(pl.TokenBucket, True),
-        "fixed_window": maker(pl.FixedWindow, False),
-        "sliding_log": maker(pl.SlidingWindowLog, False),
-        "gcra": maker(pl.GCRA, True),
-    }
+    return {alg: maker(algorithm, state) for alg, (algorithm, state) in _pyrate_algorithms(pl).items()}
 
 
 def _token_bucket_makers() -> dict[str, Maker]:
@@ -438,33 +490,16 @@ def _nanolimit_redis_makers(module_name: str) -> Callable[[RedisTarget], dict[st
 def _limits_redis_makers(target: RedisTarget) -> dict[str, Maker]:
     """``limits``' ``RedisStorage`` under the same three strategies."""
     limits: Any = importlib.import_module("limits")
-    storage_type, item_type, strategies = (
-        limits.storage.RedisStorage,
-        limits.RateLimitItemPerSecond,
-        limits.strategies,
-    )
 
     def maker(strategy_type: Any) -> Maker:
         def make(limit: int, window: float) -> Subject:
-            storage = storage_type(target.url)
-            strategy = strategy_type(storage)
-            item = item_type(limit, int(window))
-            hit, test, ns = strategy.hit, strategy.test, target.namespace()
-            return Subject(
-                allow=lambda key: hit(item, ns + key),
-                allow_cost=lambda key, cost: hit(item, ns + key, cost=cost),
-                allowed=bool,
-                peek=lambda key: test(item, ns + key),
-                peek_allowed=bool,
-            )
+            storage = limits.storage.RedisStorage(target.url)
+            item = limits.RateLimitItemPerSecond(limit, int(window))
+            return _limits_subject(storage, strategy_type, item, target.namespace(), _nothing)
 
         return make
 
-    return {
-        "fixed_window": maker(strategies.FixedWindowRateLimiter),
-        "sliding_log": maker(strategies.MovingWindowRateLimiter),
-        "sliding_counter": maker(strategies.SlidingWindowCounterRateLimiter),
-    }
+    return {alg: maker(strategy) for alg, strategy in _limits_strategies(limits).items()}
 
 
 def _throttled_redis_makers(target: RedisTarget) -> dict[str, Maker]:
@@ -474,49 +509,19 @@ def _throttled_redis_makers(target: RedisTarget) -> dict[str, Maker]:
     def maker(using: str) -> Maker:
         def make(limit: int, window: float) -> Subject:
             store = throttled.RedisStore(server=target.url)
-            quota = throttled.per_duration(datetime.timedelta(seconds=window), limit)
-            throttle = throttled.Throttled(using=using, quota=quota, store=store)
-            limit_call, peek, ns = throttle.limit, throttle.peek, target.namespace()
-            return Subject(
-                allow=lambda key: limit_call(ns + key),
-                allow_cost=lambda key, cost: limit_call(ns + key, cost),
-                allowed=_throttled_allowed,
-                peek=lambda key: peek(ns + key),
-                peek_allowed=_throttled_peek_allowed,
-            )
+            return _throttled_subject(throttled, store, using, limit, window, target.namespace())
 
         return make
 
-    return {
-        "token_bucket": maker("token_bucket"),
-        "leaky_bucket": maker("leaking_bucket"),
-        "fixed_window": maker("fixed_window"),
-        "sliding_counter": maker("sliding_window"),
-        "gcra": maker("gcra"),
-    }
+    return {alg: maker(using) for alg, using in THROTTLED_ALGORITHMS.items()}
 
 
 def _pyrate_redis_makers(target: RedisTarget) -> dict[str, Maker]:
-    """pyrate-limiter's Redis buckets, one per key through a ``BucketFactory``:
+    """pyrate-limiter's Redis buckets, one per key through the same factory:
     a ``RedisBucket`` (a sorted-set log) for the log algorithms, a
     ``StateBucket`` over a ``RedisStateStore`` for the constant-state ones.
     Both judge by the wall clock, in milliseconds."""
     pl: Any = importlib.import_module("pyrate_limiter")
-
-    class PerKeyFactory(pl.BucketFactory):  # type: ignore[misc]
-        def __init__(self, build: Callable[[str], Any]) -> None:
-            self.clock = pl.WallClock()
-            self.build = build
-            self.buckets: dict[str, Any] = {}
-
-        def wrap_item(self, name: str, weight: int = 1) -> Any:
-            return pl.RateItem(name, self.clock.now(), weight=weight)
-
-        def get(self, item: Any) -> Any:
-            bucket = self.buckets.get(item.name)
-            if bucket is None:
-                bucket = self.buckets[item.name] = self.build(item.name)
-            return bucket
 
     def maker(algorithm: Callable[[], Any], state: bool) -> Maker:
         def make(limit: int, window: float) -> Subject:
@@ -526,33 +531,21 @@ def _pyrate_redis_makers(target: RedisTarget) -> dict[str, Maker]:
 
             def build(name: str) -> Any:
                 if state:
-                    return pl.StateBucket(
-                        rates, algorithm=algorithm(), store=pl.RedisStateStore(client, ns + name)
-                    )
+                    store = pl.RedisStateStore(client, ns + name)
+                    return pl.StateBucket(rates, algorithm=algorithm(), store=store)
                 return pl.RedisBucket.init(rates, client, ns + name, algorithm=algorithm())
 
-            limiter = pl.Limiter(PerKeyFactory(build))
-            acquire = limiter.try_acquire
+            limiter = pl.Limiter(_pyrate_per_key(pl, build, pl.WallClock(), leak=False))
 
             def close() -> None:
                 limiter.close()
                 client.close()
 
-            return Subject(
-                allow=partial(acquire, blocking=False),
-                allow_cost=lambda key, cost: acquire(key, cost, False),
-                allowed=bool,
-                close=close,
-            )
+            return _pyrate_subject(limiter, close)
 
         return make
 
-    return {
-        "token_bucket": maker(pl.TokenBucket, True),
-        "fixed_window": maker(pl.FixedWindow, False),
-        "sliding_log": maker(pl.SlidingWindowLog, False),
-        "gcra": maker(pl.GCRA, True),
-    }
+    return {alg: maker(algorithm, state) for alg, (algorithm, state) in _pyrate_algorithms(pl).items()}
 
 
 #: Every library the engine knows, ours first.
