@@ -918,18 +918,16 @@ class _AsyncSpareConnections(_SpareConnections):
                     await pool.release(held)
                     conn = await pool.get_connection(*self._conn_args)
             pack = self._packed(conn)
-            if pack is None:
-                await conn.send_command(*args)
+            packed = [pack(args)] if pack is not None else conn.pack_command(*args)
+            writer = getattr(conn, "_writer", None)
+            if type(writer) is asyncio.StreamWriter and not getattr(conn, "health_check_interval", 1):
+                # redis-py bounds a send by wrapping it in ``asyncio.wait_for``,
+                # a new Task per call (15 µs here). A command this small is
+                # sent at once or buffered; the reply's read timeout bounds
+                # the wait either way, and a lost connection shows there.
+                writer.writelines(packed)
             else:
-                writer = getattr(conn, "_writer", None)
-                if type(writer) is asyncio.StreamWriter and not getattr(conn, "health_check_interval", 1):
-                    # redis-py bounds a send by wrapping it in ``asyncio.wait_for``,
-                    # a new Task per call (15 µs here). A command this small is
-                    # sent at once or buffered; the reply's read timeout bounds
-                    # the wait either way, and a lost connection shows there.
-                    writer.write(pack(args))
-                else:
-                    await conn.send_packed_command(pack(args))
+                await conn.send_packed_command(packed)
             reply = await conn.read_response()
         except self._reply_error:
             await self._put_back(conn, first)  # the server's error reply, read in full
