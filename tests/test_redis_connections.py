@@ -411,3 +411,31 @@ def test_async_sends_on_the_stream_unless_health_checks_are_due(
 
     assert asyncio.run(main()) == 0
     assert asyncio.run(main(health_check_interval=30)) == 5
+
+
+def test_a_connect_that_fails_with_an_error_reply_is_a_store_failure(
+    backend: types.SimpleNamespace, redis_server: Any
+) -> None:
+    """The pool's own connect can fail with the server's error reply (here
+    ``SELECT`` of a database the server does not have): no connection was
+    made, so none is kept, and the decision is the failure policy's."""
+    import redis
+    import redis.asyncio
+
+    from nanolimit.redis_storage import AsyncRedisStorage
+
+    storage = RedisStorage(redis.Redis(host="127.0.0.1", port=redis_server.port, db=99), on_error="deny")
+    d = backend.TokenBucket(5, 60.0, storage, rule="db99").allow("k")
+    assert d.degraded and not d.allowed and storage.metrics()["errors"] == 1
+    assert storage._spares._idle == []
+
+    async def main() -> None:
+        client = redis.asyncio.Redis(host="127.0.0.1", port=redis_server.port, db=99)
+        async_storage = AsyncRedisStorage(client, on_error="deny")
+        d = await backend.TokenBucket(5, 60.0, async_storage, rule="db99").allow_async("k")
+        assert d.degraded and not d.allowed and async_storage.metrics()["errors"] == 1
+        assert async_storage._spares._idle == []
+        await async_storage.close()
+        await client.aclose()
+
+    asyncio.run(main())

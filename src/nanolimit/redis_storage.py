@@ -850,7 +850,8 @@ class _SyncSpareConnections(_SpareConnections):
                 conn.send_packed_command((pack(args),))
             reply = conn.read_response()
         except self._reply_error:
-            self._put_back(conn, sock, poller, first)  # the server's error reply, read in full
+            if conn is not None:  # else the pool's own connect failed with it
+                self._put_back(conn, sock, poller, first)  # the server's error reply, read in full
             raise
         except BaseException:
             if conn is not None:
@@ -930,7 +931,8 @@ class _AsyncSpareConnections(_SpareConnections):
                 await conn.send_packed_command(packed)
             reply = await conn.read_response()
         except self._reply_error:
-            await self._put_back(conn, first)  # the server's error reply, read in full
+            if conn is not None:  # else the pool's own connect failed with it
+                await self._put_back(conn, first)  # the server's error reply, read in full
             raise
         except BaseException:
             # a timeout, a socket error or a cancellation: a reply may be half
