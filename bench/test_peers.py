@@ -23,10 +23,10 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import check_adapter
+from bench_helpers import check_adapter, peer_cases
 
 from nanolimit import _bench
-from nanolimit._bench import ALGORITHMS, LIBRARIES, Maker, Prepared, Shared
+from nanolimit._bench import LIBRARIES, Maker, Prepared, Shared
 
 PEERS = ("limits", "throttled", "pyrate", "token_bucket")
 LIBS = ("nanolimit", *PEERS)
@@ -37,14 +37,7 @@ CASE_SECONDS = 0.2
 # Ordered algorithm, library, scenario: ours and the peers' figures for one
 # algorithm are taken close together, and the 100k-key store of one library
 # and algorithm is filled once for its consecutive cases (see ``Shared``).
-CASES = [
-    pytest.param(lib, alg, scen, id=f"{lib}-{alg}-{scen}")
-    for alg in ALGORITHMS
-    for lib in LIBS
-    if alg in LIBRARIES[lib].algorithms
-    for scen in SCENARIOS
-]
-PAIRS = [pytest.param(lib, alg, id=f"{lib}-{alg}") for lib in LIBS for alg in LIBRARIES[lib].algorithms]
+CASES, PAIRS = peer_cases(LIBS, SCENARIOS)
 
 
 def _maker(lib: str, alg: str) -> Maker:
@@ -85,7 +78,7 @@ def test_peer(time_cell: Callable[..., None], shared: Shared, lib: str, alg: str
 
 @pytest.mark.parametrize(("lib", "alg"), PAIRS)
 def test_adapter_sanity(lib: str, alg: str) -> None:
-    """Each adapter decides (see ``conftest.check_adapter``)."""
+    """Each adapter decides (see ``bench_helpers.check_adapter``)."""
     check_adapter(_maker(lib, alg))
 
 

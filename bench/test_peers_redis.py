@@ -15,22 +15,15 @@ import importlib.util
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import check_adapter, pinned_to_one_core
+from bench_helpers import check_adapter, peer_cases, pinned_to_one_core
 from redis_servers import Server, find_binary
 
 from nanolimit import _bench
-from nanolimit._bench import ALGORITHMS, LIBRARIES, REDIS_SCENARIOS, Maker, Prepared, RedisTarget
+from nanolimit._bench import LIBRARIES, REDIS_SCENARIOS, Maker, Prepared, RedisTarget
 
 LIBS = ("nanolimit", "limits", "throttled", "pyrate")
 CASE_SECONDS = 0.3
-CASES = [
-    pytest.param(lib, alg, scen, id=f"{lib}-{alg}-{scen}")
-    for alg in ALGORITHMS
-    for lib in LIBS
-    if alg in LIBRARIES[lib].algorithms
-    for scen in REDIS_SCENARIOS
-]
-PAIRS = [pytest.param(lib, alg, id=f"{lib}-{alg}") for lib in LIBS for alg in LIBRARIES[lib].algorithms]
+CASES, PAIRS = peer_cases(LIBS, REDIS_SCENARIOS)
 _UNUSED_STORE = _bench.Shared()
 
 
@@ -70,5 +63,5 @@ def test_peer_on_redis(
 
 @pytest.mark.parametrize(("lib", "alg"), PAIRS)
 def test_redis_adapter_sanity(target: RedisTarget, lib: str, alg: str) -> None:
-    """Each Redis adapter decides (see ``conftest.check_adapter``)."""
+    """Each Redis adapter decides (see ``bench_helpers.check_adapter``)."""
     check_adapter(_redis_maker(target, lib, alg))

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import pinned_to_one_core
+from bench_helpers import pinned_to_one_core
 from redis_servers import Server, find_binary
 
 from nanolimit import FakeClock
