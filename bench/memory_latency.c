@@ -5,6 +5,9 @@
    bench/README.md. Build and run:
 
        cc -O2 bench/memory_latency.c -o /tmp/memory_latency && /tmp/memory_latency
+
+   With an argument N it prints one number, ns per load over N MiB of 4 KiB
+   pages (bench/floors.py reads it).
 */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -42,9 +45,18 @@ static double ns_per_load(size_t bytes, int huge)
     return t + (double)(sink & 0);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
     static const size_t mib[] = {1, 4, 8, 16, 32, 64};
+    if (argc > 1) {
+        long size = strtol(argv[1], NULL, 10);
+        if (size < 1 || size > 4096) {
+            fprintf(stderr, "usage: %s [MiB, 1-4096]\n", argv[0]);
+            return 2;
+        }
+        printf("%.1f\n", ns_per_load((size_t)size << 20, 0));
+        return 0;
+    }
     printf("| working set | ns per dependent load (4 KiB pages) | (MADV_HUGEPAGE) |\n| --- | ---: | ---: |\n");
     for (size_t i = 0; i < sizeof mib / sizeof mib[0]; i++)
         printf("| %zu MiB | %.0f | %.0f |\n", mib[i], ns_per_load(mib[i] << 20, 0), ns_per_load(mib[i] << 20, 1));
