@@ -25,14 +25,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
 import nanolimit
+from nanolimit import _bench as engine
 
-LOOP = 1000  # calls per timed loop of allow()
-HUGE = 1 << 30  # a limit no benchmark reaches: every decision is an allowed one
 MILLION_TARGET_NS = 200.0
 BATCH_TARGET_NS = 25.0
 CACHED_KEYS = 1000
@@ -56,43 +54,27 @@ def miss_timer(scratch: str, mib: int = MISS_MIB) -> Callable[[], float]:
     return once
 
 
-def allow_loop(limiter: nanolimit.RateLimiter, keys: list[str]) -> Callable[[], float]:
-    """A timer of ``allow`` over ``keys`` round-robin, ``LOOP`` calls a time:
-    ns per call."""
-    allow = limiter.allow
-    chunks = [keys[i : i + LOOP] for i in range(0, len(keys), LOOP)]
-    cursor = [0]
-
-    def once() -> float:
-        chunk = chunks[cursor[0]]
-        cursor[0] = (cursor[0] + 1) % len(chunks)
-        t0 = time.perf_counter_ns()
-        for k in chunk:
-            allow(k)
-        return (time.perf_counter_ns() - t0) / len(chunk)
-
-    return once
+def cell_timer(cell: engine.Prepared) -> Callable[[], float]:
+    """A timer of one of ``nanolimit bench``'s cells: ns per decision."""
+    return lambda: engine._timed(cell) / cell.decisions
 
 
-def batch_loop(limiter: nanolimit.RateLimiter, keys: list[str], decisions: int) -> Callable[[], float]:
-    """A timer of ``allow_many`` over ``decisions`` requests drawn round-robin
-    from ``keys``: ns per decision."""
+# the token bucket of ``nanolimit bench``: its limits, its SystemClock
+make_token_bucket = engine._nanolimit_makers("nanolimit")()["token_bucket"]
+
+
+def stored(keys: list[str]) -> engine.Subject:
+    subject = make_token_bucket(engine.HIGH_LIMIT, engine.HIGH_WINDOW)
+    engine._prefill(subject, keys)  # every key stored before timing
+    return subject
+
+
+def batch_cell(keys: list[str], decisions: int) -> engine.Prepared:
+    """``allow_many`` over ``decisions`` requests drawn round-robin from ``keys``."""
+    many = stored(keys).allow_many
+    assert many is not None
     batch = (keys * (decisions // len(keys) + 1))[:decisions]
-    many = limiter.allow_many
-
-    def once() -> float:
-        t0 = time.perf_counter_ns()
-        many(batch)
-        return (time.perf_counter_ns() - t0) / len(batch)
-
-    return once
-
-
-def limiter_over(keys: list[str]) -> nanolimit.RateLimiter:
-    storage = nanolimit.InMemoryStorage()
-    limiter = nanolimit.TokenBucket(HUGE, 1.0, storage=storage, clock=nanolimit.SystemClock())
-    limiter.allow_many(keys)  # every key stored before timing
-    return limiter
+    return engine.Prepared(many, lambda: (batch,), decisions)
 
 
 def measure(rounds: int, keys: int, batch_keys: int, scratch: str) -> dict[str, Any]:
@@ -101,14 +83,19 @@ def measure(rounds: int, keys: int, batch_keys: int, scratch: str) -> dict[str, 
     workload runs (one call after another of another workload would
     evict its caches), yet every timer still sees the same minutes of a
     noisy machine."""
-    million = [f"user:{i}" for i in range(keys)]
-    many = [f"user:{i}" for i in range(batch_keys)]
-    cached = many[:CACHED_KEYS]
+    million = engine.key_list(keys)
+    many = engine.key_list(batch_keys)
+    cells = {
+        "hot_key": engine._hot_cell("hot_allowed", make_token_bucket, engine.BATCH),
+        "million": engine._round_robin(stored(million), million, engine._nothing),
+        "batch_cached": batch_cell(many[:CACHED_KEYS], batch_keys),
+        "batch_table": batch_cell(many, batch_keys),
+    }
     timers = {  # name: (timer, calls per block)
-        "hot_key": (allow_loop(limiter_over(cached[:1]), cached[:1] * LOOP), 100),
-        "million": (allow_loop(limiter_over(million), million), 100),
-        "batch_cached": (batch_loop(limiter_over(cached), cached, batch_keys), 10),
-        "batch_table": (batch_loop(limiter_over(many), many, batch_keys), 10),
+        "hot_key": (cell_timer(cells["hot_key"]), 100),
+        "million": (cell_timer(cells["million"]), 100),
+        "batch_cached": (cell_timer(cells["batch_cached"]), 10),
+        "batch_table": (cell_timer(cells["batch_table"]), 10),
         "miss": (miss_timer(scratch), 1),
     }
     samples: dict[str, list[float]] = {name: [] for name in timers}
@@ -118,6 +105,8 @@ def measure(rounds: int, keys: int, batch_keys: int, scratch: str) -> dict[str, 
                 ns = once()
                 if i >= block // 5:  # a block of 1 is timed
                     samples[name].append(ns)
+    for cell in cells.values():
+        cell.check()  # still the decisions each figure is about (allowed ones)
     medians = {name: statistics.median(values) for name, values in samples.items()}
     million_floor = medians["hot_key"] + medians["miss"]
     return {
@@ -172,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=1_000_000, help="keys for allow() (default 1,000,000)")
     parser.add_argument("--batch-keys", type=int, default=100_000, help="keys for allow_many (100,000)")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.keys < LOOP or args.batch_keys < CACHED_KEYS:
-        parser.error(f"--rounds >= 1, --keys >= {LOOP}, --batch-keys >= {CACHED_KEYS}")
+    if args.rounds < 1 or args.keys < engine.BATCH or args.batch_keys < CACHED_KEYS:
+        parser.error(f"--rounds >= 1, --keys >= {engine.BATCH}, --batch-keys >= {CACHED_KEYS}")
     with tempfile.TemporaryDirectory() as scratch:
         result = measure(args.rounds, args.keys, args.batch_keys, scratch)
     print(json.dumps(result, indent=2) if args.json else report(result))
