@@ -23,7 +23,9 @@ from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint32_t, uint64_t, uintpt
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
 
-from nanolimit._kernels cimport init_state, log_at, log_free, log_reserve, log_ring_size, run_kernel
+from nanolimit._kernels cimport (
+    add_clock_lead, clock_rebase, init_state, log_at, log_free, log_reserve, log_ring_size, run_kernel,
+)
 from nanolimit._table cimport (
     NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
     stripe_could_make_room, stripe_make_room, stripe_sweep_idle,
@@ -46,6 +48,7 @@ import threading
 from nanolimit import reference as _reference
 from nanolimit._shared import (
     MAX_KEY_BYTES,
+    MAX_CLOCK_LEAD,
     MAX_TIME,
     Algorithm,
     DUPLICATE_COMPOUND,
@@ -84,6 +87,7 @@ nl_set_secrets(int.from_bytes(_seed[:8], "little"), int.from_bytes(_seed[8:16], 
 del _seed
 
 cdef double MAX_TIME_C = MAX_TIME
+cdef double MAX_CLOCK_LEAD_C = MAX_CLOCK_LEAD
 cdef str REASON_NONE = ""
 cdef str REASON_STORAGE_FULL = "storage_full"
 cdef int MAX_STRIPES = 1 << 16
@@ -161,7 +165,7 @@ cdef int64_t cost_value_general(object cost, int64_t capacity) except -1:
         value = PyLong_AsLongLongAndOverflow(cost, &overflow)
         if overflow == 0 and 1 <= value <= capacity:
             return value
-    return <int64_t>int(check_cost(cost, capacity))
+    return <int64_t>check_cost(cost, capacity)   # converted once, by operator.index
 
 
 cdef inline double clock_value(object value) except? -1.0:
@@ -368,14 +372,28 @@ cdef inline int table_decide(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns
     if position < 0:
         return decide_new_key(s, b, h, ns, key, klen, slot, clock_now, cost, p, commit, v)
     e = &s.entries[position]
-    now = e.updated_at if e.updated_at > clock_now else clock_now
     if commit:
+        if e.updated_at - clock_now > MAX_CLOCK_LEAD_C:
+            clock_rebase(e, clock_now, p, True)
+        now = e.updated_at if e.updated_at > clock_now else clock_now
         status = run_kernel(e, now, cost, p, True, v)
         if status == NL_OK:   # out of memory (a sliding log's ring) leaves the entry as it was
             e.updated_at = now
-        return status
-    scratch = e[0]
-    return run_kernel(&scratch, now, cost, p, False, v)
+    else:
+        scratch = e[0]
+        if scratch.updated_at - clock_now > MAX_CLOCK_LEAD_C:
+            status = clock_rebase(&scratch, clock_now, p, False)
+            if status != NL_OK:
+                return status
+            status = run_kernel(&scratch, clock_now, cost, p, False, v)
+            if (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG and e.state.log.length > 0:
+                log_free(&scratch.state.log)    # the ring clock_rebase gave the copy
+            return status
+        now = scratch.updated_at if scratch.updated_at > clock_now else clock_now
+        status = run_kernel(&scratch, now, cost, p, False, v)
+    if now > clock_now:
+        add_clock_lead(v, now - clock_now)
+    return status
 
 
 cdef void forget_entry(Stripe* s, uint64_t h, uint32_t ns, const char* key,

@@ -271,6 +271,57 @@ cdef inline void gcra(Entry* e, double now, int64_t cost, const Params* p,
     v.reset_after = <double>backlog / 1000000.0
 
 
+# ---------------------------------------------------------------- clock faults
+
+cdef inline int clock_rebase(Entry* e, double clock_now, const Params* p, bint commit) noexcept nogil:
+    """The key's stamp is more than the clock lead ahead of the clock: take
+    the lead as the clock's error and move the state back by it, debt kept
+    (matches ``reference._rebase``). ``commit=False`` runs on a copy of the
+    entry: a sliding log then gets a ring of its own, which the caller
+    frees with ``log_free``."""
+    cdef int alg = p.algorithm
+    cdef double lead = e.updated_at - clock_now
+    cdef LogState* lg = &e.state.log
+    cdef double* block
+    cdef uint32_t i, size, j
+    if alg == ALG_GCRA:
+        e.state.gcra.tat = e.state.gcra.tat - (nl_floor_i64(e.updated_at * 1000000.0)
+                                               - nl_floor_i64(clock_now * 1000000.0))
+    elif alg == ALG_FIXED_WINDOW or alg == ALG_SLIDING_COUNTER:
+        e.state.window.index = e.state.window.index - (nl_floor_i64(e.updated_at / p.window)
+                                                       - nl_floor_i64(clock_now / p.window))
+    elif alg == ALG_SLIDING_LOG and lg.length > 0:
+        if not commit:
+            block = <double*>malloc(<size_t>(lg.length + 1) * sizeof(double))
+            if block == NULL:
+                return NL_NOMEM
+            (<uint32_t*>block)[0] = lg.length
+            for i in range(lg.length):
+                block[i + 1] = log_at(lg, i)
+            lg.ring = block + 1
+            lg.head = 0
+        size = log_ring_size(lg)
+        j = lg.head
+        for i in range(lg.length):
+            lg.ring[j] = lg.ring[j] - lead
+            j += 1
+            if j == size:
+                j = 0
+    e.updated_at = clock_now
+    return NL_OK
+
+
+cdef inline void add_clock_lead(Verdict* v, double lead) noexcept nogil:
+    """Durations are measured from the key's time, which stands ``lead``
+    ahead of the clock: a truthful answer adds it (``reference._add_lead``)."""
+    if v.retry_after > 0.0:
+        v.retry_after = v.retry_after + lead
+    if v.reset_after > 0.0:
+        v.reset_after = v.reset_after + lead
+    if v.delay > 0.0:
+        v.delay = v.delay + lead
+
+
 # ---------------------------------------------------------------- dispatch
 
 cdef inline int run_kernel(Entry* e, double now, int64_t cost, const Params* p,

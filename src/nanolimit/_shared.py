@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import importlib
 import math
+import operator
 import threading
 import time
 from array import array
@@ -64,6 +65,11 @@ MAX_TIME = float(1 << 53) / 1_000_000.0 / 2.0
 MAX_KEY_BYTES = 1024
 # The sliding log stores one double per unit: 16M units is 128 MiB per key.
 MAX_LOG_CAPACITY = 1 << 24
+# How far a key's stamp may run ahead of the clock before the excess is taken
+# as the clock's error (a bad NTP step forward and back): within it, per-key
+# time stands still; beyond it, the key's state moves back to the clock with
+# its debt kept (docs/algorithms.md, "Clock faults").
+MAX_CLOCK_LEAD = 60.0
 
 
 class ValidationError(ValueError):
@@ -201,13 +207,16 @@ def check_bounds(
     return max_keys, on_full, idle
 
 
-def check_batch(keys: Sequence[Any], costs: Sequence[Any], capacity: int, max_key_bytes: int) -> None:
-    """Every key and cost of a batch, checked before any is spent."""
+def check_batch(keys: Sequence[Any], costs: Sequence[Any], capacity: int, max_key_bytes: int) -> list[int]:
+    """Every key and cost of a batch, checked before any is spent; returns
+    the costs as converted (see ``check_cost``): use those, not ``costs``."""
     if len(costs) != len(keys):
         raise ValidationError(f"{len(keys)} keys but {len(costs)} costs")
+    units = []
     for key, cost in zip(keys, costs):
         check_key(key, max_key_bytes)
-        check_cost(cost, capacity)
+        units.append(check_cost(cost, capacity))
+    return units
 
 
 def stripes_within(stripes: int, max_keys: int | None) -> int:
@@ -308,9 +317,20 @@ def storage_key(algorithm: Algorithm, rule: str, key: str) -> str:
 
 
 def check_cost(cost: object, capacity: int) -> int:
-    """SPEC §3: an int in [1, capacity]."""
-    if isinstance(cost, bool) or not isinstance(cost, int):
+    """SPEC §3: an int in [1, capacity], returned as an exact ``int``.
+
+    The value is converted exactly once, by ``operator.index`` (which copies
+    an ``int`` subclass's value without calling its ``__int__``), and the
+    converted value is what is checked and what every caller must use: an
+    ``int`` subclass whose ``__int__`` lies cannot pass as 1 and be charged
+    as -5. ``bool`` is refused; numpy integers and ``__index__`` objects are
+    accepted by their index."""
+    if isinstance(cost, bool):
         raise ValidationError(f"cost must be an int, got {type(cost).__name__}")
+    try:
+        cost = operator.index(cost)
+    except TypeError:
+        raise ValidationError(f"cost must be an int, got {type(cost).__name__}") from None
     if cost <= 0:
         raise ValidationError(f"cost must be >= 1, got {cost}")
     if cost > capacity:
@@ -661,7 +681,7 @@ async def decide_async(limiter: Any, key: str, cost: int, commit: bool) -> Any:
     if run is None:
         return limiter.allow(key, cost) if commit else limiter.peek(key, cost)
     check_key(key, getattr(storage, "max_key_bytes", MAX_KEY_BYTES))
-    check_cost(cost, limiter.capacity)
+    cost = check_cost(cost, limiter.capacity)
     clock = limiter.clock
     now = None if type(clock) is SystemClock else check_now(clock.now())
     verdict = await run(limiter.config, key, cost, now, commit)

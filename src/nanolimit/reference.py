@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from ._decision_py import Decision
 from ._shared import (
     DUPLICATE_COMPOUND,
+    MAX_CLOCK_LEAD,
     MAX_KEY_BYTES,
     Algorithm,
     BatchResult,
@@ -271,15 +272,49 @@ _KERNELS: dict[Algorithm, Callable[[_KeyState, float, int, LimiterConfig], Verdi
 }
 
 
+def _rebase(s: _KeyState, clock_now: float, cfg: LimiterConfig) -> None:
+    """The key's stamp is more than ``MAX_CLOCK_LEAD`` ahead of the clock:
+    take the lead as the clock's error and move the state back by it, debt
+    kept (matches ``_kernels.clock_rebase``)."""
+    lead = s.updated_at - clock_now
+    algo = cfg.algorithm
+    if algo is Algorithm.GCRA:
+        s.a = s.a - (math.floor(s.updated_at * 1000000.0) - math.floor(clock_now * 1000000.0))
+    elif algo is Algorithm.FIXED_WINDOW or algo is Algorithm.SLIDING_COUNTER:
+        window = cfg.window_seconds
+        s.a = s.a - (math.floor(s.updated_at / window) - math.floor(clock_now / window))
+    elif algo is Algorithm.SLIDING_LOG and s.log:
+        s.log = deque(stamp - lead for stamp in s.log)
+    s.updated_at = clock_now
+
+
+def _add_lead(verdict: Verdict, lead: float) -> Verdict:
+    """Durations are measured from the key's time, which stands ``lead``
+    ahead of the clock: a truthful answer adds it (``_kernels.add_clock_lead``)."""
+    allowed, remaining, retry_after, reset_after, delay = verdict
+    return (
+        allowed,
+        remaining,
+        retry_after + lead if retry_after > 0.0 else retry_after,
+        reset_after + lead if reset_after > 0.0 else reset_after,
+        delay + lead if delay > 0.0 else delay,
+    )
+
+
 def _decide(
     state: _KeyState | None, clock_now: float, cost: int, cfg: LimiterConfig
 ) -> tuple[_KeyState, Verdict]:
-    """Bring the key to ``now`` (never backwards), run the kernel, stamp it."""
+    """Bring the key to ``now`` (never backwards, and never more than
+    ``MAX_CLOCK_LEAD`` ahead of the clock), run the kernel, stamp it."""
     if state is None:
         state = _new_state(cfg, clock_now)
+    elif state.updated_at - clock_now > MAX_CLOCK_LEAD:
+        _rebase(state, clock_now, cfg)
     now = max(clock_now, state.updated_at)
     verdict = _KERNELS[cfg.algorithm](state, now, cost, cfg)
     state.updated_at = now
+    if now > clock_now:
+        verdict = _add_lead(verdict, now - clock_now)
     return state, verdict
 
 
@@ -513,7 +548,7 @@ class InMemoryStorage:
             if not isinstance(limiter, _Limiter) or limiter._storage is not self:
                 raise ValidationError("every limiter of a compound request must use this storage")
             check_key(key, self.max_key_bytes)
-            check_cost(cost, limiter._cfg.capacity)
+            cost = check_cost(cost, limiter._cfg.capacity)
             plan.append((limiter, (limiter._ns, key), cost))
         if len({full_key for _, full_key, _ in plan}) != len(plan):
             raise ValidationError(DUPLICATE_COMPOUND)
@@ -716,7 +751,7 @@ class _Limiter:
         """
         keys = list(keys)
         costs = [1] * len(keys) if costs is None else list(costs)
-        check_batch(keys, costs, self._cfg.capacity, self._max_key_bytes)
+        costs = check_batch(keys, costs, self._cfg.capacity, self._max_key_bytes)
         stamps: list[float] | None = None
         if times is not None:
             stamps = [check_now(t) for t in times]
@@ -809,7 +844,7 @@ class _Limiter:
     def _verdict(self, key: str, cost: int, commit: bool, now: float | None = None) -> Verdict:
         """One decision; ``now`` is a clock reading already taken (batches)."""
         check_key(key, self._max_key_bytes)
-        check_cost(cost, self._cfg.capacity)
+        cost = check_cost(cost, self._cfg.capacity)
         storage = self._storage
         cfg = self._cfg
         if self._memory_store is not None:
