@@ -1,5 +1,5 @@
 # cython: language_level=3, cdivision=True, boundscheck=False, wraparound=False
-# One stripe of the striped hash table: a dense array of 64-byte entries plus
+# One stripe of the striped hash table: a dense array of 48-byte entries plus
 # an open-addressing index of uint32 slots (linear probing, backward-shift
 # deletion, so there are no tombstones). A slot holds an 8-bit fingerprint of
 # the hash and the entry's position + 1; 0 is empty. Every function here runs
@@ -13,7 +13,7 @@ from nanolimit._kernels cimport log_at, log_free
 from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET,
     ALG_SLIDING_COUNTER, ALG_TOKEN_BUCKET, Params,
-    ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK,
+    ALG_SLIDING_LOG, INLINE_KEY_BYTES, LogState, NL_NOMEM, NL_OK,
     NL_TABLE_FULL, Entry, nl_add_u64_relaxed, nl_fence, nl_fetch_add_u64, nl_floor_i64, nl_hash_seeded,
     nl_key_equal, nl_load_pointer_acquire, nl_load_pointer_relaxed, nl_load_u32_relaxed,
     nl_load_u64_seq, nl_namespace_seed, nl_prefetch, nl_store_pointer_release,
@@ -480,30 +480,70 @@ cdef inline bint entry_at_rest(const Entry* e, const Params* p, double now) noex
     return index >= e.state.window.index + 2 or (index == e.state.window.index + 1 and e.state.window.count == 0)
 
 
-cdef inline double entry_rest_at(const Entry* e, const Params* p) noexcept nogil:
-    """When the key's state will be back to 'never seen' if nobody touches
-    it: forgetting the entry with the smallest value hands back the least
-    budget. Unknown parameters or ``apply`` entries: its last use."""
+cdef inline uint32_t log_live(const LogState* lg, double cutoff) noexcept nogil:
+    """Stamps newer than ``cutoff`` (the log is oldest first: a binary search)."""
+    cdef uint32_t lo = 0, hi = lg.length, mid
+    while lo < hi:
+        mid = lo + (hi - lo) // 2
+        if log_at(lg, mid) <= cutoff:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lg.length - lo
+
+
+cdef inline double entry_given_back(const Entry* e, const Params* p, double now,
+                                    bint* in_debt) noexcept nogil:
+    """Units that forgetting the key would hand back at ``now`` (what it has
+    spent and not yet recovered), and whether it is in debt: it could not
+    pass a request of cost 1 now. Choosing the victim by this, not by when
+    it would be at rest, is what keeps a flood of fresh keys from buying an
+    exhausted key its budget back (matches ``reference._given_back``)."""
     cdef int alg = e.ns & NS_ALGORITHM_MASK
-    if p == NULL or alg == ALG_APPLY:
-        return e.updated_at
+    cdef double elapsed, level, spent, weight
+    cdef int64_t index, backlog, count, previous
+    if now < e.updated_at:
+        now = e.updated_at
+    elapsed = now - e.updated_at
     if alg == ALG_TOKEN_BUCKET:
-        return e.updated_at + (p.capacity_f - e.state.bucket.level) / p.rate
+        level = e.state.bucket.level + elapsed * p.rate
+        if level > p.capacity_f:
+            level = p.capacity_f
+        in_debt[0] = level < 1.0
+        return p.capacity_f - level
     if alg == ALG_LEAKY_BUCKET:
-        return e.updated_at + e.state.bucket.level / p.rate
+        level = e.state.bucket.level - elapsed * p.rate
+        if level < 0.0:
+            level = 0.0
+        in_debt[0] = p.capacity_f - level < 1.0
+        return level
     if alg == ALG_GCRA:
-        return <double>e.state.gcra.tat / 1000000.0
+        backlog = e.state.gcra.tat - nl_floor_i64(now * 1000000.0)
+        if backlog < 0:
+            backlog = 0
+        in_debt[0] = backlog + p.interval_us > p.tolerance_us
+        return <double>backlog / <double>p.interval_us
     if alg == ALG_SLIDING_LOG:
-        if e.state.log.length == 0:
-            return e.updated_at
-        return log_at(&e.state.log, e.state.log.length - 1) + p.window
+        count = log_live(&e.state.log, now - p.window)
+        in_debt[0] = count + 1 > p.capacity
+        return <double>count
+    index = nl_floor_i64(now / p.window)
     if alg == ALG_FIXED_WINDOW:
-        return (<double>e.state.window.index + 1.0) * p.window if e.state.window.count > 0 else e.updated_at
-    if e.state.window.count > 0:
-        return (<double>e.state.window.index + 2.0) * p.window
-    if e.state.window.previous > 0:
-        return (<double>e.state.window.index + 1.0) * p.window
-    return e.updated_at
+        count = e.state.window.count if index == e.state.window.index else 0
+        in_debt[0] = count + 1 > p.capacity
+        return <double>count
+    # sliding counter: the estimate after rolling to ``now``'s window
+    count = 0
+    previous = 0
+    if index == e.state.window.index:
+        count = e.state.window.count
+        previous = e.state.window.previous
+    elif index == e.state.window.index + 1:
+        previous = e.state.window.count
+    weight = 1.0 - (now - <double>index * p.window) / p.window
+    spent = <double>previous * weight + <double>count
+    in_debt[0] = spent + 1.0 > p.capacity_f
+    return spent
 
 
 cdef enum:
@@ -608,13 +648,14 @@ cdef inline bint stripe_make_room(Stripe* s, Params** chunks, double now,
                                   bint evict_active) noexcept nogil:
     """Free one entry of a full stripe. First an entry at rest (forgetting it
     changes no decision), looked for along the sweep cursor and in a random
-    sample; else, when allowed, of those looked at the one that would be at
-    rest soonest (it hands back the least budget; a key deep in debt, like
-    a denied attacker's, is the last to go), the least recently used among
-    equals. O(1) per call. Returns False when nothing could be freed."""
+    sample; else, when allowed, of those looked at and not in debt, the one
+    whose forgetting hands back the fewest units, the least recently used
+    among equals. A key in debt (a denied attacker's) is never forgotten to
+    make room: when every key looked at is in debt, nothing is freed and the
+    new key is refused. O(1) per call. Returns False when nothing was freed."""
     cdef uint32_t i, position, victim = 0
-    cdef double soonest = 0.0, oldest = 0.0, rest_at
-    cdef bint have_victim = False
+    cdef double fewest = 0.0, oldest = 0.0, given
+    cdef bint have_victim = False, in_debt
     cdef const Entry* e
     cdef const Params* p
     for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
@@ -635,11 +676,15 @@ cdef inline bint stripe_make_room(Stripe* s, Params** chunks, double now,
                 s.sweep = position          # the entry moved into it is not looked at yet
             s.evicted_at_rest += 1
             return True
-        rest_at = entry_rest_at(e, p)
-        if (not have_victim or rest_at < soonest
-                or (rest_at == soonest and e.updated_at < oldest)):
+        if p == NULL:
+            continue
+        given = entry_given_back(e, p, now, &in_debt)
+        if in_debt:
+            continue
+        if (not have_victim or given < fewest
+                or (given == fewest and e.updated_at < oldest)):
             victim = position
-            soonest = rest_at
+            fewest = given
             oldest = e.updated_at
             have_victim = True
     if evict_active and have_victim:

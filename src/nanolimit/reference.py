@@ -340,25 +340,35 @@ def _at_rest(s: _KeyState, cfg: LimiterConfig, now: float) -> bool:
     return bool(index >= s.a + 2 or (index == s.a + 1 and s.b == 0))
 
 
-def _rest_at(s: _KeyState, cfg: LimiterConfig) -> float:
-    """When the state will be at rest if untouched (matches ``_table.entry_rest_at``)."""
+def _given_back(s: _KeyState, cfg: LimiterConfig, now: float) -> tuple[float, bool]:
+    """Units that forgetting the key would hand back at ``now``, and whether
+    it is in debt (could not pass a request of cost 1 now); matches
+    ``_table.entry_given_back``."""
+    now = max(now, s.updated_at)
+    elapsed = now - s.updated_at
     algo = cfg.algorithm
-    window = cfg.window_seconds
+    capacity = float(cfg.capacity)
     if algo is Algorithm.TOKEN_BUCKET:
-        return float(s.updated_at + (float(cfg.capacity) - s.a) / cfg.rate)
+        level = min(capacity, s.a + elapsed * cfg.rate)
+        return capacity - level, level < 1.0
     if algo is Algorithm.LEAKY_BUCKET:
-        return float(s.updated_at + s.a / cfg.rate)
+        level = max(0.0, s.a - elapsed * cfg.rate)
+        return level, capacity - level < 1.0
     if algo is Algorithm.GCRA:
-        return float(s.a / 1000000.0)
+        backlog = max(0, s.a - math.floor(now * 1000000.0))
+        return backlog / cfg.gcra_interval_us, backlog + cfg.gcra_interval_us > cfg.gcra_tolerance_us
     if algo is Algorithm.SLIDING_LOG:
-        return s.log[-1] + window if s.log else s.updated_at
+        cutoff = now - cfg.window_seconds
+        live = sum(1 for stamp in s.log or () if stamp > cutoff)
+        return float(live), live + 1 > cfg.capacity
+    window = cfg.window_seconds
+    index = math.floor(now / window)
     if algo is Algorithm.FIXED_WINDOW:
-        return (float(s.a) + 1.0) * window if s.b > 0 else s.updated_at
-    if s.b > 0:
-        return (float(s.a) + 2.0) * window
-    if s.c > 0:
-        return (float(s.a) + 1.0) * window
-    return s.updated_at
+        count = s.b if index == s.a else 0
+        return float(count), count + 1 > cfg.capacity
+    count, previous = (s.b, s.c) if index == s.a else (0, s.b) if index == s.a + 1 else (0, 0)
+    spent = float(previous) * (1.0 - (now - float(index) * window) / window) + float(count)
+    return spent, spent + 1.0 > capacity
 
 
 def _snapshot(cfg: LimiterConfig, s: _KeyState) -> LimiterState:
@@ -469,25 +479,32 @@ class InMemoryStorage:
         return None
 
     def _make_room(self, table: dict[tuple[Any, ...], list[Any]], now: float) -> bool:
-        """Forget one entry: one at rest, else (``evict``) the least recently
-        used one. False when neither exists."""
+        """Forget one entry: one at rest, else (``evict``) of the keys not in
+        debt the one whose forgetting hands back the fewest units, the least
+        recently used among equals. A key in debt is never forgotten to make
+        room. False when nothing can go (the new key is refused)."""
         counters = self._counters
         resting = self._first_at_rest(table, now)
         if resting is not None:
             del table[resting]
             counters["evicted_at_rest"] += 1
             return True
-        candidates = [k for k in table if k[0] is not None]
-        if self.on_full == "evict" and candidates:
-            # the one that would be at rest soonest gives back the least budget
-            del table[min(candidates, key=lambda k: (self._rest_at(k, table[k]), table[k][0]))]
-            counters["evicted_active"] += 1
-            return True
-        return False
-
-    def _rest_at(self, full_key: tuple[Any, ...], entry: list[Any]) -> float:
-        cfg = self._params.get(full_key[0])
-        return entry[0] if cfg is None else _rest_at(entry[1], cfg)
+        if self.on_full != "evict":
+            return False
+        victim: tuple[Any, ...] | None = None
+        best: tuple[float, float] = (0.0, 0.0)
+        for full_key, entry in table.items():
+            cfg = None if full_key[0] is None else self._params.get(full_key[0])
+            if cfg is None:
+                continue
+            given, in_debt = _given_back(entry[1], cfg, now)
+            if not in_debt and (victim is None or (given, entry[0]) < best):
+                victim, best = full_key, (given, entry[0])
+        if victim is None:
+            return False
+        del table[victim]
+        counters["evicted_active"] += 1
+        return True
 
     def stats(self) -> dict[str, int]:
         """Keys held and why keys were forgotten or refused."""
