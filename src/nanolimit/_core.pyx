@@ -18,7 +18,7 @@ from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsSsize_t
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
-from libc.math cimport ceil, fabs, floor, isfinite
+from libc.math cimport INFINITY, ceil, fabs, floor, isfinite
 from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
@@ -44,6 +44,7 @@ from nanolimit._types cimport (
 
 import os
 import threading
+import weakref
 
 from nanolimit import reference as _reference
 from nanolimit._shared import (
@@ -88,6 +89,7 @@ del _seed
 
 cdef double MAX_TIME_C = MAX_TIME
 cdef double MAX_CLOCK_LEAD_C = MAX_CLOCK_LEAD
+cdef double MAX_HEADER_SECONDS = 4.611686018427388e18    # 2**62: ceil() of it fits int64
 cdef str REASON_NONE = ""
 cdef str REASON_STORAGE_FULL = "storage_full"
 cdef int MAX_STRIPES = 1 << 16
@@ -453,6 +455,8 @@ cdef class InMemoryStorage:
     cdef readonly object evict_idle_after
     cdef dict _namespace_ids
     cdef list _namespace_names
+    cdef list _namespace_users            # per namespace id: a WeakSet of the limiters using it
+    cdef list _free_namespaces            # ids reclaimed from retired rules, for reuse
     cdef object _namespace_lock
 
     def __cinit__(self, *, stripes=64, max_key_bytes=MAX_KEY_BYTES, max_keys=None, on_full="evict",
@@ -496,6 +500,8 @@ cdef class InMemoryStorage:
         self.bounded = max_keys is not None or evict_idle_after is not None
         self._namespace_ids = {}
         self._namespace_names = [None]
+        self._namespace_users = [None]
+        self._free_namespaces = []
         self._namespace_lock = threading.Lock()
 
     def __dealloc__(self):
@@ -516,24 +522,26 @@ cdef class InMemoryStorage:
         release_objects(&objects)
 
     # -- namespaces ---------------------------------------------------------
-    cdef uint32_t namespace(self, object algorithm, str rule, const Params* p) except 0:
+    cdef uint32_t namespace(self, object algorithm, str rule, const Params* p, object limiter) except 0:
         """The id of (algorithm, rule): limiters of one rule share state, so a
         hot-reloaded rule keeps its keys; the algorithm is in the low bits.
         The latest parameters are kept per namespace so that a bounded table
-        can tell which entries are back at rest."""
+        can tell which entries are back at rest. ``limiter`` is remembered
+        weakly: a namespace no live limiter uses can be reclaimed when the
+        ids run out (``reclaim_namespaces``)."""
         cdef uint32_t ident
         cdef Params* chunk
         name = (algorithm.value, rule)
         with self._namespace_lock:
             ns = self._namespace_ids.get(name)
             if ns is None:
-                ident = len(self._namespace_names)
-                if ident >= NAMESPACE_CHUNK * NAMESPACE_CHUNK:
-                    raise ValidationError(f"too many rules on one storage (at most {ident})")
+                ident = self.free_namespace()
                 ns = (ident << 3) | ALGORITHM_IDS[algorithm]
                 self._namespace_ids[name] = ns
-                self._namespace_names.append(name)
+                self._namespace_names[ident] = name
+                self._namespace_users[ident] = weakref.WeakSet()
             ident = (<uint32_t>ns) >> 3
+            self._namespace_users[ident].add(limiter)
             chunk = self.bounds.chunks[ident // NAMESPACE_CHUNK]
             if chunk == NULL:
                 chunk = <Params*>calloc(NAMESPACE_CHUNK, sizeof(Params))
@@ -542,6 +550,60 @@ cdef class InMemoryStorage:
                 self.bounds.chunks[ident // NAMESPACE_CHUNK] = chunk
             chunk[ident % NAMESPACE_CHUNK] = p[0]
         return ns
+
+    cdef uint32_t free_namespace(self) except 0:
+        """An unused namespace id (the caller holds the namespace lock)."""
+        if not self._free_namespaces:
+            if len(self._namespace_names) < NAMESPACE_CHUNK * NAMESPACE_CHUNK:
+                self._namespace_names.append(None)
+                self._namespace_users.append(None)
+                return len(self._namespace_names) - 1
+            self.reclaim_namespaces()
+            if not self._free_namespaces:
+                raise ValidationError(
+                    f"too many rules on one storage: {NAMESPACE_CHUNK * NAMESPACE_CHUNK - 1} "
+                    "(algorithm, rule) pairs have live limiters"
+                )
+        return self._free_namespaces.pop()
+
+    cdef void reclaim_namespaces(self) except *:
+        """Free the namespaces of retired rules (no live limiter uses them),
+        their keys with them: a renamed rule's old state is unreachable, and
+        configuration history must never make a request fail."""
+        cdef uint8_t* retired = <uint8_t*>calloc(NAMESPACE_CHUNK * NAMESPACE_CHUNK, 1)
+        cdef uint32_t i
+        cdef Stripe* s
+        cdef ObjectList objects
+        cdef int status
+        if retired == NULL:
+            raise MemoryError()
+        reclaimed = []
+        try:
+            for ident in range(1, len(self._namespace_names)):
+                users = self._namespace_users[ident]
+                if users is not None and len(users) == 0:
+                    retired[ident] = 1
+                    reclaimed.append(ident)
+            if not reclaimed:
+                return
+            memset(&objects, 0, sizeof(ObjectList))
+            for i in range(self.stripe_mask + 1):
+                s = &self.stripes[i]
+                status = lock_stripe(s)
+                if status != NL_OK:
+                    raise_status(status)
+                stripe_evict(s, INFINITY, retired, &objects)
+                nl_unlock(&s.lock)
+            release_objects(&objects)
+            for ident in reclaimed:
+                del self._namespace_ids[self._namespace_names[ident]]
+                self._namespace_names[ident] = None
+                self._namespace_users[ident] = None
+                self.bounds.chunks[ident // NAMESPACE_CHUNK][ident % NAMESPACE_CHUNK].capacity = 0
+            reclaimed.reverse()
+            self._free_namespaces.extend(reclaimed)
+        finally:
+            free(retired)
 
     cdef inline const Bounds* bounds_or_null(self) noexcept nogil:
         return &self.bounds if self.bounded else NULL
@@ -950,7 +1012,7 @@ cdef class InMemoryStorage:
             if status != NL_OK:
                 release_objects(&objects)
                 raise_status(status)
-            removed += stripe_evict(s, limit, &objects)
+            removed += stripe_evict(s, limit, NULL, &objects)
             nl_unlock(&s.lock)
         release_objects(&objects)
         return removed
@@ -1172,7 +1234,10 @@ cdef class AdmittedRequests:
         else:
             left = decision.remaining
             reset = decision.reset_after
-        if not (fabs(wall_now) < MAX_TIME_C and 0.0 <= reset < MAX_TIME_C):
+        # Every rule inside the documented ranges stays below 2**62 s
+        # (capacity * window / limit <= (2**32 - 1) * 1e9), so this refuses
+        # only a Decision built by hand with nonsense, before anything is set.
+        if not (fabs(wall_now) < MAX_TIME_C and 0.0 <= reset < MAX_HEADER_SECONDS):
             raise ValidationError(f"cannot write headers for wall_now={wall_now!r}, reset_after={reset!r}")
         text = f"{left}"
         reset_at = f"{<int64_t>ceil(wall_now + reset)}"
@@ -1532,6 +1597,7 @@ cdef class _Limiter:
     cdef uint64_t seed
     cdef str _rule
     cdef Py_ssize_t max_key_bytes
+    cdef object __weakref__              # the storage tracks which namespaces live limiters use
 
     algorithm = None
 
@@ -1560,7 +1626,7 @@ cdef class _Limiter:
         self.p.tolerance_us = cfg.gcra_tolerance_us
         if isinstance(storage, InMemoryStorage):
             self.store = <InMemoryStorage>storage
-            self.ns = self.store.namespace(algorithm, self._rule, &self.p)
+            self.ns = self.store.namespace(algorithm, self._rule, &self.p, self)
             self.seed = nl_namespace_seed(self.ns)
             self.max_key_bytes = self.store.max_key_bytes
         else:

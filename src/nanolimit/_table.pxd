@@ -404,14 +404,22 @@ cdef inline void stripe_shrink(Stripe* s) noexcept nogil:
             s.capacity = target
 
 
-cdef inline Py_ssize_t stripe_evict(Stripe* s, double cutoff, ObjectList* out) noexcept nogil:
-    """Drop entries last touched before ``cutoff``; compacts and reindexes."""
+cdef inline Py_ssize_t stripe_evict(Stripe* s, double cutoff, const uint8_t* only_namespaces,
+                                    ObjectList* out) noexcept nogil:
+    """Drop entries last touched before ``cutoff``, and only limiters' entries
+    of the namespace ids flagged in ``only_namespaces`` unless it is NULL;
+    compacts and reindexes."""
     cdef uint32_t i, kept = 0
     cdef Py_ssize_t removed = 0
     cdef Entry* e
+    cdef bint drop
     for i in range(s.count):
         e = &s.entries[i]
-        if e.updated_at < cutoff and (e.ns != ALG_APPLY or objects_push(out, e.state.obj) == NL_OK):
+        if only_namespaces != NULL and (e.ns == ALG_APPLY or not only_namespaces[e.ns >> 3]):
+            drop = False
+        else:
+            drop = e.updated_at < cutoff
+        if drop and (e.ns != ALG_APPLY or objects_push(out, e.state.obj) == NL_OK):
             entry_release(e)
             removed += 1
         else:
