@@ -18,7 +18,7 @@ from typing import Any
 from ._shared import Algorithm, Clock, RateLimiter, Storage, ValidationError
 from .rules import RateLimitRule
 
-__all__ = ["LimiterFactory"]
+__all__ = ["DEFAULT_MAX_KEYS", "LimiterFactory"]
 
 
 def _limiter_classes(storage: object) -> Mapping[Algorithm, Any]:
@@ -34,10 +34,18 @@ def _limiter_classes(storage: object) -> Mapping[Algorithm, Any]:
     return twin.LIMITERS  # type: ignore[no-any-return]
 
 
+# The default store's bound: a copy-pasted ``LimiterFactory()`` must not grow
+# without limit under one-off clients (rotating IPv6 /64s, invented tokens).
+# About 6 MB of table at 62 bytes a key; keys at rest go first when it is full,
+# and a key in debt is never forgotten to make room (README, "Limits of the design").
+DEFAULT_MAX_KEYS = 100_000
+
+
 class LimiterFactory:
     """Builds and caches the limiter of each rule.
 
-    ``storage`` defaults to a fresh :class:`nanolimit.InMemoryStorage`;
+    ``storage`` defaults to a fresh :class:`nanolimit.InMemoryStorage` bounded
+    at ``DEFAULT_MAX_KEYS`` keys (pass a storage of your own to tune it);
     ``clock`` to the limiters' default (wall time, or the server's clock on
     Redis). ``limiters`` maps an :class:`Algorithm` to a limiter class, for a
     storage whose twin cannot be told from its type.
@@ -53,7 +61,7 @@ class LimiterFactory:
         if storage is None:
             import nanolimit
 
-            storage = nanolimit.InMemoryStorage()
+            storage = nanolimit.InMemoryStorage(max_keys=DEFAULT_MAX_KEYS)
         elif not isinstance(storage, Storage):
             raise ValidationError(f"storage must implement Storage, got {type(storage).__name__}")
         self.storage: Storage = storage
@@ -81,8 +89,11 @@ class LimiterFactory:
 
     def prune(self, active: Iterable[RateLimitRule]) -> int:
         """Forget the limiters of rules not in ``active``; returns how many.
-        Their keys' state stays in the storage until ``evict_idle`` (a rule
-        brought back under the same name and algorithm finds it again)."""
+        Their keys' state stays in the storage (a rule brought back under the
+        same name and algorithm finds it again) until ``evict_idle``, or until
+        the storage runs out of namespaces and reclaims those of rules no live
+        limiter uses: call it after every hot reload, so renamed rules never
+        pile up (the rules-file reloader does)."""
         keep = set(active)
         with self._lock:
             retired = [rule for rule in self._limiters if rule not in keep]
