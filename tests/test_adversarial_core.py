@@ -341,3 +341,58 @@ def test_headers_never_raise_for_a_valid_rule(
             assert int(headers["Retry-After"]) >= 1
         reset = int(headers["X-RateLimit-Reset"])
         assert reset == math.ceil(START + decision.reset_after) or reset > START + 1e15
+
+
+# ------------------------------------------------------------ through the gateway
+
+
+@pytest.mark.parametrize("algorithm_name", ALGORITHMS)
+def test_slow_valid_rule_is_answered_never_raised(backend: types.SimpleNamespace, algorithm_name: str) -> None:
+    from gateway_helpers import get, ok_handler
+    from gateway_helpers import gateway as make_gateway
+    from gateway_helpers import rule as make_rule
+
+    burst = 6 if algorithm_name in ("token_bucket", "gcra") else None
+    slow = make_rule("slow", 1, 1e9, algorithm=algorithm_name, burst=burst)
+    pipeline = make_gateway(backend, [slow], backend.FakeClock(START))
+    statuses = [pipeline(get("/"), ok_handler).status for _ in range(8)]
+    admitted = 6 if burst else 1
+    assert statuses == [200] * admitted + [429] * (8 - admitted)
+
+
+def test_default_factory_is_bounded_and_keeps_debt(backend: types.SimpleNamespace) -> None:
+    from nanolimit.factory import DEFAULT_MAX_KEYS, LimiterFactory
+
+    factory = LimiterFactory()
+    assert factory.storage.max_keys == DEFAULT_MAX_KEYS
+    # 120,000 one-off clients on a factory over this twin's storage, bounded alike
+    storage = backend.InMemoryStorage(max_keys=DEFAULT_MAX_KEYS)
+    clock = backend.FakeClock(START)
+    limiter = backend.limiters["token_bucket"](5, 60.0, storage, clock, rule="login")
+    for _ in range(5):
+        limiter.allow("attacker")
+    for i in range(120_000):
+        limiter.allow(f"client-{i}")
+        if i % 20_000 == 0:
+            clock.advance(0.1)
+    assert len(storage) <= DEFAULT_MAX_KEYS
+    assert not limiter.allow("attacker").allowed
+
+
+def test_hot_reloads_renaming_a_rule_never_fail_a_request(backend: types.SimpleNamespace) -> None:
+    # 66,000 reloads through the registry, each renaming the rule, pruned as
+    # the docs say: the 65,536th namespace reuses a retired one, and every
+    # request is answered.
+    from gateway_helpers import get, ok_handler
+    from gateway_helpers import gateway as make_gateway
+    from gateway_helpers import rule as make_rule
+
+    pipeline = make_gateway(backend, [make_rule("r-0", 5)], backend.FakeClock(START))
+    registry, factory = pipeline.registry, pipeline.factory
+    for i in range(1, 66_000):
+        renamed = make_rule(f"r-{i}", 5)
+        registry.replace([renamed])
+        factory.prune([renamed])
+        if i % 6_000 == 0 or i > 65_530:
+            assert pipeline(get("/"), ok_handler).status == 200
+    assert len(factory) <= 1

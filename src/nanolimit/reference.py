@@ -15,6 +15,7 @@ import threading
 from array import array
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
+from itertools import islice
 from typing import Any, ClassVar
 
 from ._decision_py import Decision
@@ -74,6 +75,9 @@ __all__ = [
 
 IMPLEMENTATION = "reference"
 MAX_STRIPES = 1 << 16
+# Keys a full table looks at to make room, as the native table's scan (16)
+# plus sample (8) do.
+EVICTION_LOOK = 24
 
 
 class _KeyState:
@@ -470,8 +474,10 @@ class InMemoryStorage:
 
     def _first_at_rest(self, table: dict[tuple[Any, ...], list[Any]], now: float) -> tuple[Any, ...] | None:
         """A limiter's key whose state is at rest at ``now`` (forgetting it
-        changes no decision), or None."""
-        for k, entry in table.items():
+        changes no decision), or None. Like the native table it looks at a
+        bounded number of keys (the longest held), so a full table costs
+        O(1) per new key here too."""
+        for k, entry in islice(table.items(), EVICTION_LOOK):
             if k[0] is not None:
                 cfg = self._params.get(k[0])
                 if cfg is not None and _at_rest(entry[1], cfg, now):
@@ -493,7 +499,7 @@ class InMemoryStorage:
             return False
         victim: tuple[Any, ...] | None = None
         best: tuple[float, float] = (0.0, 0.0)
-        for full_key, entry in table.items():
+        for full_key, entry in islice(table.items(), EVICTION_LOOK):
             cfg = None if full_key[0] is None else self._params.get(full_key[0])
             if cfg is None:
                 continue
