@@ -87,12 +87,18 @@ def _scope_user(scope: Scope) -> str | None:
 
 def request_from_scope(scope: Scope) -> Request:
     """The gateway's view of an ASGI connection scope: the client is the
-    transport peer (``scope["client"]``), never a header."""
+    transport peer (``scope["client"]``), never a header.
+
+    The path is ``scope["path"]`` as the server decoded it (with
+    ``root_path`` in front when the server left it out); the ruleset
+    normalises it when it matches (:func:`nanolimit.rules.normalize_path`),
+    the one place ASGI, WSGI and the framework-free pipeline share."""
     client = scope.get("client")
     root = scope.get("root_path", "") or ""
     path = scope.get("path", "/") or "/"
     if root and not path.startswith(root):
-        path = root + path  # rules are written against the public URL
+        # rules are written against the public URL
+        path = root + path if path[:1] == "/" else f"{root}/{path}"
     return Request(
         scope.get("method", "GET") if scope["type"] == "http" else "GET",
         path,

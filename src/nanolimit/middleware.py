@@ -29,7 +29,7 @@ from ._shared import Algorithm, ValidationError
 from .factory import LimiterFactory
 from .keys import DefaultKeyExtractor, KeyExtractor
 from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics, rate_headers
-from .rules import RateLimitRule, RuleRegistry, RuleSet
+from .rules import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RateLimitRule, RuleRegistry, RuleSet, key_bytes
 
 __all__ = ["Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
 
@@ -44,9 +44,13 @@ _BODIES: dict[tuple[str, int], bytes] = {}
 class Request:
     """What the gateway needs to know about a request.
 
-    ``headers`` maps lower-case names to values; ``client`` is the peer
-    address of the connection (never a header); ``user`` is an
-    authenticated user id if the framework knows one.
+    ``path`` is the decoded path, as ASGI's ``scope["path"]`` and WSGI's
+    ``PATH_INFO`` give it; rules match it after
+    :func:`nanolimit.rules.normalize_path` (repeated slashes collapse), and
+    a ``GET`` rule covers a ``HEAD`` request. ``headers`` maps lower-case
+    names to values; ``client`` is the peer address of the connection (never
+    a header); ``user`` is an authenticated user id if the framework knows
+    one.
     """
 
     method: str
@@ -190,9 +194,14 @@ class RateLimitMiddleware:
 
         self._key: Callable[[Request, Any], str] = fast
         self._state: tuple[RuleSet | None, dict[int, _Binding]] = (None, {})
-        # (method, path, tier) -> binding (None: no rule), for one snapshot
+        # (method, path, tier) -> binding (None: no rule), for one snapshot,
+        # keyed by the request's own method and path: a hit normalises nothing
         self._routes: tuple[RuleSet | None, dict[tuple[str, str, str | None], _Binding | None]] = (None, {})
         self.route_cache_size = 4096
+        # bounded by bytes too: keys over MAX_CACHED_KEY_BYTES are never
+        # cached, and the cached keys take at most route_cache_bytes in all
+        self.route_cache_bytes = CACHE_KEY_BYTES
+        self._route_bytes = 0
         self._local = threading.local()  # this thread's metric shard, cached
 
     # -- bindings ---------------------------------------------------------------
@@ -221,14 +230,22 @@ class RateLimitMiddleware:
             binding = state[1].get(id(rule)) if state[0] is ruleset else None
             if binding is None or binding.rule is not rule:
                 binding = self._bind(rule, ruleset)
+        method = request.method
+        path = request.path
+        size = key_bytes(method, path, tier)
+        if size > MAX_CACHED_KEY_BYTES:
+            return binding  # a hostile long path or method: decided, never kept
         routes = self._routes
         if routes[0] is not ruleset:
             routes = (ruleset, {})
             self._routes = routes
+            self._route_bytes = 0
         table = routes[1]
-        if len(table) >= self.route_cache_size:
+        if len(table) >= self.route_cache_size or self._route_bytes + size > self.route_cache_bytes:
             table.clear()  # bounded: unique hostile paths cost a miss, never memory
-        table[(request.method, request.path, tier)] = binding
+            self._route_bytes = 0
+        table[(method, path, tier)] = binding
+        self._route_bytes += size
         return binding
 
     def _counts(self, shard: dict[str, list[int]], name: str) -> list[int]:

@@ -10,6 +10,12 @@ ending there, pre-sorted by specificity per HTTP method. A lookup walks the
 request path's segments (a handful of dict look-ups), whatever the number of
 rules, and a bounded per-snapshot cache answers repeated (method, path, tier)
 triples in one dict look-up.
+
+Rules match the path the frameworks route, not the bytes a client sent:
+:func:`normalize_path` is the one place that turns one into the other
+(repeated slashes collapse, a missing leading ``/`` is supplied), and a
+``GET`` rule covers ``HEAD`` (HTTP's GET without the body, which Starlette,
+Flask and Django answer with the GET handler).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -37,8 +44,61 @@ __all__ = [
     "RuleRegistry",
     "RuleSet",
     "RuleValidationError",
+    "normalize_path",
     "parse_rate",
 ]
+
+# The caches on the request path are bounded by entries AND by bytes: a flood
+# of unique long paths (or methods) must cost lookups, never memory. A key
+# whose strings take more than MAX_CACHED_KEY_BYTES is matched on every
+# request and never cached; the keys a cache holds take at most
+# CACHE_KEY_BYTES in all (then it starts over).
+MAX_CACHED_KEY_BYTES = 1024
+CACHE_KEY_BYTES = 1 << 20
+_sizeof = sys.getsizeof
+_STR_OVERHEAD = _sizeof("")
+
+
+def key_bytes(method: str, path: str, tier: str | None) -> int:
+    """What a cache key's strings take beyond an empty str each (their
+    characters as CPython stores them: 1, 2 or 4 bytes each)."""
+    n = _sizeof(method) + _sizeof(path) - 2 * _STR_OVERHEAD
+    if tier is not None:
+        n += _sizeof(tier) - _STR_OVERHEAD
+    return n
+
+
+def normalize_path(path: str) -> str:
+    """The path as the frameworks route it, which is the path rules match.
+
+    The input is the *decoded* path (ASGI ``scope["path"]``, WSGI
+    ``SCRIPT_NAME + PATH_INFO``): servers have already turned ``%2f`` into
+    ``/`` and ``%2e`` into ``.``, and frameworks route what they got without
+    decoding again, so neither does this. Two changes only:
+
+    - a path that is empty or lacks its leading ``/`` gets one (Werkzeug
+      routes ``PATH_INFO = "login"`` to ``/login``);
+    - repeated slashes collapse into one: Werkzeug strips every leading
+      slash (``//login`` and ``/%2flogin`` run the ``/login`` handler) and
+      redirects interior runs to the collapsed path, so ``/a//b`` is the
+      ``/a/b`` route wherever it is routed at all.
+
+    Everything else is kept as routed: dot segments (``/x/../login`` is not
+    ``/login`` to any server or framework we document, and ``/api/../login``
+    reaches an ``/api/{rest:path}`` handler, so it must stay under ``/api``),
+    a trailing slash, case, ``;params`` and a literal ``%`` (a ``%25`` on the
+    wire).
+
+    The common, already normal path is returned as is after one substring
+    check: nothing is allocated.
+    """
+    if path[:1] == "/" and "//" not in path:
+        return path
+    if path[:1] != "/":
+        path = "/" + path
+    while "//" in path:
+        path = path.replace("//", "/")
+    return path
 
 
 class RuleNotFoundError(LookupError):
@@ -206,6 +266,11 @@ class RateLimitRule:
             raise RuleValidationError(
                 name, "path_prefix", f"must be a path without query or fragment, got {prefix!r}"
             )
+        if "//" in prefix:
+            # requests are matched with repeated slashes collapsed
+            # (normalize_path): so is the prefix, or it could never match
+            prefix = normalize_path(prefix)
+            setter(self, "path_prefix", prefix)
         try:
             setter(self, "scope", KeyScope(self.scope))
         except ValueError:
@@ -332,13 +397,16 @@ class RateLimitRule:
         return self.limit
 
     def matches(self, method: str, path: str, tier: str | None = None) -> bool:
-        """Does this rule cover the request? Method ``*`` covers every method;
-        the prefix matches at segment boundaries; a tiered rule covers only
-        requests of its tier."""
-        if self.method != "*" and self.method != method.upper():
+        """Does this rule cover the request? Method ``*`` covers every method
+        and ``GET`` covers ``HEAD`` too; the prefix matches the normalised
+        path (:func:`normalize_path`) at segment boundaries; a tiered rule
+        covers only requests of its tier."""
+        wanted = method.upper()
+        if self.method != "*" and self.method != wanted and not (self.method == "GET" and wanted == "HEAD"):
             return False
         if self.tier is not None and self.tier != tier:
             return False
+        path = normalize_path(path)
         prefix = self.path_prefix
         if path == prefix:
             return True
@@ -407,6 +475,13 @@ def _rank(rule: RateLimitRule) -> tuple[int, int, int]:
     return (length, exact, 0 if rule.tier is None else 1)
 
 
+def _head_rank(rule: RateLimitRule) -> tuple[int, int, int]:
+    """:func:`_rank` for a HEAD request: at equal prefix length an explicit
+    ``HEAD`` rule beats the ``GET`` rule (which covers HEAD), which beats ``*``."""
+    length, exact = rule.specificity()
+    return (length, exact + (rule.method == "HEAD"), 0 if rule.tier is None else 1)
+
+
 # ---------------------------------------------------------------------------
 # The index
 
@@ -434,7 +509,19 @@ class RuleSet:
     mode). Both cost O(path segments), not O(rules).
     """
 
-    __slots__ = ("_cache", "_cache_all", "_cache_size", "_root", "default", "has_tiers", "rules", "stacked")
+    __slots__ = (
+        "_cache",
+        "_cache_all",
+        "_cache_all_bytes",
+        "_cache_bytes",
+        "_cache_max_bytes",
+        "_cache_size",
+        "_root",
+        "default",
+        "has_tiers",
+        "rules",
+        "stacked",
+    )
 
     def __init__(
         self,
@@ -443,6 +530,7 @@ class RuleSet:
         *,
         stacked: bool = False,
         cache_size: int = 4096,
+        cache_bytes: int = CACHE_KEY_BYTES,
     ) -> None:
         rules = tuple(rules)
         seen: set[str] = set()
@@ -462,6 +550,9 @@ class RuleSet:
         self.stacked = bool(stacked)
         self.has_tiers = any(r.tier is not None for r in rules)
         self._cache_size = cache_size
+        self._cache_max_bytes = cache_bytes
+        self._cache_bytes = 0
+        self._cache_all_bytes = 0
         self._cache: dict[tuple[str, str, str | None], RateLimitRule | None] = {}
         self._cache_all: dict[tuple[str, str, str | None], tuple[RateLimitRule, ...]] = {}
         root = _Node()
@@ -481,17 +572,24 @@ class RuleSet:
             node = nodes[key]
             star = by_method.get("*", [])
             for method, entries in by_method.items():
+                if method == "HEAD":
+                    continue  # merged with GET below
                 merged = entries if method == "*" else entries + star
                 merged.sort(key=lambda e: _rank(e[0]), reverse=True)
                 node.ends[method] = tuple(merged)
+            if "GET" in by_method or "HEAD" in by_method:
+                # HEAD is GET without the body, answered by the GET handler:
+                # a GET rule covers HEAD, so both spend the same budget.
+                head = by_method.get("HEAD", []) + by_method.get("GET", []) + star
+                head.sort(key=lambda e: _head_rank(e[0]), reverse=True)
+                node.ends["HEAD"] = tuple(head)
         self._root = root
 
     def _walk(self, method: str, path: str, tier: str | None, first: bool) -> list[RateLimitRule]:
-        """Every matching rule, most specific first (or only the best one)."""
+        """Every matching rule, most specific first (or only the best one),
+        for an upper-cased method and a :func:`normalize_path`-ed path."""
         found: list[RateLimitRule] = []
         segs = path.split("/")
-        if segs[0] != "":
-            return found  # not an absolute path: nothing matches
         n = len(segs) - 1  # segments after the leading "/"
         node: _Node | None = self._root
         depth = 0
@@ -516,27 +614,29 @@ class RuleSet:
                 break
             node = node.children.get(segs[depth])
         if not first:
-            found.sort(key=_rank, reverse=True)
+            found.sort(key=_head_rank if method == "HEAD" else _rank, reverse=True)
         return found
 
-    def _remember(
-        self, cache: dict[tuple[str, str, str | None], Any], key: tuple[str, str, str | None], value: Any
-    ) -> None:
-        if len(cache) >= self._cache_size:
-            cache.clear()  # bounded: hostile unique paths cost a miss, never memory
-        cache[key] = value
-
     def match(self, method: str, path: str, tier: str | None = None) -> RateLimitRule | None:
-        """The most specific rule covering the request, else the default, else None."""
+        """The most specific rule covering the request, else the default, else None.
+
+        Cached by the request's own ``(method, path, tier)``, so a hit costs
+        one dict look-up and no normalisation; a miss normalises the path."""
         key = (method, path, tier)
         hit = self._cache.get(key, _MISSING)
         if hit is not _MISSING:
             return hit  # type: ignore[no-any-return]
-        m = method.upper()
-        found = self._walk(m, path, tier, True)
+        found = self._walk(method.upper(), normalize_path(path), tier, True)
         rule = found[0] if found else self.default
         if self._cache_size:
-            self._remember(self._cache, key, rule)
+            size = key_bytes(method, path, tier)
+            if size <= MAX_CACHED_KEY_BYTES:
+                cache = self._cache
+                if len(cache) >= self._cache_size or self._cache_bytes + size > self._cache_max_bytes:
+                    cache.clear()  # bounded: hostile unique paths cost a miss, never memory
+                    self._cache_bytes = 0
+                cache[key] = rule
+                self._cache_bytes += size
         return rule
 
     def match_all(self, method: str, path: str, tier: str | None = None) -> tuple[RateLimitRule, ...]:
@@ -546,11 +646,22 @@ class RuleSet:
         hit = self._cache_all.get(key)
         if hit is not None:
             return hit
-        found = self._walk(method.upper(), path, tier, False)
+        found = self._walk(method.upper(), normalize_path(path), tier, False)
         rules = tuple(found) if found else (() if self.default is None else (self.default,))
         if self._cache_size:
-            self._remember(self._cache_all, key, rules)
+            size = key_bytes(method, path, tier)
+            if size <= MAX_CACHED_KEY_BYTES:
+                cache = self._cache_all
+                if len(cache) >= self._cache_size or self._cache_all_bytes + size > self._cache_max_bytes:
+                    cache.clear()
+                    self._cache_all_bytes = 0
+                cache[key] = rules
+                self._cache_all_bytes += size
         return rules
+
+    def cached_key_bytes(self) -> int:
+        """What the keys of both lookup caches take now (see :func:`key_bytes`)."""
+        return self._cache_bytes + self._cache_all_bytes
 
     def __len__(self) -> int:
         return len(self.rules)
@@ -570,7 +681,7 @@ class RuleRegistry:
     limits); otherwise the most specific one does (SPEC §6).
     """
 
-    __slots__ = ("_cache_size", "_set")
+    __slots__ = ("_cache_bytes", "_cache_size", "_set")
 
     def __init__(
         self,
@@ -579,11 +690,15 @@ class RuleRegistry:
         *,
         stacked: bool = False,
         cache_size: int = 4096,
+        cache_bytes: int = CACHE_KEY_BYTES,
     ) -> None:
         if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
             raise ValidationError(f"cache_size must be an int >= 0, got {cache_size!r}")
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise ValidationError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
         self._cache_size = cache_size
-        self._set = RuleSet(rules, default, stacked=stacked, cache_size=cache_size)
+        self._cache_bytes = cache_bytes
+        self._set = RuleSet(rules, default, stacked=stacked, cache_size=cache_size, cache_bytes=cache_bytes)
 
     def snapshot(self) -> RuleSet:
         """The current ruleset; read it once per request."""
@@ -642,6 +757,7 @@ class RuleRegistry:
             current.default if default is _KEEP else default,
             stacked=current.stacked if stacked is _KEEP else stacked,
             cache_size=self._cache_size,
+            cache_bytes=self._cache_bytes,
         )
         self._set = new
         return new

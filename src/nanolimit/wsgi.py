@@ -67,8 +67,18 @@ class _EnvironHeaders(Mapping[str, str]):
 def request_from_environ(environ: Environ) -> Request:
     """The gateway's view of a WSGI request: the client is ``REMOTE_ADDR``
     (the connection), the user ``REMOTE_USER``; the path includes
-    ``SCRIPT_NAME`` so rules match the public URL of a mounted app."""
-    path = (environ.get("SCRIPT_NAME") or "") + (environ.get("PATH_INFO") or "")
+    ``SCRIPT_NAME`` so rules match the public URL of a mounted app.
+
+    The path is handed over as the server decoded it (``/%2flogin`` arrives
+    as ``//login``); the ruleset normalises it when it matches
+    (:func:`nanolimit.rules.normalize_path`), the one place ASGI, WSGI and
+    the framework-free pipeline share. Only the join is done here: a
+    ``PATH_INFO`` without its leading ``/`` is still below ``SCRIPT_NAME``
+    (Werkzeug routes ``login`` as ``/login``)."""
+    info = environ.get("PATH_INFO") or ""
+    if info[:1] != "/" and info:
+        info = "/" + info
+    path = (environ.get("SCRIPT_NAME") or "") + info
     if not path.isascii():
         # PEP 3333 hands the path over as latin-1-decoded bytes: rules are
         # written (and ASGI gives paths) in UTF-8
