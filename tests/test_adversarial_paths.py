@@ -24,6 +24,8 @@ from typing import Any
 import adversarial_servers as servers
 import pytest
 from gateway_helpers import gateway, get, ok_handler, rule
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from werkzeug.test import Client as WerkzeugClient
 
 from nanolimit.asgi import request_from_scope
@@ -192,6 +194,38 @@ def test_every_lookup_matches_the_normalised_path(stacked: bool, cache_size: int
             assert reg.rule_for("GET", path).name == name, path
             assert reg.rules_for("GET", path)[0].name == name, path
             assert login.matches("GET", path) is (name == "login"), path
+
+
+_seg = st.sampled_from(["a", "b", "api", "", ".", ".."])
+_raw_path = st.lists(_seg, max_size=6).map("/".join)  # with or without the leading "/"
+_rule_prefix = st.lists(st.sampled_from(["a", "b", "api", "", "."]), max_size=3).map(
+    lambda s: "/" + "/".join(s)
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    specs=st.lists(st.tuples(_rule_prefix, st.sampled_from(["GET", "HEAD", "POST", "*"])), max_size=8),
+    probes=st.lists(st.tuples(st.sampled_from(["GET", "HEAD", "head", "POST"]), _raw_path), min_size=1),
+)
+def test_the_trie_answers_as_if_every_path_were_normalised_first(
+    specs: list[tuple[str, str]], probes: list[tuple[str, str]]
+) -> None:
+    """The walk normalises only when it meets an empty segment or a missing
+    leading slash; whatever the path, the answer is the normalised path's,
+    and that of a linear scan with ``RateLimitRule.matches``."""
+    rules = [rule(f"r{i}", method=m, path_prefix=p) for i, (p, m) in enumerate(specs)]
+    for cache_size in (0, 64):
+        for stacked in (False, True):
+            reg = RuleRegistry(rules, stacked=stacked, cache_size=cache_size)
+            for method, path in probes * 2:
+                normal = normalize_path(path)
+                every = [r for r in rules if r.matches(method, path)]
+                assert every == [r for r in rules if r.matches(method, normal)]
+                got = reg.snapshot().match_all(method, path)
+                assert got == reg.snapshot().match_all(method, normal)
+                assert set(got) == set(every)
+                assert reg.snapshot().match(method, path) is (got[0] if got else None)
 
 
 @pytest.mark.parametrize("path", ["//login", "///login", "login", "/login//", "//login//again"])

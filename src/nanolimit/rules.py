@@ -587,10 +587,17 @@ class RuleSet:
 
     def _walk(self, method: str, path: str, tier: str | None, first: bool) -> list[RateLimitRule]:
         """Every matching rule, most specific first (or only the best one),
-        for an upper-cased method and a :func:`normalize_path`-ed path."""
+        for an upper-cased method, on the :func:`normalize_path` of ``path``.
+
+        The normal path pays nothing for normalisation: no node has an empty
+        segment as a child (prefixes are normalised too), so the walk of a
+        path with ``//`` stops at an empty segment; only then, or when the
+        leading ``/`` is missing, is the path normalised and walked again."""
         found: list[RateLimitRule] = []
         segs = path.split("/")
         n = len(segs) - 1  # segments after the leading "/"
+        if segs[0] or not n:  # no leading "/" (or the empty path)
+            return self._walk(method, normalize_path(path), tier, first)
         node: _Node | None = self._root
         depth = 0
         while node is not None:
@@ -613,6 +620,9 @@ class RuleSet:
             if depth > n:
                 break
             node = node.children.get(segs[depth])
+        if depth < n and not segs[depth]:
+            # stopped at an empty segment that is not the trailing slash: "//"
+            return self._walk(method, normalize_path(path), tier, first)
         if not first:
             found.sort(key=_head_rank if method == "HEAD" else _rank, reverse=True)
         return found
@@ -621,12 +631,13 @@ class RuleSet:
         """The most specific rule covering the request, else the default, else None.
 
         Cached by the request's own ``(method, path, tier)``, so a hit costs
-        one dict look-up and no normalisation; a miss normalises the path."""
+        one dict look-up and no normalisation; a miss walks the normalised
+        path (:meth:`_walk`)."""
         key = (method, path, tier)
         hit = self._cache.get(key, _MISSING)
         if hit is not _MISSING:
             return hit  # type: ignore[no-any-return]
-        found = self._walk(method.upper(), normalize_path(path), tier, True)
+        found = self._walk(method.upper(), path, tier, True)
         rule = found[0] if found else self.default
         if self._cache_size:
             size = key_bytes(method, path, tier)
@@ -646,7 +657,7 @@ class RuleSet:
         hit = self._cache_all.get(key)
         if hit is not None:
             return hit
-        found = self._walk(method.upper(), normalize_path(path), tier, False)
+        found = self._walk(method.upper(), path, tier, False)
         rules = tuple(found) if found else (() if self.default is None else (self.default,))
         if self._cache_size:
             size = key_bytes(method, path, tier)
