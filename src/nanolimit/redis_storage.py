@@ -57,7 +57,10 @@ from typing import Any, ClassVar, Final, Literal
 
 from ._shared import (
     DUPLICATE_COMPOUND,
+    MAX_CLOCK_LEAD,
     MAX_KEY_BYTES,
+    MAX_LIMIT,
+    MAX_TIME,
     REASON_STORE_UNAVAILABLE,
     Algorithm,
     CompoundDecision,
@@ -77,8 +80,10 @@ from ._shared import (
 )
 
 __all__ = [
+    "MAX_CLOCK_LEAD",
     "AsyncRedisStorage",
     "CircuitOpenError",
+    "RedisKeyError",
     "RedisStorage",
     "RedisUnavailableError",
     "StorageUnavailableError",
@@ -104,6 +109,22 @@ class CircuitOpenError(RedisUnavailableError):
     """The circuit breaker is open: the store was not even asked."""
 
 
+class RedisKeyError(RedisUnavailableError):
+    """The server answered this one call with an error about the key, not
+    about itself: a value of another type at the limiter's key (``WRONGTYPE``),
+    a stored state the limiter did not write (``BADSTATE``), a write refused
+    for memory (``OOM``) or persistence (``MISCONF``), an ACL refusal
+    (``NOPERM``), a script error. Raised only under ``on_error="raise"``; it
+    never feeds the circuit breaker (``code`` is the reply's error code)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# Decision.reason when the policy answered one key's error reply (the store is up).
+REASON_STORE_ERROR: Final = "store_error"
+
 # --------------------------------------------------------------------------
 # Lua. One prelude, one function per kernel; a single-decision script is the
 # prelude, its kernel and a three-line main; the compound script holds them all.
@@ -115,8 +136,31 @@ class CircuitOpenError(RedisUnavailableError):
 # it is both stored and answered, write only the hash fields that changed,
 # and define no function a script does not call (each is a new closure on
 # every call).
+#
+# Every value read from the key is checked before it is used (docs/redis.md,
+# "Foreign values"): a field that does not parse as a number, lies outside the
+# range the kernels themselves produce (levels and counts 0..MAX_LIMIT, whole
+# counts and window indices, stamps within ±MAX_TIME, a sliding-log stamp at
+# most MAX_CLOCK_LEAD past its key's own time), or is missing, and a hash
+# without the limiter's fields, raise ``BADSTATE``: that key alone is answered
+# by its policy and nothing is written to it. A value of another type raises
+# the server's own ``WRONGTYPE`` at the first read.
+#
+# The clock-lead rule (SPEC §4, ``reference._decide``): a key whose stamp
+# ``u`` is more than MAX_CLOCK_LEAD ahead of the clock is moved back by the
+# lead with its debt kept (levels unchanged; GCRA's TAT and the window
+# indices by the same whole microseconds / windows; sliding-log stamps by the
+# lead), ``u`` becomes the clock; within the bound the key's time stands
+# still and every positive duration answered gets ``now - clock`` added, so a
+# Retry-After is true against the real clock (the expiry too).
 
-_PRELUDE = r"""
+_MAX_STAMP: Final = repr(MAX_TIME)  # |u| and |stamp| stay below it (GCRA's µs below 2**53)
+
+_PRELUDE = rf"""
+local MAX_LEAD = {MAX_CLOCK_LEAD!r}
+local MAX_STAMP = {_MAX_STAMP}
+local MAX_COUNT = {MAX_LIMIT}
+local MAX_EXACT = 9007199254740992
 -- TIME's two strings; Lua's arithmetic converts them exactly as tonumber would
 local function server_time()
   local t = redis.call('TIME')
@@ -126,6 +170,7 @@ local function expiry_ms(reset_after, floor_ms)
   local ms = math.ceil(reset_after * 1000) + 1
   if ms < floor_ms then ms = floor_ms end
   if ms < 1 then ms = 1 end
+  if ms > MAX_EXACT then ms = MAX_EXACT end  -- printed in full by %.17g, and far from PEXPIRE's overflow
   return ms
 end
 """
@@ -141,7 +186,15 @@ _KERNEL_LUA: Final[dict[Algorithm, str]] = {
 local function k_token_bucket(key, clock, cost, commit, floor_ms, capacity, rate)
   local v = redis.call('HMGET', key, 'l', 'u')
   local level, updated
-  if v[1] then level = tonumber(v[1]); updated = tonumber(v[2])
+  if v[1] then
+    level = tonumber(v[1]); updated = tonumber(v[2])
+    if not (level and updated and level >= 0 and level <= MAX_COUNT
+        and updated > -MAX_STAMP and updated < MAX_STAMP) then
+      error({err = 'BADSTATE token_bucket: the stored state is not one this limiter writes'})
+    end
+    if updated - clock > MAX_LEAD then updated = clock end  -- the clock's error: the level (debt) stays
+  elseif v[2] or redis.call('EXISTS', key) == 1 then
+    error({err = 'BADSTATE token_bucket: a hash without the limiter fields'})
   else level = capacity; updated = clock end
   local now = clock
   if updated > now then now = updated end
@@ -152,6 +205,11 @@ local function k_token_bucket(key, clock, cost, commit, floor_ms, capacity, rate
   local allowed = level >= cost
   if allowed then level = level - cost else retry = (cost - level) / rate end
   local reset = (capacity - level) / rate
+  local extra = now - clock  -- > 0 only while the key's time stands still ahead of the clock
+  if extra > 0 then
+    if retry > 0 then retry = retry + extra end
+    if reset > 0 then reset = reset + extra end
+  end
   -- the level goes both into the state and into the reply: format it once
   -- (what Redis 7.0 would store for the number; newer servers read it back exactly)
   local l = string.format('%.17g', level)
@@ -167,7 +225,15 @@ end
 local function k_leaky_bucket(key, clock, cost, commit, floor_ms, capacity, rate)
   local v = redis.call('HMGET', key, 'l', 'u')
   local level, updated
-  if v[1] then level = tonumber(v[1]); updated = tonumber(v[2])
+  if v[1] then
+    level = tonumber(v[1]); updated = tonumber(v[2])
+    if not (level and updated and level >= 0 and level <= MAX_COUNT
+        and updated > -MAX_STAMP and updated < MAX_STAMP) then
+      error({err = 'BADSTATE leaky_bucket: the stored state is not one this limiter writes'})
+    end
+    if updated - clock > MAX_LEAD then updated = clock end  -- the clock's error: the level (debt) stays
+  elseif v[2] or redis.call('EXISTS', key) == 1 then
+    error({err = 'BADSTATE leaky_bucket: a hash without the limiter fields'})
   else level = 0.0; updated = clock end
   local now = clock
   if updated > now then now = updated end
@@ -188,6 +254,12 @@ local function k_leaky_bucket(key, clock, cost, commit, floor_ms, capacity, rate
     retry = (cost - room) / rate
   end
   local reset = level / rate
+  local extra = now - clock
+  if extra > 0 then
+    if retry > 0 then retry = retry + extra end
+    if reset > 0 then reset = reset + extra end
+    if delay > 0 then delay = delay + extra end
+  end
   if commit then
     redis.call('HSET', key, 'l', level, 'u', now)
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
@@ -201,7 +273,20 @@ local function k_fixed_window(key, clock, cost, commit, floor_ms, capacity, wind
   local v = redis.call('HMGET', key, 'k', 'n', 'u')
   local k, count, updated
   local moved = not v[1]  -- k must be written: a new key, or (below) a new window
-  if v[1] then k = tonumber(v[1]); count = tonumber(v[2]); updated = tonumber(v[3])
+  if v[1] then
+    k = tonumber(v[1]); count = tonumber(v[2]); updated = tonumber(v[3])
+    if not (k and count and updated and k % 1 == 0 and k > -MAX_EXACT and k < MAX_EXACT
+        and count >= 0 and count <= MAX_COUNT and count % 1 == 0
+        and updated > -MAX_STAMP and updated < MAX_STAMP) then
+      error({err = 'BADSTATE fixed_window: the stored state is not one this limiter writes'})
+    end
+    if updated - clock > MAX_LEAD then  -- the clock's error: back by as many windows, count kept
+      k = k - (math.floor(updated / window) - math.floor(clock / window))
+      updated = clock
+      moved = true
+    end
+  elseif v[2] or v[3] or redis.call('EXISTS', key) == 1 then
+    error({err = 'BADSTATE fixed_window: a hash without the limiter fields'})
   else k = math.floor(clock / window); count = 0; updated = clock end
   local now = clock
   if updated > now then now = updated end
@@ -213,6 +298,11 @@ local function k_fixed_window(key, clock, cost, commit, floor_ms, capacity, wind
   if allowed then count = count + cost else retry = start + window - now end
   local reset = 0.0
   if count > 0 then reset = start + window - now end
+  local extra = now - clock
+  if extra > 0 then
+    if retry > 0 then retry = retry + extra end
+    if reset > 0 then reset = reset + extra end
+  end
   if commit then
     -- only the fields that changed: the others hold these very values already
     if moved then redis.call('HSET', key, 'k', k, 'n', count, 'u', now)
@@ -231,6 +321,19 @@ local function k_sliding_counter(key, clock, cost, commit, floor_ms, capacity, w
   local moved = not v[1]  -- k and p must be written: a new key, or (below) a new window
   if v[1] then
     k = tonumber(v[1]); count = tonumber(v[2]); previous = tonumber(v[3]); updated = tonumber(v[4])
+    if not (k and count and previous and updated and k % 1 == 0 and k > -MAX_EXACT and k < MAX_EXACT
+        and count >= 0 and count <= MAX_COUNT and count % 1 == 0
+        and previous >= 0 and previous <= MAX_COUNT and previous % 1 == 0
+        and updated > -MAX_STAMP and updated < MAX_STAMP) then
+      error({err = 'BADSTATE sliding_counter: the stored state is not one this limiter writes'})
+    end
+    if updated - clock > MAX_LEAD then  -- the clock's error: back by as many windows, counts kept
+      k = k - (math.floor(updated / window) - math.floor(clock / window))
+      updated = clock
+      moved = true
+    end
+  elseif v[2] or v[3] or v[4] or redis.call('EXISTS', key) == 1 then
+    error({err = 'BADSTATE sliding_counter: a hash without the limiter fields'})
   else k = math.floor(clock / window); count = 0; previous = 0; updated = clock end
   local now = clock
   if updated > now then now = updated end
@@ -259,6 +362,11 @@ local function k_sliding_counter(key, clock, cost, commit, floor_ms, capacity, w
   local reset = 0.0
   if count > 0 then reset = start + 2.0 * window - now
   elseif previous > 0 then reset = start + window - now end
+  local extra = now - clock
+  if extra > 0 then
+    if retry > 0 then retry = retry + extra end
+    if reset > 0 then reset = reset + extra end
+  end
   if commit then
     -- only the fields that changed: the others hold these very values already
     if moved then redis.call('HSET', key, 'k', k, 'n', count, 'p', previous, 'u', now)
@@ -276,7 +384,15 @@ local function k_gcra(key, clock, cost, commit, floor_ms, interval, tolerance)
   local tat, updated
   if v then
     local sp = string.find(v, ' ', 1, true)
-    tat = tonumber(string.sub(v, 1, sp - 1)); updated = tonumber(string.sub(v, sp + 1))
+    if sp then tat = tonumber(string.sub(v, 1, sp - 1)); updated = tonumber(string.sub(v, sp + 1)) end
+    if not (tat and updated and tat % 1 == 0 and tat > -MAX_EXACT and tat < MAX_EXACT
+        and updated > -MAX_STAMP and updated < MAX_STAMP) then
+      error({err = 'BADSTATE gcra: the stored state is not one this limiter writes'})
+    end
+    if updated - clock > MAX_LEAD then  -- the clock's error: back by as many whole µs, backlog kept
+      tat = tat - (math.floor(updated * 1000000.0) - math.floor(clock * 1000000.0))
+      updated = clock
+    end
   else tat = math.floor(clock * 1000000.0); updated = clock end
   local now = clock
   if updated > now then now = updated end
@@ -298,6 +414,11 @@ local function k_gcra(key, clock, cost, commit, floor_ms, interval, tolerance)
   if remaining * interval > left then remaining = remaining - 1 end
   if (remaining + 1) * interval <= left then remaining = remaining + 1 end
   local reset = backlog / 1000000.0
+  local extra = now - clock
+  if extra > 0 then
+    if retry > 0 then retry = retry + extra end
+    if reset > 0 then reset = reset + extra end
+  end
   if commit then
     redis.call('SET', key, string.format('%.17g %.17g', tat, now), 'PX', expiry_ms(reset, floor_ms))
   end
@@ -306,11 +427,33 @@ local function k_gcra(key, clock, cost, commit, floor_ms, interval, tolerance)
 end
 """,
     Algorithm.SLIDING_LOG: r"""
+-- One stored stamp, checked (a number, within ±MAX_STAMP and at most
+-- MAX_LEAD past its key's own stored time), then moved back by the
+-- clock-lead rebase's ``shift`` when there is one.
+local function log_stamp(raw, limit, shift)
+  local s = tonumber(raw)
+  if not (s and s > -MAX_STAMP and s <= limit) then
+    error({err = 'BADSTATE sliding_log: a stored stamp is not one this limiter writes'})
+  end
+  if shift then s = s - shift end
+  return s
+end
 local function k_sliding_log(key, clock, cost, commit, floor_ms, capacity, window)
   local total = redis.call('LLEN', key)
   local updated, n
+  local limit, shift = 0, nil
   if total == 0 then updated = clock; n = 0
-  else updated = tonumber(redis.call('LINDEX', key, 0)); n = total - 1 end
+  else
+    updated = tonumber(redis.call('LINDEX', key, 0)); n = total - 1
+    if not (updated and updated > -MAX_STAMP and updated < MAX_STAMP) then
+      error({err = 'BADSTATE sliding_log: the stored state is not one this limiter writes'})
+    end
+    limit = updated + MAX_LEAD
+    if updated - clock > MAX_LEAD then  -- the clock's error: every stamp back by the lead
+      shift = updated - clock
+      updated = clock
+    end
+  end
   local now = clock
   if updated > now then now = updated end
   -- entries sit at list indices 1..n; drop those over the capacity, then the expired
@@ -318,11 +461,11 @@ local function k_sliding_log(key, clock, cost, commit, floor_ms, capacity, windo
   if n > capacity then pos = 1 + n - capacity end
   local cutoff = now - window
   -- the common case, nothing expired, costs one LINDEX; else scan in chunks
-  local scan = pos <= n and tonumber(redis.call('LINDEX', key, pos)) <= cutoff
+  local scan = pos <= n and log_stamp(redis.call('LINDEX', key, pos), limit, shift) <= cutoff
   while scan and pos <= n do
     local chunk = redis.call('LRANGE', key, pos, pos + 63)
     local i = 1
-    while i <= #chunk and tonumber(chunk[i]) <= cutoff do i = i + 1 end
+    while i <= #chunk and log_stamp(chunk[i], limit, shift) <= cutoff do i = i + 1 end
     pos = pos + i - 1
     if i <= #chunk then break end
   end
@@ -337,14 +480,36 @@ local function k_sliding_log(key, clock, cost, commit, floor_ms, capacity, windo
     remaining = capacity - len
     newest = now
   else
-    retry = tonumber(redis.call('LINDEX', key, pos + len + cost - capacity - 1)) + window - now
-    if len > 0 then newest = tonumber(redis.call('LINDEX', key, -1)) end
+    retry = log_stamp(redis.call('LINDEX', key, pos + len + cost - capacity - 1), limit, shift) + window - now
+    if len > 0 then newest = log_stamp(redis.call('LINDEX', key, -1), limit, shift) end
   end
   local reset = 0.0
   if newest then reset = newest + window - now end
+  local extra = now - clock
+  if extra > 0 then
+    if retry > 0 then retry = retry + extra end
+    if reset > 0 then reset = reset + extra end
+  end
   if commit then
     local stamp = string.format('%.17g', now)
     if total == 0 then redis.call('RPUSH', key, stamp)
+    elseif shift then
+      -- rebased: the kept entries (list indices pos..n) go to the tail moved
+      -- back by the lead, then everything before them is dropped and the new
+      -- u goes in front (a write refused for memory fails at the first RPUSH,
+      -- before anything changed)
+      local at = pos
+      while at <= n do
+        local last = at + 4095
+        if last > n then last = n end
+        local chunk = redis.call('LRANGE', key, at, last)
+        local moved = {}
+        for i = 1, #chunk do moved[i] = string.format('%.17g', log_stamp(chunk[i], limit, shift)) end
+        redis.call('RPUSH', key, unpack(moved))
+        at = last + 1
+      end
+      redis.call('LTRIM', key, n + 1, -1)
+      redis.call('LPUSH', key, stamp)
     else
       if drop > 0 then redis.call('LTRIM', key, drop, -1) end
       redis.call('LSET', key, 0, stamp)
@@ -376,7 +541,8 @@ end
 
 _ALGO_IDS: Final = {algo: i for i, algo in enumerate(_KERNEL_LUA)}
 
-# KEYS[1]; ARGV: now ('' = server TIME), cost, commit, floor_ms, p1, p2
+# KEYS[1]; ARGV: now ('' = server TIME), cost, commit, floor_ms, p1, p2.
+# A kernel's error (WRONGTYPE, BADSTATE, OOM) is the script's error reply.
 _SINGLE_MAIN = r"""
 local clock
 if ARGV[1] == '' then clock = server_time() else clock = tonumber(ARGV[1]) end
@@ -385,8 +551,20 @@ local _, verdict = k_%s(KEYS[1], clock, tonumber(ARGV[2]), ARGV[3] == '1',
 return verdict
 """
 
-# KEYS[1..n]; ARGV: n, then per item: algorithm id, now, cost, floor_ms, p1, p2.
-# Dry run every item; commit (and answer the committed verdicts) only if all allow.
+# Scripts that decide several keys catch each key's error, so one bad key
+# never fails the others: its answer is "E <the error reply>" in its place.
+_ERROR_TEXT = r"""
+local function error_text(e)
+  if type(e) == 'table' then e = e.err end
+  return 'E ' .. tostring(e)
+end
+"""
+
+# KEYS[1..n]; ARGV: n, then per item: algorithm id, now, cost, floor_ms, p1, p2,
+# and '1' when the item's failure policy allows. Dry run every item; commit
+# (and answer the committed verdicts) only if all allow. An item whose key
+# errs counts as its policy says (allow: allowed, else denied), is never
+# written, and is answered by its error.
 _COMPOUND_MAIN = r"""
 local kernels = {[0] = k_token_bucket, k_leaky_bucket, k_fixed_window, k_sliding_counter,
   k_gcra, k_sliding_log}
@@ -394,19 +572,28 @@ local n = tonumber(ARGV[1])
 local server_now = nil
 local clocks = {}
 for i = 1, n do
-  local arg = ARGV[2 + (i - 1) * 6 + 1]
+  local arg = ARGV[2 + (i - 1) * 7 + 1]
   if arg == '' then
     if server_now == nil then server_now = server_time() end
     clocks[i] = server_now
   else clocks[i] = tonumber(arg) end
 end
+local failed = {}
 local function run(commit)
   local out = {}
   local all = true
   for i = 1, n do
-    local b = 2 + (i - 1) * 6
-    local a, verdict = kernels[tonumber(ARGV[b])](KEYS[i], clocks[i], tonumber(ARGV[b + 2]),
-      commit, tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]))
+    local b = 2 + (i - 1) * 7
+    local ok, a, verdict = true, ARGV[b + 6] == '1', failed[i]
+    if not verdict then
+      ok, a, verdict = pcall(kernels[tonumber(ARGV[b])], KEYS[i], clocks[i], tonumber(ARGV[b + 2]),
+        commit, tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]))
+      if not ok then
+        verdict = error_text(a)
+        failed[i] = verdict
+        a = ARGV[b + 6] == '1'
+      end
+    end
     if not a then all = false end
     out[i] = verdict
   end
@@ -436,8 +623,8 @@ if ARGV[1] == '' then clock = server_time() else clock = tonumber(ARGV[1]) end
 local floor_ms, p1, p2 = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local out = {}
 for i = 1, #KEYS do
-  local _, verdict = k_%s(KEYS[i], clock, tonumber(ARGV[4 + i]), true, floor_ms, p1, p2)
-  out[i] = verdict
+  local ok, e, verdict = pcall(k_%s, KEYS[i], clock, tonumber(ARGV[4 + i]), true, floor_ms, p1, p2)
+  if ok then out[i] = verdict else out[i] = error_text(e) end
 end
 return out
 """
@@ -446,11 +633,12 @@ SCRIPTS: Final[dict[Algorithm, _Script]] = {
     algo: _Script(_PRELUDE + lua + _SINGLE_MAIN % algo.value) for algo, lua in _KERNEL_LUA.items()
 }
 BATCH_SCRIPTS: Final[dict[Algorithm, _Script]] = {
-    algo: _Script(_PRELUDE + lua + _BATCH_MAIN % algo.value) for algo, lua in _KERNEL_LUA.items()
+    algo: _Script(_PRELUDE + lua + _ERROR_TEXT + _BATCH_MAIN % algo.value)
+    for algo, lua in _KERNEL_LUA.items()
 }
 # Keys per batch script: bounds how long one script holds the server (~10 µs a key).
 BATCH_CHUNK: Final = 200
-COMPOUND_SCRIPT: Final = _Script(_PRELUDE + "".join(_KERNEL_LUA.values()) + _COMPOUND_MAIN)
+COMPOUND_SCRIPT: Final = _Script(_PRELUDE + "".join(_KERNEL_LUA.values()) + _ERROR_TEXT + _COMPOUND_MAIN)
 
 # Real milliseconds an injected-clock key lives at least (REDIS.md).
 INJECTED_EXPIRY_FLOOR_MS: Final = 3_600_000
@@ -469,7 +657,9 @@ def _params(cfg: LimiterConfig) -> tuple[str, str]:
 def _parse_verdict(reply: Any) -> KernelVerdict:
     """A script's reply: one string, ``"allowed remaining retry reset delay"``
     (one ``string.format`` in Lua is cheaper than five, and a Lua number
-    would be truncated to an integer on the way out)."""
+    would be truncated to an integer on the way out). A multi-key script's
+    ``"E <error reply>"`` for one key raises ``ValueError`` here (see
+    :meth:`_RedisBase._part_verdict`)."""
     allowed, remaining, retry_after, reset_after, delay = reply.split()
     return (
         allowed == b"1" or allowed == "1",
@@ -481,10 +671,75 @@ def _parse_verdict(reply: Any) -> KernelVerdict:
     )
 
 
+# --------------------------------------------------------------------------
+# Error replies: which say the server cannot answer now (they feed the circuit
+# breaker) and which are about one call's key (answered by that key's policy).
+# Classified by the reply's error code, its first word; never by its text.
+
+# The server, or its role in a cluster, is not able to serve anyone right now.
+SERVER_ERROR_CODES: Final = frozenset(
+    {
+        "LOADING",  # loading its dataset after a restart
+        "BUSY",  # another script is running past the busy threshold
+        "MASTERDOWN",  # a replica that lost its primary
+        "READONLY",  # a replica (a failover moved the primary)
+        "CLUSTERDOWN",
+        "TRYAGAIN",  # slot migration in progress
+        "MOVED",
+        "ASK",
+        "NOREPLICAS",
+        "NOAUTH",
+        "WRONGPASS",
+    }
+)
+# Writes refused server-wide (memory full under noeviction, persistence
+# failing): answered per call, not by the breaker, counted in ``write_refused``.
+WRITE_REFUSED_CODES: Final = frozenset({"OOM", "MISCONF"})
+
+# Codes redis-py/valkey-py strip from the message when they pick a class.
+_CLASS_CODES: Final = {
+    "NoScriptError": "NOSCRIPT",
+    "OutOfMemoryError": "OOM",
+    "ReadOnlyError": "READONLY",
+    "ExecAbortError": "EXECABORT",
+    "NoPermissionError": "NOPERM",
+    "AskError": "ASK",
+    "MovedError": "MOVED",
+    "TryAgainError": "TRYAGAIN",
+    "ClusterDownError": "CLUSTERDOWN",
+    "MasterDownError": "MASTERDOWN",
+    "ClusterCrossSlotError": "CROSSSLOT",
+    "BusyLoadingError": "LOADING",
+    "AuthenticationError": "NOAUTH",
+}
+
+
+def _code_of_text(text: str) -> str:
+    """The error code that starts an error reply's text (``"ERR"`` when the
+    text starts with none: redis-py strips ``ERR``)."""
+    word = text.split(" ", 1)[0]
+    if word.isascii() and word.isupper() and word.replace("_", "").isalpha():
+        return word
+    return "ERR"
+
+
+def error_code(exc: BaseException) -> str:
+    """The error code of a server's error reply (``WRONGTYPE``, ``OOM``,
+    ``BADSTATE``, ...): redis-py 8's ``status_code``, else the class the
+    client picked for it, else the first word of the reply."""
+    code = getattr(exc, "status_code", None)
+    if isinstance(code, str) and code:
+        return code
+    found = _CLASS_CODES.get(type(exc).__name__)
+    if found is not None:
+        return found
+    return _code_of_text(str(exc.args[0]) if exc.args else "")
+
+
 def _is_noscript(exc: BaseException) -> bool:
     """redis-py and valkey-py raise ``NoScriptError`` (the ``NOSCRIPT`` prefix
-    stripped); other clients may hand back the raw message."""
-    return type(exc).__name__ == "NoScriptError" or "NOSCRIPT" in str(exc)
+    stripped); other clients may hand back the raw reply."""
+    return type(exc).__name__ == "NoScriptError" or error_code(exc) == "NOSCRIPT"
 
 
 # --------------------------------------------------------------------------
@@ -692,6 +947,18 @@ except ImportError:  # pragma: no cover - the connection packs
     _hiredis_pack = None
 
 
+def _refused_connect(exc: BaseException, connection_error: tuple[type[BaseException], ...]) -> BaseException:
+    """The server answered a connect's own commands (``SELECT``, ``AUTH``,
+    ``HELLO``, ``CLIENT SETINFO``) with an error reply: the connection
+    failed, whatever the reply's code, so it goes on as the client's
+    ``ConnectionError`` and is never taken for one key's error."""
+    if not connection_error:
+        return exc
+    failure = connection_error[0](f"the server refused the connection: {type(exc).__name__}: {exc}")
+    failure.__cause__ = exc
+    return failure
+
+
 class _SpareConnections:
     """Connections a storage keeps out of its derived client's pool between
     calls.
@@ -731,6 +998,7 @@ class _SpareConnections:
         "__weakref__",
         "_broken",
         "_conn_args",
+        "_connect_error",
         "_idle",
         "_keep",
         "_pack",
@@ -754,6 +1022,7 @@ class _SpareConnections:
 
         # the server's error reply (the connection is intact), and what a broken one raises
         self._reply_error = error_class("ResponseError")
+        self._connect_error = error_class("ConnectionError")
         self._broken: tuple[type[BaseException], ...] = (OSError, *error_class("RedisError", "ValkeyError"))
         # (connection, what its check needs, when it was put back, when it was first kept)
         self._idle: list[tuple[Any, Any, float, float]] = []
@@ -779,6 +1048,9 @@ class _SpareConnections:
         if pack is _UNPROBED:
             pack = self._pack = self._packer(conn)
         return pack
+
+    def _refused(self, exc: BaseException) -> BaseException:
+        return _refused_connect(exc, self._connect_error)
 
     def _take(self) -> tuple[Any, Any, float, bool] | None:
         """A kept connection, its check state, when it was first kept, and
@@ -830,7 +1102,10 @@ class _SyncSpareConnections(_SpareConnections):
             if kept is None:
                 sock = poller = None
                 first = 0.0
-                conn = pool.get_connection(*self._conn_args)
+                try:
+                    conn = pool.get_connection(*self._conn_args)
+                except self._reply_error as exc:
+                    raise self._refused(exc) from exc
             else:
                 conn, (sock, poller), first, due = kept
                 # readable: closed by the server, or data nobody asked for
@@ -842,7 +1117,10 @@ class _SyncSpareConnections(_SpareConnections):
                     pool.release(held)
                     sock = poller = None
                     first = 0.0
-                    conn = pool.get_connection(*self._conn_args)
+                    try:
+                        conn = pool.get_connection(*self._conn_args)
+                    except self._reply_error as exc:
+                        raise self._refused(exc) from exc
             pack = self._packed(conn)
             if pack is None:
                 conn.send_command(*args)
@@ -904,7 +1182,10 @@ class _AsyncSpareConnections(_SpareConnections):
         try:
             kept = self._take()
             if kept is None:
-                conn = await pool.get_connection(*self._conn_args)
+                try:
+                    conn = await pool.get_connection(*self._conn_args)
+                except self._reply_error as exc:
+                    raise self._refused(exc) from exc
             else:
                 conn, _, first, due = kept
                 try:
@@ -917,7 +1198,10 @@ class _AsyncSpareConnections(_SpareConnections):
                     held, conn = conn, None
                     first = 0.0
                     await pool.release(held)
-                    conn = await pool.get_connection(*self._conn_args)
+                    try:
+                        conn = await pool.get_connection(*self._conn_args)
+                    except self._reply_error as exc:
+                        raise self._refused(exc) from exc
             pack = self._packed(conn)
             packed = [pack(args)] if pack is not None else conn.pack_command(*args)
             writer = getattr(conn, "_writer", None)
@@ -1050,6 +1334,8 @@ class _RedisBase:
             "errors": 0,
             "degraded": 0,
             "timeouts": 0,
+            "key_errors": 0,
+            "write_refused": 0,
             "script_loads": 0,
             "breaker_open_skips": 0,
         }
@@ -1065,11 +1351,21 @@ class _RedisBase:
         # (redis-py's RedisError, valkey-py's ValkeyError) and socket errors;
         # anything unknown is caught broadly rather than raised into a request.
         self._errors: tuple[type[BaseException], ...] = (Exception,)
+        # The server's error replies (redis-py's ResponseError): the ones
+        # about a key answer that key alone (see ``_error_verdict``).
+        self._reply_errors: tuple[type[BaseException], ...] = ()
+        self._connect_error: tuple[type[BaseException], ...] = ()
         try:
             exceptions = _client_package(client).exceptions
             base = getattr(exceptions, "RedisError", None) or getattr(exceptions, "ValkeyError", None)
             if isinstance(base, type) and issubclass(base, BaseException):
                 self._errors = (base, OSError)
+            reply = getattr(exceptions, "ResponseError", None)
+            if isinstance(reply, type) and issubclass(reply, BaseException):
+                self._reply_errors = (reply,)
+            connect = getattr(exceptions, "ConnectionError", None)
+            if isinstance(connect, type) and issubclass(connect, BaseException):
+                self._connect_error = (connect,)
         except (ImportError, AttributeError):
             pass
 
@@ -1170,9 +1466,13 @@ class _RedisBase:
 
     def metrics(self) -> dict[str, Any]:
         """Counters since construction: ``decisions`` (answered by the store),
-        ``errors``, ``timeouts``, ``degraded`` (answered by the failure policy),
-        ``script_loads``, ``breaker_open_skips``, ``near_cache_hits``, plus the
-        breaker's ``breaker_state`` and how often it ``breaker_opened``."""
+        ``errors`` (the server or the connection failed: what feeds the
+        breaker), ``timeouts`` (of those), ``key_errors`` (error replies about
+        one call's key: a foreign value, a bad state, a refused write),
+        ``write_refused`` (of those, ``OOM``/``MISCONF``), ``degraded``
+        (answered by the failure policy), ``script_loads``,
+        ``breaker_open_skips``, ``near_cache_hits``, plus the breaker's
+        ``breaker_state`` and how often it ``breaker_opened``."""
         with self._count_lock:
             out: dict[str, Any] = dict(self._counts)
         out["decisions"] += self._decisions.value
@@ -1204,7 +1504,9 @@ class _RedisBase:
     def _policy(self, rule: str) -> OnError:
         return self.rule_on_error.get(rule, self.on_error)
 
-    def _fallback(self, cfg: LimiterConfig, exc: BaseException | None) -> KernelVerdict:
+    def _fallback(
+        self, cfg: LimiterConfig, exc: BaseException | None, reason: str = REASON_STORE_UNAVAILABLE
+    ) -> KernelVerdict:
         """The failure policy's verdict (or raise)."""
         policy = self._policy(cfg.rule)
         if policy == "raise":
@@ -1212,23 +1514,80 @@ class _RedisBase:
                 raise exc
             if exc is None:
                 raise CircuitOpenError("circuit breaker open: Redis is not being asked")
-            raise RedisUnavailableError(f"Redis decision failed: {exc!r}") from exc
+            # redis-py's repr of its errors drops the message: name and text
+            raise RedisUnavailableError(f"Redis decision failed: {type(exc).__name__}: {exc}") from exc
         self._count("degraded")
         if policy == "allow":
-            return (True, 0.0, 0.0, 0.0, 0.0, True, REASON_STORE_UNAVAILABLE)
+            return (True, 0.0, 0.0, 0.0, 0.0, True, reason)
         wait = self.deny_retry_after
-        return (False, 0.0, wait, wait, 0.0, True, REASON_STORE_UNAVAILABLE)
+        return (False, 0.0, wait, wait, 0.0, True, reason)
 
     def _failed(self, exc: BaseException) -> None:
+        """The server or the connection failed: count it, feed the breaker."""
         self._count("errors")
         if "imeout" in type(exc).__name__ or isinstance(exc, TimeoutError):
             self._count("timeouts")
         self._breaker.failure()
 
+    def _key_error(self, exc: BaseException) -> RedisKeyError | None:
+        """``exc`` as an error about one call's key, or None when it says the
+        server or the connection failed. By the reply's error code (never its
+        text): a reply that is not an error reply (a timeout, a reset socket,
+        ``LOADING``, which redis-py raises as a connection error) or whose
+        code is in :data:`SERVER_ERROR_CODES` is the server's; any other
+        error reply (``WRONGTYPE``, ``BADSTATE``, ``OOM``, ``MISCONF``,
+        ``NOPERM``, a script's ``ERR``) came from a server able to answer,
+        about this call."""
+        if isinstance(exc, RedisKeyError):
+            return exc
+        if not isinstance(exc, self._reply_errors):
+            return None
+        code = error_code(exc)
+        if code in SERVER_ERROR_CODES:
+            return None
+        key_error = RedisKeyError(f"Redis answered this key with an error: {code}: {exc}", code)
+        key_error.__cause__ = exc
+        return key_error
+
+    def _key_error_verdict(self, cfg: LimiterConfig, error: RedisKeyError) -> KernelVerdict:
+        """One key's error reply: counted on its own, never the breaker's
+        business (the server answered, so it is up: a half-open breaker
+        closes), answered by that key's policy, nothing written to it."""
+        with self._count_lock:
+            counts = self._counts
+            counts["errors"] += 1
+            counts["key_errors"] += 1
+            if error.code in WRITE_REFUSED_CODES:
+                counts["write_refused"] += 1
+        self._breaker.success()
+        return self._fallback(cfg, error, REASON_STORE_ERROR)
+
     def _error_verdict(self, cfg: LimiterConfig, exc: BaseException) -> KernelVerdict:
-        """A decision call failed: count it, feed the breaker, apply the policy."""
+        """A decision call failed: a key's error answers that key by its
+        policy; a failure of the server or the connection is counted, feeds
+        the breaker, and the policy answers."""
+        key_error = self._key_error(exc)
+        if key_error is not None:
+            return self._key_error_verdict(cfg, key_error)
         self._failed(exc)
         return self._fallback(cfg, exc)
+
+    def _part_error(self, cfg: LimiterConfig, part: Any) -> tuple[KernelVerdict, bool]:
+        """One key's ``"E <error reply>"`` in a multi-key script's reply (the
+        script caught that key's error and went on with the others): the
+        policy's answer, and whether the error was the server's (a
+        ``READONLY`` write on a demoted primary, say: it feeds the breaker)."""
+        text = part.decode("utf-8", "replace") if isinstance(part, bytes) else str(part)
+        if not text.startswith("E "):
+            raise ValueError(f"unexpected script reply {text[:80]!r}")
+        text = text[2:]
+        code = _code_of_text(text)
+        if code in SERVER_ERROR_CODES:
+            failure = RedisUnavailableError(f"Redis failed: {text}")
+            self._failed(failure)
+            return self._fallback(cfg, failure), True
+        error = RedisKeyError(f"Redis answered this key with an error: {text}", code)
+        return self._key_error_verdict(cfg, error), False
 
     def _now_arg(self, now: float | None) -> str:
         if now is None:
@@ -1393,14 +1752,15 @@ class _BatchRun:
     answers the script to load when some calls hit ``NOSCRIPT`` (those did not
     run, and are sent once more); nothing else is ever retried."""
 
-    __slots__ = ("config", "failed", "out", "storage", "todo")
+    __slots__ = ("config", "down", "failed", "out", "storage", "todo")
 
     def __init__(self, storage: _RedisBase, config: LimiterConfig, calls: list[_Call], n: int) -> None:
         self.storage = storage
         self.config = config
         self.todo = calls
         self.out: list[KernelVerdict | None] = [None] * n
-        self.failed = 0
+        self.failed = 0  # keys the policy answered
+        self.down = False  # whether the server (not a key) failed
 
     def queue(self, pipe: Any) -> None:
         for script, call_keys, args, _ in self.todo:
@@ -1416,24 +1776,38 @@ class _BatchRun:
                     again.append(call)
                     continue
                 self.failed += len(members)
+                key_error = storage._key_error(reply)
+                if key_error is not None and len(members) == 1:  # one EVALSHA: its key's error
+                    out[members[0]] = storage._key_error_verdict(config, key_error)
+                    continue
+                self.down = True
                 storage._failed(reply)
                 for i in members:
                     out[i] = storage._fallback(config, reply)
             elif isinstance(reply, list):
                 for i, part in zip(members, reply):
-                    out[i] = _parse_verdict(part)
+                    try:
+                        out[i] = _parse_verdict(part)
+                    except ValueError:  # that key's error: the script went on with the others
+                        out[i], down = storage._part_error(config, part)
+                        self.failed += 1
+                        self.down = self.down or down
             else:
                 out[members[0]] = _parse_verdict(reply)
         self.todo = again
         return again[0][0] if again else None
 
     def abort(self, exc: BaseException) -> list[KernelVerdict]:
-        """The round trip itself failed: the policy answers what is still open."""
-        fallback = self.storage._error_verdict(self.config, exc)
+        """The round trip itself failed (each key's error reply comes back
+        among the replies instead): a failure of the server or the
+        connection; the policy answers what is still open."""
+        storage = self.storage
+        storage._failed(exc)
+        fallback = storage._fallback(self.config, exc)
         return [fallback if v is None else v for v in self.out]
 
     def result(self) -> list[KernelVerdict]:
-        if not self.failed:
+        if not self.down:
             self.storage._breaker.success()
         self.storage._count("decisions", len(self.out) - self.failed)
         return [v for v in self.out if v is not None]
@@ -1467,8 +1841,13 @@ class RedisStorage(_RedisBase):
     ``"allow"`` answers allowed, ``"deny"`` answers denied with
     ``deny_retry_after`` seconds, both marked ``degraded``; ``"raise"`` raises
     :class:`RedisUnavailableError`. After ``breaker_threshold`` consecutive
-    failures the breaker opens for ``breaker_cooldown`` seconds (no round
-    trips), then lets one probe through.
+    failures of the server or the connection the breaker opens for
+    ``breaker_cooldown`` seconds (no round trips), then lets one probe
+    through. An error reply about one key (``WRONGTYPE`` from a foreign
+    value, the scripts' ``BADSTATE``, ``OOM``) answers that key alone by its
+    policy (``reason="store_error"``, :class:`RedisKeyError` under
+    ``"raise"``), is counted in ``key_errors`` and never feeds the breaker;
+    the value is left as it is (docs/redis.md, "Failures").
 
     ``batch``: ``"script"`` (default) decides an ``allow_many`` with one
     batch script per node/slot (about twice the throughput), ``"pipeline"``
@@ -1504,7 +1883,10 @@ class RedisStorage(_RedisBase):
         pool = self._pool
         if pool is None:
             return self.client.execute_command(*args)
-        conn = pool.get_connection(*self._conn_args)
+        try:
+            conn = pool.get_connection(*self._conn_args)
+        except self._reply_errors as exc:
+            raise _refused_connect(exc, self._connect_error) from exc
         try:
             conn.send_command(*args)
             return conn.read_response()
@@ -1594,15 +1976,30 @@ class RedisStorage(_RedisBase):
                 self._floor_ms(now),
                 p1,
                 p2,
+                "1" if self._policy(cfg.rule) == "allow" else "0",
             ]
         try:
             reply = self._evalsha(COMPOUND_SCRIPT, keys, args)
         except self._errors as exc:
             first = self._error_verdict(cfg0, exc)
-            return [first] + [self._fallback(cfg, exc) for cfg, _, _, _ in items[1:]]
-        self._breaker.success()
-        self._count("decisions", len(items))
-        return [_parse_verdict(part) for part in reply]
+            reason = first[6] if len(first) > 6 else REASON_STORE_UNAVAILABLE
+            return [first] + [self._fallback(cfg, exc, reason) for cfg, _, _, _ in items[1:]]
+        # Each limit's answer; a key that erred was answered by its own
+        # policy inside the script too (allowed only under "allow", never
+        # written), so the others were charged or not exactly as shown here.
+        out: list[KernelVerdict] = []
+        down = False
+        for (cfg, _, _, _), part in zip(items, reply):
+            try:
+                out.append(_parse_verdict(part))
+            except ValueError:
+                verdict, failed = self._part_error(cfg, part)
+                out.append(verdict)
+                down = down or failed
+        if not down:
+            self._breaker.success()
+        self._count("decisions", sum(1 for v in out if len(v) < 7))
+        return out
 
     def _check_one_slot(self, keys: Sequence[str]) -> None:
         slot = _client_package(self.user_client).crc.key_slot
@@ -1730,7 +2127,10 @@ class AsyncRedisStorage(_RedisBase):
         pool = self._pool
         if pool is None:
             return await self.client.execute_command(*args)
-        conn = await pool.get_connection(*self._conn_args)
+        try:
+            conn = await pool.get_connection(*self._conn_args)
+        except self._reply_errors as exc:
+            raise _refused_connect(exc, self._connect_error) from exc
         try:
             await conn.send_command(*args)
             return await conn.read_response()
