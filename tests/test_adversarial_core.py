@@ -46,7 +46,9 @@ def test_key_flood_never_hands_an_indebted_key_its_budget_back(
     assert storage.stats()["evicted_active"] > 0  # the flood keys made room for each other
 
 
-def test_partly_spent_key_is_not_the_victim_of_fresh_keys(backend: types.SimpleNamespace, algorithm: str) -> None:
+def test_partly_spent_key_is_not_the_victim_of_fresh_keys(
+    backend: types.SimpleNamespace, algorithm: str
+) -> None:
     # A key that spent 4 of 5 gives back more than a flood key that spent 1:
     # it must outlive the flood, so its next 2 requests see 1 unit left.
     clock = backend.FakeClock(START)
@@ -59,7 +61,9 @@ def test_partly_spent_key_is_not_the_victim_of_fresh_keys(backend: types.SimpleN
     assert [limiter.allow("user").allowed for _ in range(2)] == [True, False]
 
 
-def test_table_full_of_keys_in_debt_refuses_the_new_key(backend: types.SimpleNamespace, algorithm: str) -> None:
+def test_table_full_of_keys_in_debt_refuses_the_new_key(
+    backend: types.SimpleNamespace, algorithm: str
+) -> None:
     # Every key held is out of budget: forgetting any would hand budget back,
     # so a new key is refused (storage_full) and every held key stays denied.
     clock = backend.FakeClock(START)
@@ -77,7 +81,9 @@ def test_table_full_of_keys_in_debt_refuses_the_new_key(backend: types.SimpleNam
     assert not any(limiter.allow(f"k{i}").allowed for i in range(8))
 
 
-def test_refused_newcomer_gets_in_once_a_key_is_at_rest(backend: types.SimpleNamespace, algorithm: str) -> None:
+def test_refused_newcomer_gets_in_once_a_key_is_at_rest(
+    backend: types.SimpleNamespace, algorithm: str
+) -> None:
     clock = backend.FakeClock(START)
     storage = backend.InMemoryStorage(max_keys=4, stripes=1)
     limiter = backend.limiters[algorithm](1, 10.0, storage, clock, rule="one")
@@ -91,7 +97,9 @@ def test_refused_newcomer_gets_in_once_a_key_is_at_rest(backend: types.SimpleNam
 
 @pytest.mark.native
 @pytest.mark.parametrize("algorithm_name", ["fixed_window", "sliding_counter", "sliding_log", "token_bucket"])
-def test_threads_flooding_keys_cannot_free_a_guard_key(backend: types.SimpleNamespace, algorithm_name: str) -> None:
+def test_threads_flooding_keys_cannot_free_a_guard_key(
+    backend: types.SimpleNamespace, algorithm_name: str
+) -> None:
     # 8 threads on max_keys=64: four hammer a guard key of capacity 300,
     # four flood fresh keys. With a frozen clock the guard admits exactly 300.
     clock = backend.FakeClock(START)
@@ -242,7 +250,9 @@ def test_small_backward_step_keeps_time_still_and_tells_the_truth(
 
 
 @pytest.mark.parametrize("lead", [MAX_CLOCK_LEAD + 0.5, 3 * 3600.0, 365 * 86400.0])
-def test_peek_after_a_clock_jump_changes_nothing(backend: types.SimpleNamespace, algorithm: str, lead: float) -> None:
+def test_peek_after_a_clock_jump_changes_nothing(
+    backend: types.SimpleNamespace, algorithm: str, lead: float
+) -> None:
     clock = backend.FakeClock(START + lead)
     limiter = backend.limiters[algorithm](4, 60.0, clock=clock, rule="p")
     for _ in range(3):
@@ -347,9 +357,11 @@ def test_headers_never_raise_for_a_valid_rule(
 
 
 @pytest.mark.parametrize("algorithm_name", ALGORITHMS)
-def test_slow_valid_rule_is_answered_never_raised(backend: types.SimpleNamespace, algorithm_name: str) -> None:
-    from gateway_helpers import get, ok_handler
+def test_slow_valid_rule_is_answered_never_raised(
+    backend: types.SimpleNamespace, algorithm_name: str
+) -> None:
     from gateway_helpers import gateway as make_gateway
+    from gateway_helpers import get, ok_handler
     from gateway_helpers import rule as make_rule
 
     burst = 6 if algorithm_name in ("token_bucket", "gcra") else None
@@ -383,8 +395,8 @@ def test_hot_reloads_renaming_a_rule_never_fail_a_request(backend: types.SimpleN
     # 66,000 reloads through the registry, each renaming the rule, pruned as
     # the docs say: the 65,536th namespace reuses a retired one, and every
     # request is answered.
-    from gateway_helpers import get, ok_handler
     from gateway_helpers import gateway as make_gateway
+    from gateway_helpers import get, ok_handler
     from gateway_helpers import rule as make_rule
 
     pipeline = make_gateway(backend, [make_rule("r-0", 5)], backend.FakeClock(START))
@@ -396,3 +408,82 @@ def test_hot_reloads_renaming_a_rule_never_fail_a_request(backend: types.SimpleN
         if i % 6_000 == 0 or i > 65_530:
             assert pipeline(get("/"), ok_handler).status == 200
     assert len(factory) <= 1
+
+
+# ------------------------------------------------------------ threads
+
+
+@pytest.mark.parametrize(
+    "algorithm_name", ["token_bucket", "sliding_log", "fixed_window", "sliding_counter", "gcra"]
+)
+def test_eight_thread_mix_on_a_full_table(backend: types.SimpleNamespace, algorithm_name: str) -> None:
+    # allow, peek, allow_many, allow_all, reset, evict_idle, renaming reloads
+    # and clock jumps at once, on a 64-key table flooded with fresh keys and
+    # with keys in debt. A watchdog catches deadlocks; the guard key (frozen
+    # clock, never reset), in debt from the start, is never forgotten, so it
+    # admits nothing more however the work interleaves. (A key *not* in debt
+    # may be forgotten when every other key looked at is: docs/algorithms.md.)
+    import random
+    import time
+
+    storage = backend.InMemoryStorage(max_keys=64, stripes=4)
+    frozen = backend.FakeClock(START)
+    jumpy = backend.FakeClock(START)
+    cls = backend.limiters[algorithm_name]
+    guard = cls(200, 3600.0, storage, frozen, rule="guard")
+    assert guard.allow("guard", 200).allowed
+    busy: list[Any] = [cls(5, 1.0, storage, jumpy, rule="busy-0")]
+    admitted = [0] * 3
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    barrier = threading.Barrier(8)
+
+    def run(slot: int, body: Any) -> None:
+        barrier.wait()
+        rng = random.Random(slot)
+        try:
+            while not stop.is_set():
+                body(slot, rng)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    def decide(slot: int, rng: random.Random) -> None:
+        choice = rng.random()
+        if choice < 0.5:
+            admitted[slot] += guard.allow("guard").allowed
+        elif choice < 0.7:
+            guard.peek("guard")
+        elif choice < 0.85:
+            admitted[slot] += guard.allow_many(["guard", f"g{rng.randint(0, 99)}"]).allowed[0]
+        else:
+            storage.allow_all([(busy[-1], f"b{rng.randint(0, 9)}"), (busy[-1], f"c{rng.randint(0, 9)}")])
+
+    def flood(slot: int, rng: random.Random) -> None:
+        busy[-1].allow(f"flood-{slot}-{rng.random()}")
+
+    def churn(slot: int, rng: random.Random) -> None:
+        busy[-1].reset(f"b{rng.randint(0, 9)}")
+        storage.evict_idle(START - 10.0)
+        busy.append(cls(5, 1.0, storage, jumpy, rule=f"busy-{rng.randint(0, 10**9)}"))
+        del busy[:-4]
+
+    def jump(slot: int, rng: random.Random) -> None:
+        # backwards only: a step forward is time passing for every key on the
+        # clock, the guard's too (docs/algorithms.md, "Clock faults")
+        jumpy.set(START - rng.choice([0.0, 0.5, 120.0, 86400.0 * 365]))
+        time.sleep(0.0005)
+
+    bodies = [decide, decide, decide, flood, flood, churn, jump, flood]
+    threads = [threading.Thread(target=run, args=(i, b), daemon=True) for i, b in enumerate(bodies)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    stop.set()
+    deadline = time.monotonic() + 60.0
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads), "a thread is stuck: deadlock or livelock"
+    assert not errors, errors
+    assert sum(admitted) == 0
+    assert not guard.allow("guard").allowed
+    assert len(storage) <= 64 + 1  # an all-or-nothing pair may overfill a stripe by one

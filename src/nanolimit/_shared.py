@@ -17,7 +17,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, SupportsIndex, cast, runtime_checkable
 
 if TYPE_CHECKING:
     from ._decision_py import Decision
@@ -328,14 +328,14 @@ def check_cost(cost: object, capacity: int) -> int:
     if isinstance(cost, bool):
         raise ValidationError(f"cost must be an int, got {type(cost).__name__}")
     try:
-        cost = operator.index(cost)
+        units = operator.index(cast(SupportsIndex, cost))
     except TypeError:
         raise ValidationError(f"cost must be an int, got {type(cost).__name__}") from None
-    if cost <= 0:
-        raise ValidationError(f"cost must be >= 1, got {cost}")
-    if cost > capacity:
-        raise ValidationError(f"cost {cost} exceeds the capacity {capacity}: it could never pass")
-    return cost
+    if units <= 0:
+        raise ValidationError(f"cost must be >= 1, got {units}")
+    if units > capacity:
+        raise ValidationError(f"cost {units} exceeds the capacity {capacity}: it could never pass")
+    return units
 
 
 def check_key(key: object, max_key_bytes: int) -> bytes:
