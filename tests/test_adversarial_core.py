@@ -487,3 +487,27 @@ def test_eight_thread_mix_on_a_full_table(backend: types.SimpleNamespace, algori
     assert sum(admitted) == 0
     assert not guard.allow("guard").allowed
     assert len(storage) <= 64 + 1  # an all-or-nothing pair may overfill a stripe by one
+
+
+def test_compound_only_key_refills_after_a_clock_jump_back(
+    backend: types.SimpleNamespace, algorithm: str
+) -> None:
+    # A denied compound charges nothing but stores the move-back of a key
+    # stamped over MAX_CLOCK_LEAD ahead: else every compound would move it
+    # back again from the clock's new time and it would never refill.
+    clock = backend.FakeClock(START + 365 * 86400.0)
+    storage = backend.InMemoryStorage()
+    limiter = backend.limiters[algorithm](3, 10.0, storage, clock, rule="c")
+    other = backend.limiters["token_bucket"](100, 10.0, storage, clock, rule="o")
+    for _ in range(4):
+        storage.allow_all([(limiter, "k"), (other, "k")])
+    clock.set(START)
+    denied = storage.allow_all([(limiter, "k"), (other, "k")])
+    assert not denied.allowed
+    wait = denied.decisions[0].retry_after
+    assert 0 < wait <= 10.0
+    assert other.peek("k").remaining == 100 - 3 - 1  # the denied compounds charged nothing
+    clock.advance(wait + 1e-6)
+    if algorithm == "sliding_counter":  # its retry_after is a lower bound: wait out the window too
+        clock.advance(10.0)
+    assert storage.allow_all([(limiter, "k"), (other, "k")]).allowed

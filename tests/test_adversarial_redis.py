@@ -709,9 +709,8 @@ def test_compounds_follow_the_clock_rule_as_the_reference_does(
 ) -> None:
     """The compound script applies the same rule: a year ahead and back, the
     answers equal the reference's compound, the debt is kept and every
-    Retry-After stays within the window. A denied compound writes nothing
-    (all or nothing), so the stamp moves back for good only when a
-    decision writes (see the xfail below)."""
+    Retry-After stays within the window. A denied compound charges nothing,
+    but stores a key the rule moved back (see the test below)."""
     window = 10.0
     clock, decide = _compound_pair(backend, make_storage, algorithm, window)
     for _ in range(CAPACITY + 1):
@@ -722,15 +721,9 @@ def test_compounds_follow_the_clock_rule_as_the_reference_does(
     d = decide("back a year")
     assert not d.allowed and 0.0 < d.retry_after <= window and d.reset_after <= 2 * window
     clock.advance(window)
-    decide("a window later")  # equal to the reference, whatever it is (see the xfail below)
+    decide("a window later")  # equal to the reference
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a denied compound writes nothing, so a key stamped over MAX_CLOCK_LEAD ahead is "
-    "moved back again on every compound and never refills: the reference's allow_all does the "
-    "same (both twins and the scripts must change together)",
-)
 def test_a_denied_compound_does_not_keep_a_key_locked_out(
     backend: types.SimpleNamespace, make_storage: Any
 ) -> None:

@@ -374,28 +374,55 @@ cdef inline int table_decide(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns
     if position < 0:
         return decide_new_key(s, b, h, ns, key, klen, slot, clock_now, cost, p, commit, v)
     e = &s.entries[position]
+    if e.updated_at - clock_now > MAX_CLOCK_LEAD_C:
+        return decide_after_clock_fault(e, ns, clock_now, cost, p, commit, v)
+    now = e.updated_at if e.updated_at > clock_now else clock_now
     if commit:
-        if e.updated_at - clock_now > MAX_CLOCK_LEAD_C:
-            clock_rebase(e, clock_now, p, True)
-        now = e.updated_at if e.updated_at > clock_now else clock_now
         status = run_kernel(e, now, cost, p, True, v)
         if status == NL_OK:   # out of memory (a sliding log's ring) leaves the entry as it was
             e.updated_at = now
     else:
         scratch = e[0]
-        if scratch.updated_at - clock_now > MAX_CLOCK_LEAD_C:
-            status = clock_rebase(&scratch, clock_now, p, False)
-            if status != NL_OK:
-                return status
-            status = run_kernel(&scratch, clock_now, cost, p, False, v)
-            if (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG and e.state.log.length > 0:
-                log_free(&scratch.state.log)    # the ring clock_rebase gave the copy
-            return status
-        now = scratch.updated_at if scratch.updated_at > clock_now else clock_now
         status = run_kernel(&scratch, now, cost, p, False, v)
     if now > clock_now:
         add_clock_lead(v, now - clock_now)
     return status
+
+
+cdef int decide_after_clock_fault(Entry* e, uint32_t ns, double clock_now, int64_t cost,
+                                  const Params* p, bint commit, Verdict* v) noexcept nogil:
+    """``table_decide`` for a key stamped more than the clock lead ahead of
+    the clock (kept out of line: it follows a clock fault): moved back to
+    the clock, then decided at it."""
+    cdef Entry scratch
+    cdef int status
+    if commit:
+        clock_rebase(e, clock_now, p, True)
+        status = run_kernel(e, clock_now, cost, p, True, v)
+        if status == NL_OK:
+            e.updated_at = clock_now
+        return status
+    scratch = e[0]
+    status = clock_rebase(&scratch, clock_now, p, False)
+    if status != NL_OK:
+        return status
+    status = run_kernel(&scratch, clock_now, cost, p, False, v)
+    if (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG and e.state.log.length > 0:
+        log_free(&scratch.state.log)    # the ring clock_rebase gave the copy
+    return status
+
+
+cdef void settle_clock_fault(Stripe* s, uint64_t h, uint32_t ns, const char* key, uint32_t klen,
+                             double clock_now, const Params* p) noexcept nogil:
+    """A denied compound charges nothing, but a key it found stamped more
+    than the clock lead ahead is stored moved back (decided at cost 0): else
+    every compound would move it back again from the clock's new time, and
+    it would never refill (``reference.InMemoryStorage.allow_all`` alike)."""
+    cdef uint32_t slot
+    cdef Verdict v
+    cdef Py_ssize_t position = stripe_find(s, h, ns, key, klen, &slot)
+    if position >= 0 and s.entries[position].updated_at - clock_now > MAX_CLOCK_LEAD_C:
+        decide_after_clock_fault(&s.entries[position], ns, clock_now, 0, p, True, &v)
 
 
 cdef void forget_entry(Stripe* s, uint64_t h, uint32_t ns, const char* key,
@@ -913,6 +940,10 @@ cdef class InMemoryStorage:
                     if status != NL_OK:
                         break
                     all_allowed = all_allowed and verdicts[i].allowed
+                if status == NL_OK and not all_allowed:
+                    for i in range(n):
+                        settle_clock_fault(self.stripe_for(hashes[i]), hashes[i], namespaces[i], data[i],
+                                           <uint32_t>sizes[i], nows[i], params[i])
                 if status == NL_OK and all_allowed:
                     status = self.prepare_compound(n, hashes, namespaces, data, sizes, nows, units, params,
                                                    created)

@@ -184,6 +184,7 @@ end
 _KERNEL_LUA: Final[dict[Algorithm, str]] = {
     Algorithm.TOKEN_BUCKET: r"""
 local function k_token_bucket(key, clock, cost, commit, floor_ms, capacity, rate)
+  local rebased = false  -- moved back by the clock-lead rule (a denied compound stores it)
   local v = redis.call('HMGET', key, 'l', 'u')
   local level, updated
   if v[1] then
@@ -192,7 +193,9 @@ local function k_token_bucket(key, clock, cost, commit, floor_ms, capacity, rate
         and updated > -MAX_STAMP and updated < MAX_STAMP) then
       error({err = 'BADSTATE token_bucket: the stored state is not one this limiter writes'})
     end
-    if updated - clock > MAX_LEAD then updated = clock end  -- the clock's error: the level (debt) stays
+    if updated - clock > MAX_LEAD then  -- the clock's error: the level (debt) stays
+      updated = clock; rebased = true
+    end
   elseif v[2] or redis.call('EXISTS', key) == 1 then
     error({err = 'BADSTATE token_bucket: a hash without the limiter fields'})
   else level = capacity; updated = clock end
@@ -217,12 +220,13 @@ local function k_token_bucket(key, clock, cost, commit, floor_ms, capacity, rate
     redis.call('HSET', key, 'l', l, 'u', now)
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
   end
-  if allowed then return true, string.format('1 %s 0 %.17g 0', l, reset) end
-  return false, string.format('0 %s %.17g %.17g 0', l, retry, reset)
+  if allowed then return true, string.format('1 %s 0 %.17g 0', l, reset), rebased end
+  return false, string.format('0 %s %.17g %.17g 0', l, retry, reset), rebased
 end
 """,
     Algorithm.LEAKY_BUCKET: r"""
 local function k_leaky_bucket(key, clock, cost, commit, floor_ms, capacity, rate)
+  local rebased = false  -- moved back by the clock-lead rule (a denied compound stores it)
   local v = redis.call('HMGET', key, 'l', 'u')
   local level, updated
   if v[1] then
@@ -231,7 +235,9 @@ local function k_leaky_bucket(key, clock, cost, commit, floor_ms, capacity, rate
         and updated > -MAX_STAMP and updated < MAX_STAMP) then
       error({err = 'BADSTATE leaky_bucket: the stored state is not one this limiter writes'})
     end
-    if updated - clock > MAX_LEAD then updated = clock end  -- the clock's error: the level (debt) stays
+    if updated - clock > MAX_LEAD then  -- the clock's error: the level (debt) stays
+      updated = clock; rebased = true
+    end
   elseif v[2] or redis.call('EXISTS', key) == 1 then
     error({err = 'BADSTATE leaky_bucket: a hash without the limiter fields'})
   else level = 0.0; updated = clock end
@@ -264,12 +270,13 @@ local function k_leaky_bucket(key, clock, cost, commit, floor_ms, capacity, rate
     redis.call('HSET', key, 'l', level, 'u', now)
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
   end
-  if allowed then return true, string.format('1 %.17g 0 %.17g %.17g', remaining, reset, delay) end
-  return false, string.format('0 %.17g %.17g %.17g 0', remaining, retry, reset)
+  if allowed then return true, string.format('1 %.17g 0 %.17g %.17g', remaining, reset, delay), rebased end
+  return false, string.format('0 %.17g %.17g %.17g 0', remaining, retry, reset), rebased
 end
 """,
     Algorithm.FIXED_WINDOW: r"""
 local function k_fixed_window(key, clock, cost, commit, floor_ms, capacity, window)
+  local rebased = false  -- moved back by the clock-lead rule (a denied compound stores it)
   local v = redis.call('HMGET', key, 'k', 'n', 'u')
   local k, count, updated
   local moved = not v[1]  -- k must be written: a new key, or (below) a new window
@@ -281,6 +288,7 @@ local function k_fixed_window(key, clock, cost, commit, floor_ms, capacity, wind
       error({err = 'BADSTATE fixed_window: the stored state is not one this limiter writes'})
     end
     if updated - clock > MAX_LEAD then  -- the clock's error: back by as many windows, count kept
+      rebased = true
       k = k - (math.floor(updated / window) - math.floor(clock / window))
       updated = clock
       moved = true
@@ -310,12 +318,13 @@ local function k_fixed_window(key, clock, cost, commit, floor_ms, capacity, wind
     else redis.call('HSET', key, 'u', now) end
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
   end
-  if allowed then return true, string.format('1 %.17g 0 %.17g 0', capacity - count, reset) end
-  return false, string.format('0 %.17g %.17g %.17g 0', capacity - count, retry, reset)
+  if allowed then return true, string.format('1 %.17g 0 %.17g 0', capacity - count, reset), rebased end
+  return false, string.format('0 %.17g %.17g %.17g 0', capacity - count, retry, reset), rebased
 end
 """,
     Algorithm.SLIDING_COUNTER: r"""
 local function k_sliding_counter(key, clock, cost, commit, floor_ms, capacity, window)
+  local rebased = false  -- moved back by the clock-lead rule (a denied compound stores it)
   local v = redis.call('HMGET', key, 'k', 'n', 'p', 'u')
   local k, count, previous, updated
   local moved = not v[1]  -- k and p must be written: a new key, or (below) a new window
@@ -328,6 +337,7 @@ local function k_sliding_counter(key, clock, cost, commit, floor_ms, capacity, w
       error({err = 'BADSTATE sliding_counter: the stored state is not one this limiter writes'})
     end
     if updated - clock > MAX_LEAD then  -- the clock's error: back by as many windows, counts kept
+      rebased = true
       k = k - (math.floor(updated / window) - math.floor(clock / window))
       updated = clock
       moved = true
@@ -374,12 +384,13 @@ local function k_sliding_counter(key, clock, cost, commit, floor_ms, capacity, w
     else redis.call('HSET', key, 'u', now) end
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
   end
-  if allowed then return true, string.format('1 %.17g 0 %.17g 0', remaining, reset) end
-  return false, string.format('0 %.17g %.17g %.17g 0', remaining, retry, reset)
+  if allowed then return true, string.format('1 %.17g 0 %.17g 0', remaining, reset), rebased end
+  return false, string.format('0 %.17g %.17g %.17g 0', remaining, retry, reset), rebased
 end
 """,
     Algorithm.GCRA: r"""
 local function k_gcra(key, clock, cost, commit, floor_ms, interval, tolerance)
+  local rebased = false  -- moved back by the clock-lead rule (a denied compound stores it)
   local v = redis.call('GET', key)
   local tat, updated
   if v then
@@ -390,6 +401,7 @@ local function k_gcra(key, clock, cost, commit, floor_ms, interval, tolerance)
       error({err = 'BADSTATE gcra: the stored state is not one this limiter writes'})
     end
     if updated - clock > MAX_LEAD then  -- the clock's error: back by as many whole µs, backlog kept
+      rebased = true
       tat = tat - (math.floor(updated * 1000000.0) - math.floor(clock * 1000000.0))
       updated = clock
     end
@@ -422,8 +434,8 @@ local function k_gcra(key, clock, cost, commit, floor_ms, interval, tolerance)
   if commit then
     redis.call('SET', key, string.format('%.17g %.17g', tat, now), 'PX', expiry_ms(reset, floor_ms))
   end
-  if allowed then return true, string.format('1 %.17g 0 %.17g 0', remaining, reset) end
-  return false, string.format('0 %.17g %.17g %.17g 0', remaining, retry, reset)
+  if allowed then return true, string.format('1 %.17g 0 %.17g 0', remaining, reset), rebased end
+  return false, string.format('0 %.17g %.17g %.17g 0', remaining, retry, reset), rebased
 end
 """,
     Algorithm.SLIDING_LOG: r"""
@@ -533,8 +545,8 @@ local function k_sliding_log(key, clock, cost, commit, floor_ms, capacity, windo
     end
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
   end
-  if allowed then return true, string.format('1 %.17g 0 %.17g 0', remaining, reset) end
-  return false, string.format('0 0 %.17g %.17g 0', retry, reset)
+  if allowed then return true, string.format('1 %.17g 0 %.17g 0', remaining, reset), shift ~= nil end
+  return false, string.format('0 0 %.17g %.17g 0', retry, reset), shift ~= nil
 end
 """,
 }
@@ -579,6 +591,7 @@ for i = 1, n do
   else clocks[i] = tonumber(arg) end
 end
 local failed = {}
+local rebased = {}
 local function run(commit)
   local out = {}
   local all = true
@@ -586,8 +599,8 @@ local function run(commit)
     local b = 2 + (i - 1) * 7
     local ok, a, verdict = true, ARGV[b + 6] == '1', failed[i]
     if not verdict then
-      ok, a, verdict = pcall(kernels[tonumber(ARGV[b])], KEYS[i], clocks[i], tonumber(ARGV[b + 2]),
-        commit, tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]))
+      ok, a, verdict, rebased[i] = pcall(kernels[tonumber(ARGV[b])], KEYS[i], clocks[i],
+        tonumber(ARGV[b + 2]), commit, tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]))
       if not ok then
         verdict = error_text(a)
         failed[i] = verdict
@@ -600,7 +613,20 @@ local function run(commit)
   return all, out
 end
 local all, out = run(false)
-if all then all, out = run(true) end
+if all then all, out = run(true)
+else
+  -- Denied: nothing is charged, but a key the clock-lead rule moved back is
+  -- stored moved (decided at cost 0, which charges nothing); else every
+  -- compound would move it back again from the clock's new time, and it
+  -- would never refill (reference.InMemoryStorage.allow_all alike).
+  for i = 1, n do
+    if rebased[i] and not failed[i] then
+      local b = 2 + (i - 1) * 7
+      pcall(kernels[tonumber(ARGV[b])], KEYS[i], clocks[i], 0, true,
+        tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4]), tonumber(ARGV[b + 5]))
+    end
+  end
+end
 return out
 """
 

@@ -591,7 +591,17 @@ class InMemoryStorage:
                     continue
                 state = None if entry is None else entry[1].copy()
                 verdicts.append(_decide(state, now, cost, limiter._cfg)[1])
-            if all(v[0] for v in verdicts):
+            if not all(v[0] for v in verdicts):
+                # Denied, nothing charged; but a key stamped over MAX_CLOCK_LEAD
+                # ahead is stored moved back (decided at cost 0), or every
+                # compound would move it back again and it would never refill.
+                for (limiter, full_key, _), now in zip(plan, nows):
+                    table = self._maps[hash(full_key) % len(self._maps)]
+                    entry = table.get(full_key)
+                    if entry is not None and entry[1].updated_at - now > MAX_CLOCK_LEAD:
+                        state, _ = _decide(entry[1], now, 0, limiter._cfg)
+                        table[full_key] = [state.updated_at, state]
+            else:
                 verdicts = []
                 for (limiter, full_key, cost), now in zip(plan, nows):
                     table = self._maps[hash(full_key) % len(self._maps)]
