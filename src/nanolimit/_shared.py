@@ -219,12 +219,20 @@ def check_batch(keys: Sequence[Any], costs: Sequence[Any], capacity: int, max_ke
     return units
 
 
+# A bounded stripe holds at least this many keys (or all of max_keys): a full
+# stripe then has keys to choose a victim among, and a partly spent key is not
+# forgotten just because it is alone in its stripe when a newcomer lands there.
+MIN_KEYS_PER_STRIPE = 16
+
+
 def stripes_within(stripes: int, max_keys: int | None) -> int:
-    """The stripe count a bounded storage uses: each stripe holds at least
-    one key, so more stripes than ``max_keys`` would hold more than
-    ``max_keys``; the largest power of two not above it is used instead."""
-    if max_keys is not None and max_keys < stripes:
-        return 1 << (max_keys.bit_length() - 1)
+    """The stripe count a bounded storage uses: at most one stripe per
+    ``MIN_KEYS_PER_STRIPE`` keys of ``max_keys`` (so never more stripes than
+    keys), the largest power of two not above that when ``stripes`` is more."""
+    if max_keys is not None:
+        most = max(1, max_keys // MIN_KEYS_PER_STRIPE)
+        if most < stripes:
+            return 1 << (most.bit_length() - 1)
     return stripes
 
 
