@@ -8,7 +8,7 @@ scripts is the reference kernel (``nanolimit.reference``) transcribed line by
 line: the same IEEE-double operations in the same order, so a decision on
 Redis equals a decision in memory (the equivalence tests hold them to it).
 
-Wire conventions (see REDIS.md): floats go in as ``repr(float)`` strings and
+Wire conventions (see docs/redis.md): floats go in as ``repr(float)`` strings and
 come back as ``%.17g`` strings, because a Lua number in a reply is truncated
 to an integer; numbers are stored as Lua numbers, which Redis and Valkey write
 with 17 significant digits and read back exactly (the token bucket's level,
@@ -666,7 +666,7 @@ BATCH_SCRIPTS: Final[dict[Algorithm, _Script]] = {
 BATCH_CHUNK: Final = 200
 COMPOUND_SCRIPT: Final = _Script(_PRELUDE + "".join(_KERNEL_LUA.values()) + _ERROR_TEXT + _COMPOUND_MAIN)
 
-# Real milliseconds an injected-clock key lives at least (REDIS.md).
+# Real milliseconds an injected-clock key lives at least (docs/redis.md).
 INJECTED_EXPIRY_FLOOR_MS: Final = 3_600_000
 
 
