@@ -36,6 +36,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
+import nanolimit
 from nanolimit._shared import MAX_KEY_BYTES, ValidationError
 from nanolimit.asgi import RateLimitMiddleware
 from nanolimit.factory import LimiterFactory
@@ -50,7 +51,7 @@ from nanolimit.middleware import Request
 from nanolimit.rules import KeyScope, RuleRegistry
 
 TESTS = Path(__file__).resolve().parent
-SRC = TESTS.parent / "src"
+SRC = Path(nanolimit.__file__).resolve().parents[1]  # the nanolimit under test: the wheel in CI
 PROXY = "10.0.0.1"  # the connection's peer in the proxied tests: a trusted proxy
 MIB = 1024 * 1024
 
