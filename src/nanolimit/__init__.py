@@ -81,19 +81,12 @@ else:
         )
 
 # The gateway layer: pure Python over whichever twin is live.
-from .config import ConfigError, ConfigWatcher, load_rules  # noqa: E402
-from .factory import LimiterFactory  # noqa: E402
-from .keys import ClientKey, DefaultKeyExtractor, KeyExtractor  # noqa: E402
-from .metrics import Metrics  # noqa: E402
-from .middleware import Outcome, RateLimitMiddleware, Request, Response  # noqa: E402
-from .redis_storage import (  # noqa: E402
-    AsyncRedisStorage,
-    CircuitOpenError,
-    RedisStorage,
-    RedisUnavailableError,
-    StorageUnavailableError,
-)
-from .rules import (  # noqa: E402
+from .gateway.config import ConfigError, ConfigWatcher, load_rules  # noqa: E402
+from .gateway.factory import LimiterFactory  # noqa: E402
+from .gateway.keys import ClientKey, DefaultKeyExtractor, KeyExtractor  # noqa: E402
+from .gateway.metrics import Metrics  # noqa: E402
+from .gateway.middleware import Outcome, RateLimitMiddleware, Request, Response  # noqa: E402
+from .gateway.rules import (  # noqa: E402
     KeyScope,
     Rate,
     RateLimitRule,
@@ -102,7 +95,14 @@ from .rules import (  # noqa: E402
     RuleValidationError,
     parse_rate,
 )
-from .two_tier import TwoTierStorage  # noqa: E402
+from .storage.redis import (  # noqa: E402
+    AsyncRedisStorage,
+    CircuitOpenError,
+    RedisStorage,
+    RedisUnavailableError,
+    StorageUnavailableError,
+)
+from .storage.two_tier import TwoTierStorage  # noqa: E402
 
 __all__ = [
     "GCRA",

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from ._shared import LIMITER_CLASS_NAMES
+from .._shared import LIMITER_CLASS_NAMES
 
 __all__ = [
     "ALGORITHMS",
@@ -461,7 +461,7 @@ def _nanolimit_redis_makers(module_name: str) -> Callable[[RedisTarget], dict[st
 
     def makers(target: RedisTarget) -> dict[str, Maker]:
         module = importlib.import_module(module_name)
-        storage_type = importlib.import_module("nanolimit.redis_storage").RedisStorage
+        storage_type = importlib.import_module("nanolimit.storage.redis").RedisStorage
         clock_type = importlib.import_module("nanolimit").SystemClock
 
         def maker(cls_name: str) -> Maker:

@@ -30,12 +30,12 @@ from typing import Any, TextIO
 import nanolimit
 from nanolimit import FakeClock, InMemoryStorage
 
-from ._shared import MAX_TIME, Algorithm, ValidationError
-from .config import ConfigError, load_rules
-from .factory import LimiterFactory
-from .keys import ClientKey, DefaultKeyExtractor
-from .middleware import RateLimitMiddleware, Request, Response
-from .rules import KeyScope, RateLimitRule, RuleRegistry, parse_rate
+from .._shared import MAX_TIME, Algorithm, ValidationError
+from ..gateway.config import ConfigError, load_rules
+from ..gateway.factory import LimiterFactory
+from ..gateway.keys import ClientKey, DefaultKeyExtractor
+from ..gateway.middleware import RateLimitMiddleware, Request, Response
+from ..gateway.rules import KeyScope, RateLimitRule, RuleRegistry, parse_rate
 
 WALL = 1_700_000_000.0
 ALGORITHM_ORDER = (
@@ -546,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["bench"]:
         # routed before parsing: the bench engine has options of its own
-        from . import _bench
+        from . import bench as _bench
 
         return _bench.main(args_list[1:])
     argv = args_list

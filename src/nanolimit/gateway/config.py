@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-from ._shared import ValidationError
+from .._shared import ValidationError
 from .factory import LimiterFactory
 from .rules import RateLimitRule, RuleRegistry, RuleValidationError, parse_rate
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ._shared import Algorithm, Clock, RateLimiter, Storage, ValidationError
+from .._shared import Algorithm, Clock, RateLimiter, Storage, ValidationError
 from .rules import RateLimitRule
 
 __all__ = ["DEFAULT_MAX_KEYS", "LimiterFactory"]

@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from ._shared import ValidationError
+from .._shared import ValidationError
 from .rules import KeyScope
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ._shared import (
+from .._shared import (
     Algorithm,
     LimiterConfig,
     UnknownAlgorithmError,

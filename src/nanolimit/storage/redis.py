@@ -55,7 +55,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar, Final, Literal
 
-from ._shared import (
+from .._shared import (
     DUPLICATE_COMPOUND,
     MAX_CLOCK_LEAD,
     MAX_KEY_BYTES,
@@ -2314,7 +2314,7 @@ def decision_maker(limiter: Any, cfg: LimiterConfig) -> Callable[[KernelVerdict]
     module = sys.modules.get(type(limiter).__module__)
     decision_type: Any = getattr(module, "Decision", None)
     if decision_type is None:  # pragma: no cover - a foreign limiter class
-        from ._decision_py import Decision as py_decision
+        from .._decision_py import Decision as py_decision
 
         decision_type = py_decision
 

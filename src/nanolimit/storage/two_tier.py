@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._shared import (
+from .._shared import (
     LIMITER_CLASS_NAMES,
     MAX_TIME,
     Algorithm,
@@ -51,7 +51,7 @@ from ._shared import (
     ValidationError,
     check_now,
 )
-from .redis_storage import RedisStorage, _client_package, _is_noscript, _Script, derive_client
+from .redis import RedisStorage, _client_package, _is_noscript, _Script, derive_client
 
 __all__ = ["SUPPORTED_ALGORITHMS", "TwoTierStorage"]
 

@@ -1,0 +1,10 @@
+"""``nanolimit.factory``, a documented import path: the module lives in
+``nanolimit.gateway.factory`` (see docs/architecture.md). This name is the same module
+object, so its attributes, and pickles that name this path, keep working."""
+
+import sys
+
+from .gateway import factory as _module
+from .gateway.factory import *  # noqa: F403 (the public names, for type checkers)
+
+sys.modules[__name__] = _module
