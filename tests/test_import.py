@@ -114,19 +114,24 @@ def test_env_switch_in_a_fresh_interpreter():
 
 
 def test_env_switch_after_reimport(monkeypatch):
-    # frozenlist style: the switch is read at import time, so a re-import obeys it.
+    # frozenlist style: the switch is read when the selector (nanolimit._select,
+    # the one place that chooses) is imported, so a re-import obeys it.
     import nanolimit
+    import nanolimit._select as select
 
     original = nanolimit.IMPLEMENTATION
     try:
         monkeypatch.setenv("NANOLIMIT_NO_EXTENSIONS", "1")
+        importlib.reload(select)
         importlib.reload(nanolimit)
         reference = importlib.import_module("nanolimit.reference")
         assert nanolimit.IMPLEMENTATION == "reference"
+        assert select.twin is reference and not select.NATIVE
         assert nanolimit.TokenBucket is reference.TokenBucket
         assert nanolimit.Decision is reference.Decision
     finally:
         monkeypatch.undo()
+        importlib.reload(select)
         importlib.reload(nanolimit)
     assert original == nanolimit.IMPLEMENTATION
 

@@ -8,9 +8,10 @@ checkers always see the reference.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
+from ._select import NO_EXTENSIONS as NO_EXTENSIONS
+from ._select import twin as _twin
 from ._shared import (
     Algorithm,
     BatchResult,
@@ -27,8 +28,6 @@ from ._shared import (
 )
 from ._version import __version__
 
-NO_EXTENSIONS = bool(os.environ.get("NANOLIMIT_NO_EXTENSIONS"))
-
 if TYPE_CHECKING:
     from .reference import (
         GCRA,
@@ -42,51 +41,23 @@ if TYPE_CHECKING:
     )
 
     IMPLEMENTATION: str
-elif NO_EXTENSIONS:
-    from .reference import (
-        GCRA,
-        IMPLEMENTATION,
-        Decision,
-        FixedWindowCounter,
-        InMemoryStorage,
-        LeakyBucket,
-        SlidingWindowCounter,
-        SlidingWindowLog,
-        TokenBucket,
-    )
 else:
-    try:
-        from ._core import (
-            GCRA,
-            IMPLEMENTATION,
-            Decision,
-            FixedWindowCounter,
-            InMemoryStorage,
-            LeakyBucket,
-            SlidingWindowCounter,
-            SlidingWindowLog,
-            TokenBucket,
-        )
-    except ImportError:  # not built (sdist on an exotic interpreter): stay usable
-        from .reference import (
-            GCRA,
-            IMPLEMENTATION,
-            Decision,
-            FixedWindowCounter,
-            InMemoryStorage,
-            LeakyBucket,
-            SlidingWindowCounter,
-            SlidingWindowLog,
-            TokenBucket,
-        )
+    GCRA = _twin.GCRA
+    IMPLEMENTATION = _twin.IMPLEMENTATION
+    Decision = _twin.Decision
+    FixedWindowCounter = _twin.FixedWindowCounter
+    InMemoryStorage = _twin.InMemoryStorage
+    LeakyBucket = _twin.LeakyBucket
+    SlidingWindowCounter = _twin.SlidingWindowCounter
+    SlidingWindowLog = _twin.SlidingWindowLog
+    TokenBucket = _twin.TokenBucket
 
 # The gateway layer: pure Python over whichever twin is live.
-from .gateway.config import ConfigError, ConfigWatcher, load_rules  # noqa: E402
-from .gateway.factory import LimiterFactory  # noqa: E402
-from .gateway.keys import ClientKey, DefaultKeyExtractor, KeyExtractor  # noqa: E402
-from .gateway.metrics import Metrics  # noqa: E402
-from .gateway.middleware import Outcome, RateLimitMiddleware, Request, Response  # noqa: E402
-from .gateway.rules import (  # noqa: E402
+from .gateway.factory import LimiterFactory
+from .gateway.keys import ClientKey, DefaultKeyExtractor, KeyExtractor
+from .gateway.metrics import Metrics
+from .gateway.middleware import Outcome, RateLimitMiddleware, Request, Response
+from .gateway.rules import (
     KeyScope,
     Rate,
     RateLimitRule,
@@ -95,14 +66,47 @@ from .gateway.rules import (  # noqa: E402
     RuleValidationError,
     parse_rate,
 )
-from .storage.redis import (  # noqa: E402
-    AsyncRedisStorage,
-    CircuitOpenError,
-    RedisStorage,
-    RedisUnavailableError,
-    StorageUnavailableError,
-)
-from .storage.two_tier import TwoTierStorage  # noqa: E402
+
+# Optional layers (Redis, the two-tier store, rules files) load on first use:
+# they cost most of ``import nanolimit``'s time and are not needed in memory.
+_LAZY = {
+    "AsyncRedisStorage": "storage.redis",
+    "CircuitOpenError": "storage.redis",
+    "RedisStorage": "storage.redis",
+    "RedisUnavailableError": "storage.redis",
+    "StorageUnavailableError": "storage.redis",
+    "TwoTierStorage": "storage.two_tier",
+    "ConfigError": "gateway.config",
+    "ConfigWatcher": "gateway.config",
+    "load_rules": "gateway.config",
+}
+
+if TYPE_CHECKING:
+    from .gateway.config import ConfigError, ConfigWatcher, load_rules
+    from .storage.redis import (
+        AsyncRedisStorage,
+        CircuitOpenError,
+        RedisStorage,
+        RedisUnavailableError,
+        StorageUnavailableError,
+    )
+    from .storage.two_tier import TwoTierStorage
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nanolimit' has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "GCRA",

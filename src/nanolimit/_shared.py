@@ -9,7 +9,6 @@ error messages and to configure itself.
 from __future__ import annotations
 
 import enum
-import importlib
 import math
 import operator
 import threading
@@ -115,7 +114,7 @@ LIMITER_CLASS_NAMES: dict[str, str] = {
     "gcra": "GCRA",
 }
 
-# Algorithms whose capacity is the burst rather than the limit (SPEC §1).
+# Algorithms whose capacity is the burst rather than the limit (docs/spec.md §1).
 BURST_ALGORITHMS = frozenset({Algorithm.TOKEN_BUCKET, Algorithm.GCRA})
 
 
@@ -263,7 +262,7 @@ def _check_count(name: str, value: object) -> int:
 @dataclass(frozen=True, slots=True)
 class LimiterConfig:
     """A validated limiter configuration, with every derived constant the
-    kernels need computed once, in the order the SPEC writes them."""
+    kernels need computed once, in the order docs/spec.md §4 writes them."""
 
     algorithm: Algorithm
     limit: int
@@ -325,7 +324,7 @@ def storage_key(algorithm: Algorithm, rule: str, key: str) -> str:
 
 
 def check_cost(cost: object, capacity: int) -> int:
-    """SPEC §3: an int in [1, capacity], returned as an exact ``int``.
+    """docs/spec.md §3: an int in [1, capacity], returned as an exact ``int``.
 
     The value is converted exactly once, by ``operator.index`` (which copies
     an ``int`` subclass's value without calling its ``__int__``), and the
@@ -347,7 +346,7 @@ def check_cost(cost: object, capacity: int) -> int:
 
 
 def check_key(key: object, max_key_bytes: int) -> bytes:
-    """SPEC §3 plus hostile-key hygiene: a non-empty str that encodes to UTF-8
+    """docs/spec.md §3 plus hostile-key hygiene: a non-empty str that encodes to UTF-8
     within ``max_key_bytes``. Returns the encoded bytes."""
     if not isinstance(key, str):
         raise ValidationError(f"key must be a str, got {type(key).__name__}")
@@ -371,7 +370,7 @@ class LimiterState:
     """A snapshot of one key's state, for debugging, tests and migrations.
 
     Only the fields of its algorithm are set; ``updated_at`` is the key's own
-    monotonic time (SPEC §4).
+    monotonic time (docs/spec.md §4).
     """
 
     algorithm: Algorithm
@@ -493,7 +492,7 @@ def render_headers(
     window: float,
     wall_now: float | None = None,
 ) -> dict[str, str]:
-    """SPEC §2: the GitHub-style trio, the IETF draft-10 pair, and Retry-After."""
+    """docs/spec.md §2: the GitHub-style trio, the IETF draft-10 pair, and Retry-After."""
     if wall_now is None:
         wall_now = time.time()
     left = max(0, remaining)
@@ -516,7 +515,7 @@ def render_headers(
 @runtime_checkable
 class Storage(Protocol):
     """Per-key state with one contract: read, decide and write are one atomic
-    step per key (SPEC §5)."""
+    step per key (docs/spec.md §5)."""
 
     def apply(self, key: str, now: float, mutate: Callable[[Any], tuple[Any, Any]]) -> Any: ...
 
@@ -533,13 +532,13 @@ KernelVerdict = (
 )
 
 # Decision.reason when a failure policy answered for a store that could not
-# decide (SPEC §2 degraded decisions).
+# decide (docs/spec.md §2 degraded decisions).
 REASON_STORE_UNAVAILABLE = "store_unavailable"
 
 
 def decision_from_verdict(decision_type: Callable[..., Any], cfg: LimiterConfig, v: Sequence[Any]) -> Any:
     """A ``decision_type`` (either twin's Decision) from a kernel verdict:
-    remaining floored and never below 0 (SPEC §2), and the degraded flag and
+    remaining floored and never below 0 (docs/spec.md §2), and the degraded flag and
     reason when a policy answered."""
     return decision_type(
         v[0],
@@ -645,7 +644,7 @@ class CompoundDecision:
         return any(d.degraded for d in self.decisions)
 
     def headers(self, wall_now: float | None = None) -> dict[str, str]:
-        """SPEC §2 headers of the binding limit (its own reset; Retry-After
+        """docs/spec.md §2 headers of the binding limit (its own reset; Retry-After
         is the longest wait, which is the binding denial's)."""
         b = self._binding
         return render_headers(
@@ -738,8 +737,7 @@ class LockedCounter:
 def event_counter() -> Any:
     """A counter for a hot path: atomic in C when the native twin is in use,
     a locked Python int otherwise."""
-    import nanolimit  # late: this module is imported while nanolimit is
+    from ._select import native_core  # late: the twins import this module
 
-    if nanolimit.IMPLEMENTATION == "native":
-        return importlib.import_module("nanolimit._core").EventCounter()
-    return LockedCounter()
+    core = native_core()
+    return LockedCounter() if core is None else core.EventCounter()

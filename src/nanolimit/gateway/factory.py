@@ -10,11 +10,11 @@ already spent (SPEC §6). ``prune`` drops limiters of retired rules.
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .._select import twin, twin_of
 from .._shared import Algorithm, Clock, RateLimiter, Storage, ValidationError
 from .rules import RateLimitRule
 
@@ -22,16 +22,8 @@ __all__ = ["DEFAULT_MAX_KEYS", "LimiterFactory"]
 
 
 def _limiter_classes(storage: object) -> Mapping[Algorithm, Any]:
-    """The limiter classes that run on ``storage``'s fast path: the twin the
-    storage belongs to (the reference twin's store accepts only reference
-    limiters in ``allow_all``), else the package default."""
-    module = type(storage).__module__
-    if module in ("nanolimit.reference", "nanolimit._core"):
-        return importlib.import_module(module).LIMITERS  # type: ignore[no-any-return]
-    import nanolimit
-
-    twin = importlib.import_module(nanolimit.InMemoryStorage.__module__)
-    return twin.LIMITERS  # type: ignore[no-any-return]
+    """The limiter classes that run on ``storage``'s fast path."""
+    return twin_of(storage).LIMITERS  # type: ignore[no-any-return]
 
 
 # The default store's bound: a copy-pasted ``LimiterFactory()`` must not grow
@@ -59,9 +51,7 @@ class LimiterFactory:
         limiters: Mapping[Algorithm, Any] | None = None,
     ) -> None:
         if storage is None:
-            import nanolimit
-
-            storage = nanolimit.InMemoryStorage(max_keys=DEFAULT_MAX_KEYS)
+            storage = twin.InMemoryStorage(max_keys=DEFAULT_MAX_KEYS)
         elif not isinstance(storage, Storage):
             raise ValidationError(f"storage must implement Storage, got {type(storage).__name__}")
         self.storage: Storage = storage

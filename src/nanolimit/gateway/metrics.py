@@ -8,11 +8,12 @@ exposition format is written by hand: no dependency on a metrics library.
 
 from __future__ import annotations
 
-import importlib
 import math
 import threading
 import weakref
 from typing import Any
+
+from .._select import native_core
 
 __all__ = ["ALLOWED", "DENIED", "NEAR_LIMIT", "OUTCOMES", "SHADOW_DENIED", "Metrics"]
 
@@ -61,10 +62,9 @@ class Metrics:
         # can happen while this thread holds the lock
         self._lock = threading.RLock()
         self._admitted: dict[str, Any] = {}  # rule -> AdmittedRequests (the middleware's fast lane)
-        import nanolimit  # late: nanolimit's own import pulls the gateway in
-
-        if nanolimit.IMPLEMENTATION == "native":
-            self._lane_type: Any = importlib.import_module("nanolimit._core").AdmittedRequests
+        core = native_core()
+        if core is not None:
+            self._lane_type: Any = core.AdmittedRequests
         else:
             self._lane_type = lambda rule: _ShardedAdmitted(self, rule)
 

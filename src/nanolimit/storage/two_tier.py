@@ -28,7 +28,6 @@ See ``docs/two_tier.md``.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import math
 import os
@@ -40,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._select import native_core, twin, twin_of
 from .._shared import (
     LIMITER_CLASS_NAMES,
     MAX_TIME,
@@ -335,10 +335,8 @@ class TwoTierStorage:
             )
         if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
             raise ValidationError("prefix must be a str without '{' or '}'")
-        import nanolimit  # the twin in use; imported late (nanolimit may export us)
-
         if local is None:
-            local = nanolimit.InMemoryStorage()
+            local = twin.InMemoryStorage()
         self.local = local
         self.remote: RedisStorage = remote if isinstance(remote, RedisStorage) else RedisStorage(remote)
         self.sync_interval = float(sync_interval)
@@ -357,13 +355,12 @@ class TwoTierStorage:
         self._errors: tuple[type[BaseException], ...] = self.remote._errors
         self.max_key_bytes: int = getattr(self.remote, "max_key_bytes", 1024)
         self._members_key = f"{self.remote.prefix}{prefix}instances"
-        self._twin = importlib.import_module(type(local).__module__)
+        self._twin = twin_of(local)
         self._tracks: dict[tuple[LimiterConfig, str], _Track] = {}
         self._by_base: dict[str, _Track] = {}  # the track writing each Redis key prefix
         # Native limiters decide in C against each key's lease (LeaseBook);
         # the reference twin, or a build without the extension, uses _decide.
-        native = nanolimit.IMPLEMENTATION == "native"  # not with NANOLIMIT_NO_EXTENSIONS
-        self._native: Any = importlib.import_module("nanolimit._core") if native else None
+        self._native: Any = native_core()  # None with NANOLIMIT_NO_EXTENSIONS
         self._gate: Any = None if self._native is None else self._native.LeaseGate(self._wake_sync)
         self._books: dict[LimiterConfig, Any] = {}
         self._lock = _Guard(self, self._gate)
