@@ -42,7 +42,7 @@ def batch_fields(result: Any) -> list[tuple[Any, ...]]:
 class DictStorage:
     """A user-written Storage: a dict behind one lock, nothing else.
 
-    It implements only the protocol of SPEC §5, so a limiter given it must
+    It implements only the protocol of docs/spec.md §5, so a limiter given it must
     go through the generic ``apply`` seam.
     """
 

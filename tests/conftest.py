@@ -50,7 +50,7 @@ SHARED_NAMES = (
     "storage_key",
 )
 
-# algorithm name -> limiter class name, in SPEC §4 order
+# algorithm name -> limiter class name, in docs/spec.md §4 order
 # (a copy of nanolimit._shared.LIMITER_CLASS_NAMES: importing it here would
 # load nanolimit before --no-c-extensions can take effect)
 ALGORITHM_CLASSES = {

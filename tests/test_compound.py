@@ -1,5 +1,5 @@
 """Compound limits on the in-memory store: all-or-nothing across limiters
-(SPEC §6), for both twins."""
+(docs/spec.md §6), for both twins."""
 
 from __future__ import annotations
 

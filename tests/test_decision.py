@@ -1,4 +1,4 @@
-"""The Decision value (SPEC §2), its headers, and BatchResult, for both twins."""
+"""The Decision value (docs/spec.md §2), its headers, and BatchResult, for both twins."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_copy(allowed):
 
 
 # --------------------------------------------------------------------------
-# headers (SPEC §2)
+# headers (docs/spec.md §2)
 
 
 def test_headers_allowed(allowed):

@@ -1,6 +1,6 @@
 """Hypothesis equivalence: the native twin against the pure-Python reference.
 
-SPEC §4: with the same sequence of (key, now, cost) every implementation
+docs/spec.md §4: with the same sequence of (key, now, cost) every implementation
 returns the same ``allowed`` and ``remaining``, and ``retry_after`` /
 ``reset_after`` equal to 1e-9 s. The state snapshots must agree bit for bit:
 the twins evaluate the same IEEE-double formulas in the same order, so any
@@ -222,7 +222,7 @@ def repeat(n: int, op: str = "allow", key: str = "a", cost: int = 1) -> tuple[St
 
 
 # Window 0.1 on exact window boundaries k * 0.1: where k * w - w and
-# (k - 1) * w differ in the last bit (SPEC §4).
+# (k - 1) * w differ in the last bit (docs/spec.md §4).
 WINDOW_01_BOUNDARIES = tuple(
     step
     for _ in range(6)
@@ -337,5 +337,5 @@ def test_batches_agree(native, case) -> None:
 @EQUIVALENCE
 @given(scenario=scenarios(max_steps=30))
 def test_traces_agree_on_a_user_storage(native, scenario: Scenario) -> None:
-    # The generic apply seam (SPEC §5): each twin on its own user-written storage.
+    # The generic apply seam (docs/spec.md §5): each twin on its own user-written storage.
     check_scenario(native, scenario, DictStorage(), DictStorage())

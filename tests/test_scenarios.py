@@ -1,6 +1,6 @@
-"""SPEC §7 reference scenarios and per-algorithm behaviour, for both twins.
+"""docs/spec.md §7 reference scenarios and per-algorithm behaviour, for both twins.
 
-Numbers are the SPEC's or derived by hand from the SPEC §4 formulas; each
+Numbers are docs/spec.md §7's or derived by hand from the docs/spec.md §4 formulas; each
 derivation is in a comment next to its assertion.
 """
 
@@ -15,7 +15,7 @@ from conftest import BURST_ALGORITHMS
 
 WALL = 1_700_000_000.0
 
-# SPEC §7: retry_after of the 6th of 7 requests, limit 5 per second, t = 0.
+# docs/spec.md §7: retry_after of the 6th of 7 requests, limit 5 per second, t = 0.
 SIXTH_RETRY = {
     "token_bucket": 0.2,
     "leaky_bucket": 0.2,
@@ -31,7 +31,7 @@ def spend(limiter, key: str, n: int, cost: int = 1) -> list:
 
 
 # --------------------------------------------------------------------------
-# SPEC §7
+# docs/spec.md §7
 
 
 def test_token_bucket_five_per_minute_429(backend):
@@ -63,7 +63,7 @@ def test_five_per_second_seven_at_once(limiter_cls, algorithm, backend):
         assert d.rule == ""
 
 
-# Fixed window lets 2 x limit across the boundary (SPEC §7). The others were
+# Fixed window lets 2 x limit across the boundary (docs/spec.md §7). The others were
 # derived by hand: 0.1 s after a full spend a token bucket, leaky bucket and
 # GCRA have regained 0.5 units, the log still holds all 5 entries, and the
 # counter's estimate is 5 * 1.0 + 0.
@@ -156,7 +156,7 @@ def test_gcra_after_burst_one_per_interval(backend):
 
 
 def test_gcra_full_burst_with_awkward_interval(backend):
-    # SPEC §4: T = 0.6 s as a float sum overshoots; in integer us 100 fit exactly.
+    # docs/spec.md §4: T = 0.6 s as a float sum overshoots; in integer us 100 fit exactly.
     clock = backend.FakeClock(1_800_000_000.0)
     limiter = backend.GCRA(100, 60.0, clock=clock)
     got = spend(limiter, "k", 101)
@@ -240,7 +240,7 @@ def test_sliding_counter_weights_previous_window(backend):
 
 
 def test_sliding_counter_retry_is_the_window_end_when_count_alone_blocks(backend):
-    # SPEC §4: room < 0 -> start + window - now, a lower bound: at that moment
+    # docs/spec.md §4: room < 0 -> start + window - now, a lower bound: at that moment
     # the full window becomes `previous` with weight 1 and still blocks.
     clock = backend.FakeClock(1000.0)
     limiter = backend.SlidingWindowCounter(5, 1.0, clock=clock)
@@ -690,7 +690,7 @@ def test_state_snapshot(limiter_cls, algorithm, backend):
     assert isinstance(state, backend.LimiterState)
     assert state.algorithm == backend.Algorithm(algorithm)
     assert state.updated_at == 1000.0
-    # Hand-derived per SPEC §4 after one request of cost 2 at t = 1000.
+    # Hand-derived per docs/spec.md §4 after one request of cost 2 at t = 1000.
     expected = {
         "token_bucket": {"level": 3.0},
         "leaky_bucket": {"level": 2.0},
@@ -705,7 +705,7 @@ def test_state_snapshot(limiter_cls, algorithm, backend):
 
 @pytest.mark.parametrize("algorithm", ["fixed_window", "sliding_counter"])
 def test_window_index_is_an_integer_floor(limiter_cls, algorithm, backend):
-    # 1.0 // 0.1 is 9.0 in float; the index is floor(1.0 / 0.1) = 10 (SPEC §4, STYLE).
+    # 1.0 // 0.1 is 9.0 in float; the index is floor(1.0 / 0.1) = 10 (docs/spec.md §4, STYLE).
     limiter = limiter_cls(5, 0.1, clock=backend.FakeClock(1.0))
     limiter.allow("k")
     assert limiter.state("k").window_index == math.floor(1.0 / 0.1) == 10

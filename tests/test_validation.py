@@ -1,4 +1,4 @@
-"""SPEC §3: bad input raises ValidationError with a clear message, and no
+"""docs/spec.md §3: bad input raises ValidationError with a clear message, and no
 state is touched."""
 
 from __future__ import annotations

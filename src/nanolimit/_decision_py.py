@@ -21,7 +21,7 @@ _FIELDS = (
 
 
 class Decision:
-    """The answer to one request (SPEC §2). Frozen: a Decision is a fact.
+    """The answer to one request (docs/spec.md §2). Frozen: a Decision is a fact.
 
     ``degraded`` is true when the store could not decide normally and a policy
     answered instead; ``reason`` then says which ("storage_full",

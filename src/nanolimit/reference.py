@@ -1,7 +1,7 @@
 """The pure-Python twin: the oracle for the native core, and the fallback when
 the extension is not built.
 
-Every kernel here is SPEC §4 written literally, in the same order of floating
+Every kernel here is docs/spec.md §4 written literally, in the same order of floating
 point operations as ``_kernels.pxd``; the equivalence tests hold the two to
 1e-9 s and to identical ``allowed``/``remaining``. Readability beats speed in
 this module: change a formula here and in the C kernel together, or not at all.
@@ -133,7 +133,7 @@ def _new_state(cfg: LimiterConfig, now: float) -> _KeyState:
 
 
 # --------------------------------------------------------------------------
-# Kernels: SPEC §4, literally. ``now`` is already max(clock, updated_at).
+# Kernels: docs/spec.md §4, literally. ``now`` is already max(clock, updated_at).
 
 
 def _token_bucket(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Verdict:
@@ -563,7 +563,7 @@ class InMemoryStorage:
 
     def allow_all(self, requests: Sequence[tuple[Any, ...]]) -> CompoundDecision:
         """Decide a request bound by several limiters of this storage at once:
-        all-or-nothing (SPEC §6 compound limits). Every involved stripe is
+        all-or-nothing (docs/spec.md §6 compound limits). Every involved stripe is
         locked, in index order, for the whole decision."""
         items = compound_items(requests)
         plan = []
@@ -888,7 +888,7 @@ class _Limiter:
             return self._kernel_store.run_kernel(cfg, key, cost, kernel_now, commit)
         if now is None:
             now = check_now(self._clock.now())
-        # Any other Storage: the generic (slow) seam of SPEC §5.
+        # Any other Storage: the generic (slow) seam of docs/spec.md §5.
         verdict: list[Verdict] = []
 
         def mutate(state: Any) -> tuple[Any, None]:
