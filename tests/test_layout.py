@@ -30,16 +30,9 @@ MOVED = {
     "nanolimit._bench": "nanolimit.cli.bench",
 }
 CORE_MODULES = {
-    "_shared",
-    "_select",
-    "_decision_py",
-    "_version",
-    "reference",
-    "_core",
-    "_kernels",
-    "_table",
-    "_types",
-}
+    "_clocks", "_core", "_decision_py", "_errors", "_kernels", "_limiter_config", "_protocols", "_select",
+    "_shared", "_table", "_types", "_validation", "_version", "reference",
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))

@@ -1,10 +1,19 @@
-"""The pure-Python Decision; ``_core.Decision`` is its native twin."""
+"""The pure-Python twin's answers: the Decision, its header rendering, the
+batch and compound results, and how a kernel's verdict becomes a Decision
+(docs/spec.md §2). ``_core.Decision`` is the native twin's Decision; the
+batch and compound results are shared by both twins.
+"""
 
 from __future__ import annotations
 
+import math
+import time
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ._shared import render_headers
+from ._errors import ValidationError
+from ._limiter_config import LimiterConfig
 
 _FIELDS = (
     "allowed",
@@ -106,4 +115,231 @@ class Decision:
             self.rule,
             self.window,
             wall_now,
+        )
+
+
+class BatchResult(Sequence["Decision"]):
+    """The answer to ``allow_many``: flat arrays, one slot per request.
+
+    Keeping arrays instead of N Decision objects is what makes a batch cheap;
+    ``result[i]`` builds the full Decision only when someone asks for it.
+    ``degraded`` says whether any request was answered by a policy;
+    ``reasons`` maps each such request's index to its reason (sparse: a
+    policy answers rarely), so ``result[i]`` is degraded only if it was
+    (``None``: no per-request detail, every request shares ``degraded``).
+    """
+
+    __slots__ = (
+        "_decision",
+        "allowed",
+        "degraded",
+        "delay",
+        "limit",
+        "reasons",
+        "remaining",
+        "reset_after",
+        "retry_after",
+        "rule",
+        "window",
+    )
+
+    allowed: array[int]
+    remaining: array[int]
+    retry_after: array[float]
+    reset_after: array[float]
+    delay: array[float]
+
+    def __init__(
+        self,
+        decision_type: Callable[..., Decision],
+        limit: int,
+        rule: str,
+        window: float,
+        allowed: array[int],
+        remaining: array[int],
+        retry_after: array[float],
+        reset_after: array[float],
+        delay: array[float],
+        degraded: bool = False,
+        reasons: dict[int, str] | None = None,
+    ) -> None:
+        self._decision = decision_type
+        self.degraded = degraded or bool(reasons)
+        # without per-request reasons, a degraded batch marks every request
+        self.reasons: dict[int, str] | None = reasons
+        self.limit = limit
+        self.rule = rule
+        self.window = window
+        self.allowed = allowed
+        self.remaining = remaining
+        self.retry_after = retry_after
+        self.reset_after = reset_after
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return len(self.allowed)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        i = range(len(self))[index.__index__()]  # negative indexes, IndexError
+        if self.reasons is None:
+            degraded, reason = self.degraded, ""
+        else:
+            degraded, reason = i in self.reasons, self.reasons.get(i, "")
+        return self._decision(
+            bool(self.allowed[i]),
+            self.limit,
+            self.remaining[i],
+            self.retry_after[i],
+            self.reset_after[i],
+            self.rule,
+            self.window,
+            self.delay[i],
+            degraded,
+            reason,
+        )
+
+    def __iter__(self) -> Iterator[Decision]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @property
+    def allowed_count(self) -> int:
+        """How many requests of the batch were admitted."""
+        return sum(self.allowed)
+
+    def __repr__(self) -> str:
+        return f"<BatchResult n={len(self)} allowed={self.allowed_count} rule={self.rule!r}>"
+
+
+def render_headers(
+    allowed: bool,
+    limit: int,
+    remaining: int,
+    retry_after: float,
+    reset_after: float,
+    rule: str,
+    window: float,
+    wall_now: float | None = None,
+) -> dict[str, str]:
+    """docs/spec.md §2: the GitHub-style trio, the IETF draft-10 pair, and Retry-After."""
+    if wall_now is None:
+        wall_now = time.time()
+    left = max(0, remaining)
+    headers = {
+        "X-RateLimit-Limit": str(limit),
+        "X-RateLimit-Remaining": str(left),
+        "X-RateLimit-Reset": str(math.ceil(wall_now + reset_after)),
+        "RateLimit-Policy": f'"{rule}";q={limit};w={max(1, math.ceil(window))}',
+        "RateLimit": f'"{rule}";r={left};t={math.ceil(reset_after)}',
+    }
+    if not allowed:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+    return headers
+
+
+# What a kernel answers: (allowed, remaining before floor, retry_after,
+# reset_after, delay, degraded), and, when a policy answered, its reason
+# ("store_unavailable", "storage_full") seventh.
+KernelVerdict = (
+    tuple[bool, float, float, float, float, bool] | tuple[bool, float, float, float, float, bool, str]
+)
+
+
+# Decision.reason when a failure policy answered for a store that could not
+# decide (docs/spec.md §2 degraded decisions).
+REASON_STORE_UNAVAILABLE = "store_unavailable"
+
+
+def decision_from_verdict(decision_type: Callable[..., Any], cfg: LimiterConfig, v: Sequence[Any]) -> Any:
+    """A ``decision_type`` (either twin's Decision) from a kernel verdict:
+    remaining floored and never below 0 (docs/spec.md §2), and the degraded flag and
+    reason when a policy answered."""
+    return decision_type(
+        v[0],
+        cfg.capacity,
+        max(0, math.floor(v[1])),
+        v[2],
+        v[3],
+        cfg.rule,
+        cfg.window_seconds,
+        v[4],
+        len(v) > 5 and bool(v[5]),
+        v[6] if len(v) > 6 else "",
+    )
+
+
+class CompoundDecision:
+    """The answer to a request bound by several limits at once.
+
+    It passed only if every limit allowed, and then every limit was charged;
+    if any denied, none was (``decisions`` then hold what each would have
+    answered). ``limit``, ``remaining``, ``rule``, ``window`` and the
+    headers describe one limit, the binding one, so a client never reads one
+    rule's name with another's quota: when denied, the denial with the
+    longest ``retry_after`` (``denied_by``); when allowed, the limit with the
+    smallest remaining. ``retry_after``, ``reset_after`` and ``delay`` are
+    the longest over all limits.
+    """
+
+    __slots__ = ("_binding", "allowed", "decisions", "denied_by")
+
+    def __init__(self, decisions: Sequence[Decision]) -> None:
+        if not decisions:
+            raise ValidationError("a compound decision needs at least one decision")
+        self.decisions = tuple(decisions)
+        self.allowed = all(d.allowed for d in self.decisions)
+        denied = [d for d in self.decisions if not d.allowed]
+        self.denied_by: str | None = None
+        if denied:
+            self._binding = max(denied, key=lambda d: d.retry_after)
+            self.denied_by = self._binding.rule
+        else:
+            self._binding = min(self.decisions, key=lambda d: d.remaining)
+
+    @property
+    def limit(self) -> int:
+        return self._binding.limit
+
+    @property
+    def remaining(self) -> int:
+        return self._binding.remaining
+
+    @property
+    def rule(self) -> str:
+        return self._binding.rule
+
+    @property
+    def window(self) -> float:
+        return self._binding.window
+
+    @property
+    def retry_after(self) -> float:
+        return max(d.retry_after for d in self.decisions)
+
+    @property
+    def reset_after(self) -> float:
+        return max(d.reset_after for d in self.decisions)
+
+    @property
+    def delay(self) -> float:
+        return max(d.delay for d in self.decisions)
+
+    @property
+    def degraded(self) -> bool:
+        return any(d.degraded for d in self.decisions)
+
+    def headers(self, wall_now: float | None = None) -> dict[str, str]:
+        """docs/spec.md §2 headers of the binding limit (its own reset; Retry-After
+        is the longest wait, which is the binding denial's)."""
+        b = self._binding
+        return render_headers(
+            self.allowed, b.limit, b.remaining, self.retry_after, b.reset_after, b.rule, b.window, wall_now
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<CompoundDecision allowed={self.allowed} denied_by={self.denied_by!r} "
+            f"remaining={self.remaining} retry_after={self.retry_after!r}>"
         )

@@ -1,0 +1,169 @@
+"""Validation of what callers hand in (docs/spec.md §3) and the bounds that keep
+every value the kernels compute exact in IEEE double and int64. The native
+core re-implements the hot checks in C and uses these for messages.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any, SupportsIndex, cast
+
+from ._errors import ValidationError
+
+__all__ = [
+    "DUPLICATE_COMPOUND",
+    "MAX_COST",
+    "MAX_KEY_BYTES",
+    "MAX_LIMIT",
+    "MAX_LOG_CAPACITY",
+    "MAX_WINDOW",
+    "MIN_KEYS_PER_STRIPE",
+    "MIN_WINDOW",
+    "ON_FULL_POLICIES",
+    "check_batch",
+    "check_bounds",
+    "check_cost",
+    "check_cutoff",
+    "check_key",
+    "compound_items",
+    "stripes_within",
+]
+
+
+# Bounds keep every value the kernels compute exact in IEEE double and int64,
+# which is what lets the C kernels, this reference and Lua agree bit for bit.
+MAX_LIMIT = (1 << 32) - 1  # window counts are uint32 in the native entry
+
+
+MAX_COST = MAX_LIMIT
+
+
+MIN_WINDOW = 1e-6
+
+
+MAX_WINDOW = 1e9
+
+
+MAX_KEY_BYTES = 1024
+
+
+# The sliding log stores one double per unit: 16M units is 128 MiB per key.
+MAX_LOG_CAPACITY = 1 << 24
+
+
+ON_FULL_POLICIES = ("evict", "deny_new")
+
+
+def check_bounds(
+    max_keys: object, on_full: object, evict_idle_after: object
+) -> tuple[int | None, str, float | None]:
+    """Validate the bounded-memory options of an InMemoryStorage."""
+    if max_keys is not None and (isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1):
+        raise ValidationError(f"max_keys must be an int >= 1 or None, got {max_keys!r}")
+    if on_full not in ON_FULL_POLICIES:
+        raise ValidationError(f"on_full must be one of {ON_FULL_POLICIES}, got {on_full!r}")
+    idle: float | None = None
+    if evict_idle_after is not None:
+        if isinstance(evict_idle_after, bool) or not isinstance(evict_idle_after, (int, float)):
+            raise ValidationError(f"evict_idle_after must be seconds or None, got {evict_idle_after!r}")
+        idle = float(evict_idle_after)
+        if not math.isfinite(idle) or idle <= 0:
+            raise ValidationError(f"evict_idle_after must be finite and > 0, got {evict_idle_after!r}")
+    assert isinstance(on_full, str)
+    return max_keys, on_full, idle
+
+
+def check_batch(keys: Sequence[Any], costs: Sequence[Any], capacity: int, max_key_bytes: int) -> list[int]:
+    """Every key and cost of a batch, checked before any is spent; returns
+    the costs as converted (see ``check_cost``): use those, not ``costs``."""
+    if len(costs) != len(keys):
+        raise ValidationError(f"{len(keys)} keys but {len(costs)} costs")
+    units = []
+    for key, cost in zip(keys, costs):
+        check_key(key, max_key_bytes)
+        units.append(check_cost(cost, capacity))
+    return units
+
+
+# A bounded stripe holds at least this many keys (or all of max_keys): a full
+# stripe then has keys to choose a victim among, and a partly spent key is not
+# forgotten just because it is alone in its stripe when a newcomer lands there.
+MIN_KEYS_PER_STRIPE = 16
+
+
+def stripes_within(stripes: int, max_keys: int | None) -> int:
+    """The stripe count a bounded storage uses: at most one stripe per
+    ``MIN_KEYS_PER_STRIPE`` keys of ``max_keys`` (so never more stripes than
+    keys), the largest power of two not above that when ``stripes`` is more."""
+    if max_keys is not None:
+        most = max(1, max_keys // MIN_KEYS_PER_STRIPE)
+        if most < stripes:
+            return 1 << (most.bit_length() - 1)
+    return stripes
+
+
+def check_cutoff(cutoff: object) -> float:
+    """An eviction cutoff: any number but NaN (``inf`` forgets every key)."""
+    if isinstance(cutoff, bool) or not isinstance(cutoff, (int, float)):
+        raise ValidationError(f"cutoff must be a number of seconds, got {type(cutoff).__name__}")
+    value = float(cutoff)
+    if math.isnan(value):
+        raise ValidationError("cutoff must not be NaN")
+    return value
+
+
+def check_cost(cost: object, capacity: int) -> int:
+    """docs/spec.md §3: an int in [1, capacity], returned as an exact ``int``.
+
+    The value is converted exactly once, by ``operator.index`` (which copies
+    an ``int`` subclass's value without calling its ``__int__``), and the
+    converted value is what is checked and what every caller must use: an
+    ``int`` subclass whose ``__int__`` lies cannot pass as 1 and be charged
+    as -5. ``bool`` is refused; numpy integers and ``__index__`` objects are
+    accepted by their index."""
+    if isinstance(cost, bool):
+        raise ValidationError(f"cost must be an int, got {type(cost).__name__}")
+    try:
+        units = operator.index(cast(SupportsIndex, cost))
+    except TypeError:
+        raise ValidationError(f"cost must be an int, got {type(cost).__name__}") from None
+    if units <= 0:
+        raise ValidationError(f"cost must be >= 1, got {units}")
+    if units > capacity:
+        raise ValidationError(f"cost {units} exceeds the capacity {capacity}: it could never pass")
+    return units
+
+
+def check_key(key: object, max_key_bytes: int) -> bytes:
+    """docs/spec.md §3 plus hostile-key hygiene: a non-empty str that encodes to UTF-8
+    within ``max_key_bytes``. Returns the encoded bytes."""
+    if not isinstance(key, str):
+        raise ValidationError(f"key must be a str, got {type(key).__name__}")
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError("key is not valid Unicode (lone surrogate)") from None
+    if not raw:
+        raise ValidationError("key must not be empty")
+    if len(raw) > max_key_bytes:
+        raise ValidationError(f"key is {len(raw)} bytes of UTF-8, over the limit of {max_key_bytes}")
+    return raw
+
+
+def compound_items(requests: Any) -> list[tuple[Any, str, int]]:
+    """Normalise ``[(limiter, key), (limiter, key, cost), ...]``."""
+    items: list[tuple[Any, str, int]] = []
+    for request in requests:
+        if not isinstance(request, tuple) or len(request) not in (2, 3):
+            raise ValidationError("each compound request is (limiter, key) or (limiter, key, cost)")
+        limiter, key = request[0], request[1]
+        cost = request[2] if len(request) == 3 else 1
+        items.append((limiter, key, cost))
+    if not items:
+        raise ValidationError("a compound request needs at least one limiter")
+    return items
+
+
+DUPLICATE_COMPOUND = "the same rule and key appear twice in one compound request"
