@@ -81,30 +81,60 @@ EVICTION_LOOK = 24
 
 
 class _KeyState:
-    """One key's state. ``a``/``b``/``c`` hold the algorithm's numbers (see
-    ``_snapshot`` for which is which); ``log`` is the sliding log."""
+    """One key's state: each algorithm uses its own fields (the native
+    entry's union, ``_types.pxd``, holds the same numbers)."""
 
-    __slots__ = ("a", "b", "c", "log", "updated_at")
+    __slots__ = ("count", "level", "log", "previous", "tat", "updated_at", "window_index")
 
-    def __init__(self, updated_at: float, a: Any = 0, b: int = 0, c: int = 0) -> None:
+    def __init__(
+        self,
+        updated_at: float,
+        *,
+        level: float = 0.0,
+        tat: int = 0,
+        window_index: int = 0,
+        count: int = 0,
+        previous: int = 0,
+    ) -> None:
         self.updated_at = updated_at
-        self.a = a
-        self.b = b
-        self.c = c
-        self.log: deque[float] | None = None
+        self.level = level  # token and leaky bucket
+        self.tat = tat  # GCRA: theoretical arrival time, integer µs
+        self.window_index = window_index  # fixed window and sliding counter
+        self.count = count
+        self.previous = previous  # sliding counter: the previous window's count
+        self.log: deque[float] | None = None  # sliding log: stamps, oldest first
 
     def copy(self) -> _KeyState:
-        twin = _KeyState(self.updated_at, self.a, self.b, self.c)
+        twin = _KeyState(
+            self.updated_at,
+            level=self.level,
+            tat=self.tat,
+            window_index=self.window_index,
+            count=self.count,
+            previous=self.previous,
+        )
         if self.log is not None:
             twin.log = deque(self.log)
         return twin
 
     def __reduce__(self) -> Any:
-        return (_restore_state, (self.updated_at, self.a, self.b, self.c, self.log))
+        fields = (self.level, self.tat, self.window_index, self.count, self.previous)
+        return (_restore_fields, (self.updated_at, fields, self.log))
+
+
+def _restore_fields(updated_at: float, fields: tuple[Any, ...], log: Any) -> _KeyState:
+    level, tat, window_index, count, previous = fields
+    state = _KeyState(
+        updated_at, level=level, tat=tat, window_index=window_index, count=count, previous=previous
+    )
+    state.log = None if log is None else deque(log)
+    return state
 
 
 def _restore_state(updated_at: float, a: Any, b: int, c: int, log: Any) -> _KeyState:
-    state = _KeyState(updated_at, a, b, c)
+    """Pickles made before the fields had names stored (a, b, c): a was the
+    level, the TAT or the window index, whichever the algorithm kept."""
+    state = _KeyState(updated_at, level=float(a), tat=int(a), window_index=int(a), count=b, previous=c)
     state.log = None if log is None else deque(log)
     return state
 
@@ -119,17 +149,17 @@ STORAGE_FULL: Verdict = (False, 0.0, 1.0, 0.0, 0.0, True, "storage_full")
 def _new_state(cfg: LimiterConfig, now: float) -> _KeyState:
     algo = cfg.algorithm
     if algo is Algorithm.TOKEN_BUCKET:
-        return _KeyState(now, float(cfg.capacity))
+        return _KeyState(now, level=float(cfg.capacity))
     if algo is Algorithm.LEAKY_BUCKET:
-        return _KeyState(now, 0.0)
+        return _KeyState(now, level=0.0)
     if algo is Algorithm.GCRA:
-        return _KeyState(now, math.floor(now * 1000000.0))
+        return _KeyState(now, tat=math.floor(now * 1000000.0))
     if algo is Algorithm.SLIDING_LOG:
         state = _KeyState(now)
         state.log = deque()
         return state
     # fixed window and sliding counter: window index, count, previous
-    return _KeyState(now, math.floor(now / cfg.window_seconds), 0, 0)
+    return _KeyState(now, window_index=math.floor(now / cfg.window_seconds))
 
 
 # --------------------------------------------------------------------------
@@ -140,7 +170,7 @@ def _token_bucket(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Ve
     capacity = float(cfg.capacity)
     rate = cfg.rate
     elapsed = now - s.updated_at
-    level = s.a + elapsed * rate
+    level = s.level + elapsed * rate
     if level > capacity:
         level = capacity
     retry_after = 0.0
@@ -149,7 +179,7 @@ def _token_bucket(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Ve
         level = level - cost
     else:
         retry_after = (cost - level) / rate
-    s.a = level
+    s.level = level
     return allowed, level, retry_after, (capacity - level) / rate, 0.0
 
 
@@ -157,7 +187,7 @@ def _leaky_bucket(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Ve
     capacity = float(cfg.capacity)
     rate = cfg.rate
     elapsed = now - s.updated_at
-    level = s.a - elapsed * rate
+    level = s.level - elapsed * rate
     if level < 0.0:
         level = 0.0
     room = capacity - level
@@ -171,7 +201,7 @@ def _leaky_bucket(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Ve
     else:
         remaining = room
         retry_after = (cost - room) / rate
-    s.a = level
+    s.level = level
     return allowed, remaining, retry_after, level / rate, delay
 
 
@@ -179,18 +209,18 @@ def _fixed_window(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Ve
     window = cfg.window_seconds
     capacity = cfg.capacity
     index = math.floor(now / window)
-    if index != s.a:
-        s.a = index
-        s.b = 0
-    start = float(s.a) * window
+    if index != s.window_index:
+        s.window_index = index
+        s.count = 0
+    start = float(s.window_index) * window
     retry_after = 0.0
-    allowed = s.b + cost <= capacity
+    allowed = s.count + cost <= capacity
     if allowed:
-        s.b += cost
+        s.count += cost
     else:
         retry_after = start + window - now
-    reset_after = start + window - now if s.b > 0 else 0.0
-    return allowed, float(capacity - s.b), retry_after, reset_after, 0.0
+    reset_after = start + window - now if s.count > 0 else 0.0
+    return allowed, float(capacity - s.count), retry_after, reset_after, 0.0
 
 
 def _sliding_log(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Verdict:
@@ -219,20 +249,20 @@ def _sliding_counter(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) ->
     window = cfg.window_seconds
     capacity = cfg.capacity
     index = math.floor(now / window)
-    if index != s.a:
-        s.c = s.b if index == s.a + 1 else 0
-        s.b = 0
-        s.a = index
-    count = s.b
-    previous = s.c
-    start = float(s.a) * window
+    if index != s.window_index:
+        s.previous = s.count if index == s.window_index + 1 else 0
+        s.count = 0
+        s.window_index = index
+    count = s.count
+    previous = s.previous
+    start = float(s.window_index) * window
     weight = 1.0 - (now - start) / window
     estimate = float(previous) * weight + float(count)
     retry_after = 0.0
     allowed = estimate + float(cost) <= float(capacity)
     if allowed:
         count += cost
-        s.b = count
+        s.count = count
         remaining = float(capacity) - estimate - float(cost)
     else:
         remaining = float(capacity) - estimate
@@ -254,12 +284,12 @@ def _gcra(s: _KeyState, now: float, cost: int, cfg: LimiterConfig) -> Verdict:
     interval = cfg.gcra_interval_us
     tolerance = cfg.gcra_tolerance_us
     now_us = math.floor(now * 1000000.0)
-    backlog = max(0, s.a - now_us)
+    backlog = max(0, s.tat - now_us)
     retry_after = 0.0
     allowed = backlog + interval * cost <= tolerance
     if allowed:
         backlog = backlog + interval * cost
-        s.a = now_us + backlog
+        s.tat = now_us + backlog
     else:
         retry_after = (backlog + interval * cost - tolerance) / 1000000.0
     remaining = (tolerance - backlog) // interval
@@ -283,10 +313,10 @@ def _rebase(s: _KeyState, clock_now: float, cfg: LimiterConfig) -> None:
     lead = s.updated_at - clock_now
     algo = cfg.algorithm
     if algo is Algorithm.GCRA:
-        s.a = s.a - (math.floor(s.updated_at * 1000000.0) - math.floor(clock_now * 1000000.0))
+        s.tat = s.tat - (math.floor(s.updated_at * 1000000.0) - math.floor(clock_now * 1000000.0))
     elif algo is Algorithm.FIXED_WINDOW or algo is Algorithm.SLIDING_COUNTER:
         window = cfg.window_seconds
-        s.a = s.a - (math.floor(s.updated_at / window) - math.floor(clock_now / window))
+        s.window_index = s.window_index - (math.floor(s.updated_at / window) - math.floor(clock_now / window))
     elif algo is Algorithm.SLIDING_LOG and s.log:
         s.log = deque(stamp - lead for stamp in s.log)
     s.updated_at = clock_now
@@ -329,19 +359,19 @@ def _at_rest(s: _KeyState, cfg: LimiterConfig, now: float) -> bool:
     elapsed = now - s.updated_at
     algo = cfg.algorithm
     if algo is Algorithm.TOKEN_BUCKET:
-        return bool(s.a + elapsed * cfg.rate >= float(cfg.capacity))
+        return bool(s.level + elapsed * cfg.rate >= float(cfg.capacity))
     if algo is Algorithm.LEAKY_BUCKET:
-        return bool(s.a - elapsed * cfg.rate <= 0.0)
+        return bool(s.level - elapsed * cfg.rate <= 0.0)
     if algo is Algorithm.GCRA:
-        return bool(s.a <= math.floor(now * 1000000.0))
+        return bool(s.tat <= math.floor(now * 1000000.0))
     if algo is Algorithm.SLIDING_LOG:
         return not s.log or s.log[-1] <= now - cfg.window_seconds
     index = math.floor(now / cfg.window_seconds)
     if algo is Algorithm.FIXED_WINDOW:
-        return s.b == 0 or index != s.a
-    if s.b == 0 and s.c == 0:
+        return s.count == 0 or index != s.window_index
+    if s.count == 0 and s.previous == 0:
         return True
-    return bool(index >= s.a + 2 or (index == s.a + 1 and s.b == 0))
+    return bool(index >= s.window_index + 2 or (index == s.window_index + 1 and s.count == 0))
 
 
 def _given_back(s: _KeyState, cfg: LimiterConfig, now: float) -> tuple[float, bool]:
@@ -353,13 +383,13 @@ def _given_back(s: _KeyState, cfg: LimiterConfig, now: float) -> tuple[float, bo
     algo = cfg.algorithm
     capacity = float(cfg.capacity)
     if algo is Algorithm.TOKEN_BUCKET:
-        level = min(capacity, s.a + elapsed * cfg.rate)
+        level = min(capacity, s.level + elapsed * cfg.rate)
         return capacity - level, level < 1.0
     if algo is Algorithm.LEAKY_BUCKET:
-        level = max(0.0, s.a - elapsed * cfg.rate)
+        level = max(0.0, s.level - elapsed * cfg.rate)
         return level, capacity - level < 1.0
     if algo is Algorithm.GCRA:
-        backlog = max(0, s.a - math.floor(now * 1000000.0))
+        backlog = max(0, s.tat - math.floor(now * 1000000.0))
         return backlog / cfg.gcra_interval_us, backlog + cfg.gcra_interval_us > cfg.gcra_tolerance_us
     if algo is Algorithm.SLIDING_LOG:
         cutoff = now - cfg.window_seconds
@@ -368,9 +398,13 @@ def _given_back(s: _KeyState, cfg: LimiterConfig, now: float) -> tuple[float, bo
     window = cfg.window_seconds
     index = math.floor(now / window)
     if algo is Algorithm.FIXED_WINDOW:
-        count = s.b if index == s.a else 0
+        count = s.count if index == s.window_index else 0
         return float(count), count + 1 > cfg.capacity
-    count, previous = (s.b, s.c) if index == s.a else (0, s.b) if index == s.a + 1 else (0, 0)
+    count, previous = 0, 0  # the counts after rolling to ``now``'s window
+    if index == s.window_index:
+        count, previous = s.count, s.previous
+    elif index == s.window_index + 1:
+        previous = s.count
     spent = float(previous) * (1.0 - (now - float(index) * window) / window) + float(count)
     return spent, spent + 1.0 > capacity
 
@@ -378,14 +412,16 @@ def _given_back(s: _KeyState, cfg: LimiterConfig, now: float) -> tuple[float, bo
 def _snapshot(cfg: LimiterConfig, s: _KeyState) -> LimiterState:
     algo = cfg.algorithm
     if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
-        return LimiterState(algo, s.updated_at, level=float(s.a))
+        return LimiterState(algo, s.updated_at, level=float(s.level))
     if algo is Algorithm.GCRA:
-        return LimiterState(algo, s.updated_at, tat=int(s.a))
+        return LimiterState(algo, s.updated_at, tat=int(s.tat))
     if algo is Algorithm.SLIDING_LOG:
         return LimiterState(algo, s.updated_at, log=tuple(s.log or ()))
     if algo is Algorithm.FIXED_WINDOW:
-        return LimiterState(algo, s.updated_at, window_index=int(s.a), count=s.b)
-    return LimiterState(algo, s.updated_at, window_index=int(s.a), count=s.b, previous=s.c)
+        return LimiterState(algo, s.updated_at, window_index=int(s.window_index), count=s.count)
+    return LimiterState(
+        algo, s.updated_at, window_index=int(s.window_index), count=s.count, previous=s.previous
+    )
 
 
 # --------------------------------------------------------------------------
