@@ -106,6 +106,9 @@ from ._validation import (
     MAX_LOG_CAPACITY as MAX_LOG_CAPACITY,
 )
 from ._validation import (
+    MAX_STRIPES as MAX_STRIPES,
+)
+from ._validation import (
     MAX_WINDOW as MAX_WINDOW,
 )
 from ._validation import (
@@ -131,6 +134,9 @@ from ._validation import (
 )
 from ._validation import (
     check_key as check_key,
+)
+from ._validation import (
+    check_storage_options as check_storage_options,
 )
 from ._validation import (
     compound_items as compound_items,

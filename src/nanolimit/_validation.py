@@ -18,6 +18,7 @@ __all__ = [
     "MAX_KEY_BYTES",
     "MAX_LIMIT",
     "MAX_LOG_CAPACITY",
+    "MAX_STRIPES",
     "MAX_WINDOW",
     "MIN_KEYS_PER_STRIPE",
     "MIN_WINDOW",
@@ -27,6 +28,7 @@ __all__ = [
     "check_cost",
     "check_cutoff",
     "check_key",
+    "check_storage_options",
     "compound_items",
     "stripes_within",
 ]
@@ -73,6 +75,32 @@ def check_bounds(
             raise ValidationError(f"evict_idle_after must be finite and > 0, got {evict_idle_after!r}")
     assert isinstance(on_full, str)
     return max_keys, on_full, idle
+
+
+MAX_STRIPES = 1 << 16
+
+
+def check_storage_options(
+    stripes: object, max_key_bytes: object, max_keys: object, on_full: object, evict_idle_after: object
+) -> tuple[int, int, int | None, str, float | None]:
+    """An ``InMemoryStorage``'s options, checked in one place for both twins:
+    returns the stripe count it uses (``stripes_within``), ``max_key_bytes``
+    and the bounded-memory options."""
+    if (
+        isinstance(stripes, bool)
+        or not isinstance(stripes, int)
+        or not 1 <= stripes <= MAX_STRIPES
+        or stripes & (stripes - 1)
+    ):
+        raise ValidationError(f"stripes must be a power of two in [1, {MAX_STRIPES}], got {stripes!r}")
+    if (
+        isinstance(max_key_bytes, bool)
+        or not isinstance(max_key_bytes, int)
+        or not 1 <= max_key_bytes <= 1 << 20
+    ):
+        raise ValidationError(f"max_key_bytes must be an int in [1, 1048576], got {max_key_bytes!r}")
+    bounded, policy, idle = check_bounds(max_keys, on_full, evict_idle_after)
+    return stripes_within(stripes, bounded), max_key_bytes, bounded, policy, idle
 
 
 def check_batch(keys: Sequence[Any], costs: Sequence[Any], capacity: int, max_key_bytes: int) -> list[int]:

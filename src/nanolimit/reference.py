@@ -38,16 +38,15 @@ from ._shared import (
     UnknownAlgorithmError,
     ValidationError,
     check_batch,
-    check_bounds,
     check_cost,
     check_cutoff,
     check_key,
     check_now,
+    check_storage_options,
     compound_items,
     decide_async,
     decision_from_verdict,
     storage_key,
-    stripes_within,
 )
 
 __all__ = [
@@ -74,7 +73,6 @@ __all__ = [
 ]
 
 IMPLEMENTATION = "reference"
-MAX_STRIPES = 1 << 16
 # Keys a full table looks at to make room, as the native table's scan (16)
 # plus sample (8) do.
 EVICTION_LOOK = 24
@@ -444,24 +442,11 @@ class InMemoryStorage:
         on_full: str = "evict",
         evict_idle_after: float | None = None,
     ) -> None:
-        if (
-            isinstance(stripes, bool)
-            or not isinstance(stripes, int)
-            or not 1 <= stripes <= MAX_STRIPES
-            or stripes & (stripes - 1)
-        ):
-            raise ValidationError(f"stripes must be a power of two in [1, {MAX_STRIPES}], got {stripes!r}")
-        if (
-            isinstance(max_key_bytes, bool)
-            or not isinstance(max_key_bytes, int)
-            or not 1 <= max_key_bytes <= 1 << 20
-        ):
-            raise ValidationError(f"max_key_bytes must be an int in [1, 1048576], got {max_key_bytes!r}")
-        self.max_keys, self.on_full, self.evict_idle_after = check_bounds(max_keys, on_full, evict_idle_after)
-        stripes = stripes_within(stripes, max_keys)
+        stripes, self.max_key_bytes, self.max_keys, self.on_full, self.evict_idle_after = (
+            check_storage_options(stripes, max_key_bytes, max_keys, on_full, evict_idle_after)
+        )
         self._locks = [threading.Lock() for _ in range(stripes)]
         self._maps: list[dict[tuple[Any, ...], list[Any]]] = [{} for _ in range(stripes)]
-        self.max_key_bytes = max_key_bytes
         # max_keys split over the stripes (never below one key a stripe)
         self._caps = [
             0 if max_keys is None else max(1, max_keys // stripes + (1 if i < max_keys % stripes else 0))
