@@ -11,6 +11,7 @@ the reference agree to the last bit (SPEC §4).
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 
@@ -48,6 +49,7 @@ def _extensions() -> list:
         extra_compile_args=compile_args,
         extra_link_args=link_args,
         depends=[
+            *sorted(glob.glob("src/nanolimit/_core_*.pxi")),
             "src/nanolimit/_native.h",
             "src/nanolimit/_decision_pool.h",
             "src/nanolimit/_types.pxd",

@@ -22,6 +22,7 @@ OURS = (
     "_kernels.pxd",
     "_table.pxd",
     "_core.pyx",
+    "_core_",  # the layers _core.pyx includes (_core_storage.pxi, ...)
 )
 
 

@@ -1,0 +1,177 @@
+# Included by _core.pyx (one extension module, nanolimit._core): its cimports,
+# imports and shared constants are in scope here.
+#
+# Table operations over one stripe (``_table.pxd``): find or create a key,
+# bring it to now, run its kernel. All ``noexcept nogil`` under the stripe
+# lock, but ``lock_stripe`` and ``release_objects``.
+
+cdef inline bint room_for_new_key(Stripe* s, const Bounds* b, double now) noexcept nogil:
+    """Bounded storages: run the idle sweep, then make room in a full stripe.
+    False means the new key must be refused (``on_full="deny_new"``, or no
+    entry could be freed)."""
+    if b.idle_after > 0.0:
+        stripe_sweep_idle(s, now - b.idle_after)
+    if b.stripe_cap == 0:
+        return True
+    # a loop, not one eviction: an all-or-nothing compound may have left the
+    # stripe over its cap (several new keys of one request), and the next
+    # new key brings it back within
+    while s.count >= s.cap:
+        if not stripe_make_room(s, b.chunks, now, b.evict_active):
+            s.denied_new += 1
+            return False
+    return True
+
+
+cdef inline bint peek_finds_room(const Stripe* s, const Bounds* b, double now) noexcept nogil:
+    """``room_for_new_key`` for ``peek``: the same answer, nothing changed.
+    Only a full ``deny_new`` stripe can refuse."""
+    if b.stripe_cap == 0 or b.evict_active or s.count < s.cap:
+        return True
+    return stripe_could_make_room(s, b.chunks, now, b.idle_after > 0.0, now - b.idle_after)
+
+
+cdef inline void refuse_new_key(Verdict* v) noexcept nogil:
+    v.allowed = False
+    v.storage_full = True
+    v.remaining = 0.0
+    v.retry_after = 1.0
+    v.reset_after = 0.0
+    v.delay = 0.0
+
+
+cdef int decide_new_key(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns, const char* key,
+                        uint32_t klen, uint32_t slot, double clock_now, int64_t cost,
+                        const Params* p, bint commit, Verdict* v) noexcept nogil:
+    """``table_decide`` for a key not in the table (kept out of line: the
+    hot path is a key that is there). ``slot`` is where the probe ended."""
+    cdef Entry* e
+    cdef Entry scratch
+    cdef int status = NL_OK
+    if not commit:
+        if b != NULL and b.reserve_on_peek and not room_for_new_key(s, b, clock_now):
+            refuse_new_key(v)
+            return NL_OK
+        if b != NULL and not b.reserve_on_peek and not peek_finds_room(s, b, clock_now):
+            refuse_new_key(v)   # what allow would answer, counting nothing
+            return NL_OK
+        init_state(&scratch, clock_now, p)
+        return run_kernel(&scratch, clock_now, cost, p, False, v)
+    if b != NULL:
+        if not room_for_new_key(s, b, clock_now):
+            refuse_new_key(v)
+            return NL_OK
+        stripe_find(s, h, ns, key, klen, &slot)   # eviction may have moved the probe run
+    # Decided on a scratch state first: the key goes in only once its charge
+    # has succeeded, so an out-of-memory leaves no key behind.
+    init_state(&scratch, clock_now, p)
+    status = run_kernel(&scratch, clock_now, cost, p, True, v)
+    if status != NL_OK:
+        return status
+    e = stripe_insert(s, h, ns, key, klen, slot, &status)
+    if e == NULL:
+        if (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
+            log_free(&scratch.state.log)
+        return status
+    e.state = scratch.state
+    e.updated_at = clock_now
+    return NL_OK
+
+
+cdef inline int table_decide(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns, const char* key,
+                             uint32_t klen, double clock_now, int64_t cost,
+                             const Params* p, bint commit, Verdict* v) noexcept nogil:
+    """Find or create the key, bring it to ``now`` (never backwards), decide,
+    stamp. ``commit=False`` works on a copy and creates nothing. ``b`` is
+    NULL for an unbounded storage."""
+    cdef uint32_t slot
+    cdef Py_ssize_t position = stripe_find(s, h, ns, key, klen, &slot)
+    cdef Entry* e
+    cdef Entry scratch
+    cdef double now
+    cdef int status
+    v.storage_full = False
+    if position < 0:
+        return decide_new_key(s, b, h, ns, key, klen, slot, clock_now, cost, p, commit, v)
+    e = &s.entries[position]
+    if e.updated_at - clock_now > MAX_CLOCK_LEAD_C:
+        return decide_after_clock_fault(e, ns, clock_now, cost, p, commit, v)
+    now = e.updated_at if e.updated_at > clock_now else clock_now
+    if commit:
+        status = run_kernel(e, now, cost, p, True, v)
+        if status == NL_OK:   # out of memory (a sliding log's ring) leaves the entry as it was
+            e.updated_at = now
+    else:
+        scratch = e[0]
+        status = run_kernel(&scratch, now, cost, p, False, v)
+    if now > clock_now:
+        add_clock_lead(v, now - clock_now)
+    return status
+
+
+cdef int decide_after_clock_fault(Entry* e, uint32_t ns, double clock_now, int64_t cost,
+                                  const Params* p, bint commit, Verdict* v) noexcept nogil:
+    """``table_decide`` for a key stamped more than the clock lead ahead of
+    the clock (kept out of line: it follows a clock fault): moved back to
+    the clock, then decided at it."""
+    cdef Entry scratch
+    cdef int status
+    if commit:
+        clock_rebase(e, clock_now, p, True)
+        status = run_kernel(e, clock_now, cost, p, True, v)
+        if status == NL_OK:
+            e.updated_at = clock_now
+        return status
+    scratch = e[0]
+    status = clock_rebase(&scratch, clock_now, p, False)
+    if status != NL_OK:
+        return status
+    status = run_kernel(&scratch, clock_now, cost, p, False, v)
+    if (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG and e.state.log.length > 0:
+        log_free(&scratch.state.log)    # the ring clock_rebase gave the copy
+    return status
+
+
+cdef void settle_clock_fault(Stripe* s, uint64_t h, uint32_t ns, const char* key, uint32_t klen,
+                             double clock_now, const Params* p) noexcept nogil:
+    """A denied compound charges nothing, but a key it found stamped more
+    than the clock lead ahead is stored moved back (decided at cost 0): else
+    every compound would move it back again from the clock's new time, and
+    it would never refill (``reference.InMemoryStorage.allow_all`` alike)."""
+    cdef uint32_t slot
+    cdef Verdict v
+    cdef Py_ssize_t position = stripe_find(s, h, ns, key, klen, &slot)
+    if position >= 0 and s.entries[position].updated_at - clock_now > MAX_CLOCK_LEAD_C:
+        decide_after_clock_fault(&s.entries[position], ns, clock_now, 0, p, True, &v)
+
+
+cdef void forget_entry(Stripe* s, uint64_t h, uint32_t ns, const char* key,
+                       uint32_t klen) noexcept nogil:
+    """Remove a limiter's entry (never an ``apply`` one: no Python object to
+    release) that an out-of-memory left half made."""
+    cdef uint32_t slot
+    cdef Py_ssize_t position = stripe_find(s, h, ns, key, klen, &slot)
+    if position >= 0:
+        stripe_delete(s, slot, <uint32_t>position)
+
+
+cdef inline int lock_stripe(Stripe* s) noexcept:
+    """Take a stripe lock while holding the GIL: try once, and only if that
+    fails release the GIL to wait, so a holder that needs the GIL can finish."""
+    if nl_trylock(&s.lock):
+        return NL_OK
+    if s.owner == PyThread_get_thread_ident():
+        return NL_REENTRANT
+    with nogil:
+        nl_lock_spin(&s.lock)
+    return NL_OK
+
+
+cdef inline void release_objects(ObjectList* objects):
+    cdef size_t i
+    for i in range(objects.count):
+        Py_DECREF(<object><PyObject*>objects.items[i])
+    free(objects.items)
+    objects.items = NULL
+    objects.count = 0
+    objects.capacity = 0
