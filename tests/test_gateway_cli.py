@@ -13,6 +13,7 @@ import pytest
 import nanolimit
 from nanolimit import FakeClock
 from nanolimit import __main__ as cli
+from nanolimit.cli import demo as demo_command
 
 
 def test_demo_runs_the_spec_through_the_middleware(capsys: pytest.CaptureFixture[str]) -> None:
@@ -26,12 +27,12 @@ def test_demo_runs_the_spec_through_the_middleware(capsys: pytest.CaptureFixture
 def test_demo_fails_when_an_answer_differs(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real = cli._gateway
+    real = demo_command._gateway
 
     def off_by_one(algorithm, limit, window, clock, name="demo"):  # type: ignore[no-untyped-def]
         return real(algorithm, limit + 1, window, clock, name)
 
-    monkeypatch.setattr(cli, "_gateway", off_by_one)
+    monkeypatch.setattr(demo_command, "_gateway", off_by_one)  # where the scenarios look it up
     assert cli.main(["demo"]) == 1
     assert "DIFFERS FROM THE SPEC" in capsys.readouterr().out
 

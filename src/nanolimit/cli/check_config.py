@@ -1,0 +1,36 @@
+"""``nanolimit check-config``: validate a rules file (TOML or JSON) and list
+the rules it defines."""
+
+from __future__ import annotations
+
+import sys
+
+from ..gateway.config import ConfigError, load_rules
+
+
+def check_config(path: str) -> int:
+    try:
+        loaded = load_rules(path)
+    except ConfigError as exc:
+        print(f"{exc.source}: INVALID, {len(exc.problems)} problem(s)", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 1
+    mode = "stacked (every matching rule applies)" if loaded.stacked else "most specific rule wins"
+    print(f"{path}: OK, {len(loaded.rules)} rule(s), {mode}")
+    rows = [*loaded.rules, *(() if loaded.default is None else (loaded.default,))]
+    for rule in rows:
+        extras = []
+        if rule.burst is not None:
+            extras.append(f"burst {rule.burst}")
+        if rule.tier is not None:
+            extras.append(f"tier {rule.tier}")
+        if rule.dry_run:
+            extras.append("dry run")
+        label = "(default)" if rule is loaded.default else ""
+        line = (
+            f"  {rule.name:<20} {rule.method:<6} {rule.path_prefix:<24} {rule.scope.value:<8} "
+            f"{rule.algorithm.value:<16} {rule.limit}/{rule.window_seconds:g}s {' '.join(extras)} {label}"
+        )
+        print(line.rstrip())
+    return 0
