@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from nanolimit import redis_storage
 from nanolimit._shared import LimiterConfig, ValidationError
 from nanolimit.redis_storage import RedisStorage, _SpareConnections
+from nanolimit.storage.redis import _connections  # where the hiredis packer is looked up
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 
@@ -270,7 +270,7 @@ def test_commands_are_packed_as_the_connection_would(
     assert limiter.allow("caf\u00e9").remaining == 4
     assert packed._spares._pack is hiredis.pack_command
 
-    monkeypatch.setattr(redis_storage, "_hiredis_pack", None)  # as if hiredis were missing
+    monkeypatch.setattr(_connections, "_hiredis_pack", None)  # as if hiredis were missing
     unpacked = make_storage()
     other = backend.TokenBucket(5, 60.0, unpacked, rule="pack")
     assert other.allow("caf\u00e9").remaining == 3  # the same Redis key as above
@@ -278,7 +278,7 @@ def test_commands_are_packed_as_the_connection_would(
     monkeypatch.undo()
 
     differs = make_storage()
-    monkeypatch.setattr(redis_storage, "_hiredis_pack", lambda args: b"*0\r\n")
+    monkeypatch.setattr(_connections, "_hiredis_pack", lambda args: b"*0\r\n")
     third = backend.TokenBucket(5, 60.0, differs, rule="pack")
     assert third.allow("caf\u00e9").remaining == 2
     assert differs._spares._pack is None

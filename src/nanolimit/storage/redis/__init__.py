@@ -1,0 +1,674 @@
+"""Redis (and Valkey) storage: the SPEC §4 kernels as Lua scripts, one atomic
+``EVALSHA`` per decision, shared by every gateway instance.
+
+Why a script: read, decide and write must be one atomic step per key (SPEC §5).
+A script runs next to the data, alone on the server, so two gateway processes
+deciding the same key can never both spend its last unit. Each of the six
+scripts is the reference kernel (``nanolimit.reference``) transcribed line by
+line: the same IEEE-double operations in the same order, so a decision on
+Redis equals a decision in memory (the equivalence tests hold them to it).
+
+Wire conventions (see docs/redis.md): floats go in as ``repr(float)`` strings and
+come back as ``%.17g`` strings, because a Lua number in a reply is truncated
+to an integer; numbers are stored as Lua numbers, which Redis and Valkey write
+with 17 significant digits and read back exactly (the token bucket's level,
+which is in the reply too, is stored as the script's own ``%.17g`` string:
+the same bytes Redis 7.0 writes for the number, the same value everywhere).
+
+State per key, only what its algorithm needs:
+
+==================  ==============================================
+token/leaky bucket  hash ``l`` (level), ``u`` (the key's own time)
+fixed window        hash ``k`` (window index), ``n`` (count), ``u``
+sliding counter     hash ``k``, ``n``, ``p`` (previous), ``u``
+GCRA                string ``"<tat µs> <u>"``
+sliding log         list: ``u`` at index 0, then the timestamps,
+                    oldest first (capped at the capacity)
+==================  ==============================================
+
+``u`` (updated_at) is kept because SPEC §4 says per-key time never runs
+backwards: ``now = max(clock, u)``. Without it a clock stepping back would
+judge a key differently than the in-memory store does.
+
+Every write sets ``PEXPIRE`` to the time until the state is back to "never
+seen" (``reset_after``), rounded up to whole milliseconds plus 1 ms of slack,
+never below 1 ms — so idle keys disappear on their own and ``evict_idle`` has
+nothing to do. With an injected clock (tests, replays) the expiry has a floor
+of an hour of real time, so a slow fake clock never meets a real expiry.
+
+The package's modules, by what they hold: ``_scripts`` (the Lua, read from
+``lua/*.lua`` once at import, and its SHA1s), ``_resilience`` (errors, error
+classification, the circuit breaker), ``_connections`` (the derived client,
+kept connections, hiredis packing: the redis-py internals), ``_base`` (what
+both storages share), and this module: the two storages and the public names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from ..._shared import (
+    DUPLICATE_COMPOUND,
+    MAX_CLOCK_LEAD,
+    REASON_STORE_UNAVAILABLE,
+    CompoundDecision,
+    KernelVerdict,
+    LimiterConfig,
+    LimiterState,
+    ValidationError,
+    check_batch,
+    check_cost,
+    check_key,
+    check_now,
+    compound_items,
+)
+from ._base import (
+    _BatchRun as _BatchRun,
+)
+
+# Every name the single module ``storage/redis.py`` held stays importable
+# from here (two_tier, the tests and old imports use some private ones),
+# re-exported explicitly (``name as name``) for type checkers.
+from ._base import (
+    _Call as _Call,
+)
+from ._base import (
+    _digest as _digest,
+)
+from ._base import (
+    _NearCache as _NearCache,
+)
+from ._base import (
+    _RedisBase as _RedisBase,
+)
+from ._base import (
+    decision_maker as decision_maker,
+)
+from ._base import (
+    kernel_now as kernel_now,
+)
+from ._base import (
+    limiter_config as limiter_config,
+)
+from ._connections import (
+    _UNPROBED as _UNPROBED,
+)
+from ._connections import (
+    _AsyncSpareConnections as _AsyncSpareConnections,
+)
+from ._connections import (
+    _client_package as _client_package,
+)
+from ._connections import (
+    _hiredis_pack as _hiredis_pack,
+)
+from ._connections import (
+    _refused_connect as _refused_connect,
+)
+from ._connections import (
+    _SpareConnections as _SpareConnections,
+)
+from ._connections import (
+    _SyncSpareConnections as _SyncSpareConnections,
+)
+from ._connections import (
+    derive_client as derive_client,
+)
+from ._connections import (
+    is_asyncio_client as is_asyncio_client,
+)
+from ._connections import (
+    is_cluster_client as is_cluster_client,
+)
+from ._resilience import (
+    _CLASS_CODES as _CLASS_CODES,
+)
+from ._resilience import (
+    _POLICIES as _POLICIES,
+)
+from ._resilience import (
+    REASON_STORE_ERROR as REASON_STORE_ERROR,
+)
+from ._resilience import (
+    SERVER_ERROR_CODES as SERVER_ERROR_CODES,
+)
+from ._resilience import (
+    WRITE_REFUSED_CODES as WRITE_REFUSED_CODES,
+)
+from ._resilience import (
+    CircuitOpenError as CircuitOpenError,
+)
+from ._resilience import (
+    OnError as OnError,
+)
+from ._resilience import (
+    RedisKeyError as RedisKeyError,
+)
+from ._resilience import (
+    RedisUnavailableError as RedisUnavailableError,
+)
+from ._resilience import (
+    StorageUnavailableError as StorageUnavailableError,
+)
+from ._resilience import (
+    _Breaker as _Breaker,
+)
+from ._resilience import (
+    _code_of_text as _code_of_text,
+)
+from ._resilience import (
+    _is_noscript as _is_noscript,
+)
+from ._resilience import (
+    error_code as error_code,
+)
+from ._scripts import (
+    _ALGO_IDS as _ALGO_IDS,
+)
+from ._scripts import (
+    _COMPOUND_MAIN as _COMPOUND_MAIN,
+)
+from ._scripts import (
+    _ERROR_TEXT as _ERROR_TEXT,
+)
+from ._scripts import (
+    _KERNEL_LUA as _KERNEL_LUA,
+)
+from ._scripts import (
+    _MAX_STAMP as _MAX_STAMP,
+)
+from ._scripts import (
+    _PRELUDE as _PRELUDE,
+)
+from ._scripts import (
+    BATCH_CHUNK as BATCH_CHUNK,
+)
+from ._scripts import (
+    BATCH_SCRIPTS as BATCH_SCRIPTS,
+)
+from ._scripts import (
+    COMPOUND_SCRIPT as COMPOUND_SCRIPT,
+)
+from ._scripts import (
+    INJECTED_EXPIRY_FLOOR_MS as INJECTED_EXPIRY_FLOOR_MS,
+)
+from ._scripts import (
+    SCRIPTS as SCRIPTS,
+)
+from ._scripts import (
+    _params as _params,
+)
+from ._scripts import (
+    _parse_verdict as _parse_verdict,
+)
+from ._scripts import (
+    _Script as _Script,
+)
+
+__all__ = [
+    "MAX_CLOCK_LEAD",
+    "AsyncRedisStorage",
+    "CircuitOpenError",
+    "RedisKeyError",
+    "RedisStorage",
+    "RedisUnavailableError",
+    "StorageUnavailableError",
+]
+
+
+# The public classes name this package, where they are documented and
+# imported from, in reprs, tracebacks and pickles (not the private module
+# that defines them).
+for _cls in (StorageUnavailableError, RedisUnavailableError, CircuitOpenError, RedisKeyError):
+    _cls.__module__ = __name__
+del _cls
+
+
+class RedisStorage(_RedisBase):
+    """Per-key limiter state in Redis/Valkey, decided by Lua scripts.
+
+    ``client`` is your redis-py client (``redis.Redis``, ``redis.RedisCluster``)
+    or a valkey-py one (duck typed). Decisions go through a *derived* client:
+    the same connection settings with ``timeout`` seconds of socket timeout
+    and no retries (``derive=False`` uses yours unchanged — then the timeouts
+    and retries are your responsibility).
+
+    Keys: ``<prefix><algorithm>:<rule>:{<identity>}``. The identity is the
+    cluster hash tag, so every limit on one identity lives in one slot (and a
+    compound request on one identity is one script on one node). An identity
+    is replaced by ``#`` + a BLAKE2b digest (keyed with ``key_salt``) when it
+    is longer than ``max_identity_bytes``, contains ``{``/``}``, starts with
+    ``#``, or belongs to a rule named in ``secret_rules`` (API keys must not
+    show in ``SCAN``/``MONITOR``); ``hash_identities=True`` hashes them all.
+    Rule names with braces, a leading ``#`` or over 128 bytes are hashed too.
+
+    ``clock``: ``"server"`` (default) — a limiter on the default SystemClock
+    is judged by Redis's ``TIME``, one clock for every gateway instance; an
+    injected clock (FakeClock, replays) is always passed through.
+    ``"client"`` sends the local wall clock instead (not recommended: clients
+    disagree).
+
+    Failures (``on_error``, overridable per rule with ``rule_on_error``):
+    ``"allow"`` answers allowed, ``"deny"`` answers denied with
+    ``deny_retry_after`` seconds, both marked ``degraded``; ``"raise"`` raises
+    :class:`RedisUnavailableError`. After ``breaker_threshold`` consecutive
+    failures of the server or the connection the breaker opens for
+    ``breaker_cooldown`` seconds (no round trips), then lets one probe
+    through. An error reply about one key (``WRONGTYPE`` from a foreign
+    value, the scripts' ``BADSTATE``, ``OOM``) answers that key alone by its
+    policy (``reason="store_error"``, :class:`RedisKeyError` under
+    ``"raise"``), is counted in ``key_errors`` and never feeds the breaker;
+    the value is left as it is (docs/redis.md, "Failures").
+
+    ``batch``: ``"script"`` (default) decides an ``allow_many`` with one
+    batch script per node/slot (about twice the throughput), ``"pipeline"``
+    with one ``EVALSHA`` per key; both are one round trip.
+    ``near_cache=True`` denies a key the store has just denied locally until
+    its ``retry_after`` (see :class:`_NearCache`).
+
+    ``keep_connections`` (default 8): how many connections decisions may
+    keep out of the derived client's pool between calls, instead of taking
+    one and giving it back each time, which costs more than the server
+    spends on the decision (see :class:`_SpareConnections`). ``0`` borrows
+    from the pool on every call, as does ``derive=False`` (your pool may
+    have other users to serve). A blocking pool, or one whose
+    ``max_connections`` is below twice this, keeps fewer or none.
+    """
+
+    # -- script calls -------------------------------------------------------------
+    def load_scripts(self) -> None:
+        """``SCRIPT LOAD`` every script (on every primary of a cluster)."""
+        for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), COMPOUND_SCRIPT):
+            self._load(script)
+
+    def _load(self, script: _Script) -> None:
+        self._loaded(script, self.client.script_load(script.source))
+
+    def _call(self, *args: Any) -> Any:
+        """One command, one attempt. A socket error or timeout disconnects
+        the connection (redis-py's ``read_response`` does it) before it goes
+        back to the pool, so the next call starts on a fresh socket."""
+        spares = self._spares
+        if spares is not None:
+            return spares.call(args)
+        pool = self._pool
+        if pool is None:
+            return self.client.execute_command(*args)
+        try:
+            conn = pool.get_connection(*self._conn_args)
+        except self._reply_errors as exc:
+            raise _refused_connect(exc, self._connect_error) from exc
+        try:
+            conn.send_command(*args)
+            return conn.read_response()
+        finally:
+            pool.release(conn)
+
+    def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[str]) -> Any:
+        """One ``EVALSHA``; on ``NOSCRIPT`` load and retry once (safe: the
+        script did not run). Never retried otherwise."""
+        try:
+            return self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+        except self._errors as exc:
+            if not _is_noscript(exc):
+                raise
+        self._load(script)
+        return self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    # -- KernelStorage --------------------------------------------------------------
+    def run_kernel(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> KernelVerdict:
+        """One decision: one ``EVALSHA`` (two after a ``SCRIPT FLUSH``)."""
+        early = self._early(config, key, cost, now)
+        if early is not None:
+            return early
+        keys, args = self._single_args(config, key, cost, now, commit)
+        try:
+            reply = self._evalsha(SCRIPTS[config.algorithm], keys, args)
+        except self._errors as exc:
+            return self._error_verdict(config, exc)
+        return self._answered(config, key, cost, now, reply)
+
+    def run_kernel_many(
+        self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
+    ) -> list[KernelVerdict]:
+        """A batch in one round trip: one pipeline (``transaction=False``).
+
+        ``batch="script"`` (default) sends one batch script per node — per
+        slot on a cluster, at most ``BATCH_CHUNK`` keys each — which runs the
+        kernel key after key with one clock reading, as the in-memory batch
+        does; ``batch="pipeline"`` sends one ``EVALSHA`` per key (each reads
+        the server clock itself). Either way keys are decided in order, a
+        repeated key sees its earlier charge, and a script that hit
+        ``NOSCRIPT`` (it did not run) is sent again after a load; nothing
+        else is retried.
+        """
+        run = self._batch_start(config, keys, costs, now)
+        if isinstance(run, list):
+            return run
+        try:
+            for attempt in range(2):
+                pipe = self.client.pipeline(transaction=False)
+                run.queue(pipe)
+                reload = run.absorb(pipe.execute(raise_on_error=False), attempt)
+                if reload is None:
+                    break
+                self._load(reload)
+        except self._errors as exc:
+            return run.abort(exc)
+        return run.result()
+
+    def run_kernel_all(
+        self, items: Sequence[tuple[LimiterConfig, str, int]], now: float | None
+    ) -> list[KernelVerdict]:
+        """All-or-nothing over several (config, key, cost) with one ``now``."""
+        return self._run_all([(cfg, key, cost, now) for cfg, key, cost in items])
+
+    def _run_all(self, items: Sequence[tuple[LimiterConfig, str, int, float | None]]) -> list[KernelVerdict]:
+        if not items:
+            return []
+        cfg0 = items[0][0]
+        keys = [self.redis_key(cfg, key) for cfg, key, _, _ in items]
+        if len(set(keys)) != len(keys):
+            raise ValidationError(DUPLICATE_COMPOUND)
+        if self.cluster:
+            self._check_one_slot(keys)
+        if not self._breaker.allow_call():
+            self._count("breaker_open_skips")
+            return [self._fallback(cfg, None) for cfg, _, _, _ in items]
+        args: list[str] = [str(len(items))]
+        for cfg, _key, cost, now in items:
+            p1, p2 = _params(cfg)
+            args += [
+                str(_ALGO_IDS[cfg.algorithm]),
+                self._now_arg(now),
+                str(cost),
+                self._floor_ms(now),
+                p1,
+                p2,
+                "1" if self._policy(cfg.rule) == "allow" else "0",
+            ]
+        try:
+            reply = self._evalsha(COMPOUND_SCRIPT, keys, args)
+        except self._errors as exc:
+            first = self._error_verdict(cfg0, exc)
+            reason = first[6] if len(first) > 6 else REASON_STORE_UNAVAILABLE
+            return [first] + [self._fallback(cfg, exc, reason) for cfg, _, _, _ in items[1:]]
+        # Each limit's answer; a key that erred was answered by its own
+        # policy inside the script too (allowed only under "allow", never
+        # written), so the others were charged or not exactly as shown here.
+        out: list[KernelVerdict] = []
+        down = False
+        for (cfg, _, _, _), part in zip(items, reply):
+            try:
+                out.append(_parse_verdict(part))
+            except ValueError:
+                verdict, failed = self._part_error(cfg, part)
+                out.append(verdict)
+                down = down or failed
+        if not down:
+            self._breaker.success()
+        self._count("decisions", sum(1 for v in out if len(v) < 7))
+        return out
+
+    def _check_one_slot(self, keys: Sequence[str]) -> None:
+        slot = _client_package(self.user_client).crc.key_slot
+        slots = {slot(k.encode("utf-8")) for k in keys}
+        if len(slots) > 1:
+            raise ValidationError(
+                "on a Redis Cluster a compound request must bind one identity: its keys are routed by "
+                "the identity's hash tag and must share one slot (a global key cannot join a per-user "
+                "compound on a cluster; decide it separately)"
+            )
+
+    def forget(self, config: LimiterConfig, key: str) -> None:
+        """``DEL`` the key (a reset is an admin action: errors raise)."""
+        self.client.delete(self._forget_local(config, key))
+
+    def snapshot(self, config: LimiterConfig, key: str, now: float | None) -> LimiterState | None:
+        """The raw stored state (not brought up to ``now``), or ``None``."""
+        return self._parse_snapshot(
+            config.algorithm, self.client.execute_command(*self._snapshot_command(config, key))
+        )
+
+    def keys(self) -> list[str]:
+        """Every key under the prefix (``SCAN``; every primary of a cluster)."""
+        out = []
+        for raw in self.client.scan_iter(match=self._scan_match(), count=1000):
+            out.append(raw.decode() if isinstance(raw, bytes) else raw)
+        return out
+
+    def __len__(self) -> int:
+        """Keys under the prefix, counted with ``SCAN`` (O(keys): not for a hot path)."""
+        return len(self.keys())
+
+    def clear(self) -> int:
+        """Delete every key under the prefix; returns how many."""
+        names = self.keys()
+        for name in names:
+            self.client.delete(name)
+        return len(names)
+
+    # -- compound limits ------------------------------------------------------------
+    def allow_all(self, requests: Sequence[tuple[Any, ...]]) -> CompoundDecision:
+        """All-or-nothing over several limiters of this storage (SPEC §6), in
+        one script: every limit is decided without writing, and only if all
+        allow is each one charged. Works with limiters of either twin.
+
+        On a cluster every key must share one slot — i.e. one identity (the
+        hash tag); see :meth:`_check_one_slot`.
+        """
+        items = compound_items(requests)
+        plan: list[tuple[LimiterConfig, str, int, float | None]] = []
+        makers: list[Callable[[KernelVerdict], Any]] = []
+        for limiter, key, cost in items:
+            if getattr(limiter, "storage", None) is not self:
+                raise ValidationError("every limiter of a compound request must use this storage")
+            cfg = limiter_config(limiter)
+            check_key(key, self.max_key_bytes)
+            check_cost(cost, cfg.capacity)
+            plan.append((cfg, key, cost, None))
+            makers.append(decision_maker(limiter, cfg))
+        keys = {(cfg.algorithm, cfg.rule, key) for cfg, key, _, _ in plan}
+        if len(keys) != len(plan):
+            raise ValidationError(DUPLICATE_COMPOUND)
+        plan = [
+            (cfg, key, cost, kernel_now(limiter)) for (cfg, key, cost, _), (limiter, _, _) in zip(plan, items)
+        ]
+        verdicts = self._run_all(plan)
+        return CompoundDecision([make(v) for make, v in zip(makers, verdicts)])
+
+    def close(self) -> None:
+        """Give kept connections back to the pool and close the derived
+        client's connections (never the caller's client)."""
+        if self._spares is not None:
+            self._spares.release_all()
+        if self.client is not self.user_client:
+            self.client.close()
+
+
+_ASYNC_ONLY = (
+    "AsyncRedisStorage answers coroutines only: use `await limiter.allow_async(key, cost)` / "
+    "`await limiter.peek_async(key, cost)` (and the storage's *_async methods), or RedisStorage "
+    "with a synchronous client"
+)
+
+
+class AsyncRedisStorage(_RedisBase):
+    """:class:`RedisStorage` for ``asyncio``: the same scripts, keys, options,
+    failure policy, breaker, near-cache and metrics, over a ``redis.asyncio``
+    client (``redis.asyncio.Redis``, ``redis.asyncio.RedisCluster``, or the
+    valkey-py equivalents), so a decision never blocks the event loop::
+
+        storage = AsyncRedisStorage(redis.asyncio.Redis(host="10.0.0.5"))
+        limiter = TokenBucket(100, 60.0, storage, rule="api-user")
+        decision = await limiter.allow_async("user:42")
+
+    Limiters reach it through ``allow_async``/``peek_async``
+    (:meth:`run_kernel_async`). The synchronous entry points (``allow``,
+    ``peek``, ``allow_many``, ``reset``, ``state``, ``len()``) raise a
+    ``TypeError`` that names the async one to use; batches, resets, reads
+    and counts are :meth:`run_kernel_many_async`, :meth:`forget_async`,
+    :meth:`snapshot_async` and :meth:`count`. The derived client (short
+    timeout, no retries) is bound to the event loop that first uses it:
+    build the storage per loop, and ``await storage.close()`` at the end.
+    ``keep_connections`` works as in :class:`RedisStorage`.
+    """
+
+    _asyncio: ClassVar[bool] = True
+
+    # -- script calls -------------------------------------------------------------
+    async def load_scripts(self) -> None:
+        """``SCRIPT LOAD`` every script (on every primary of a cluster)."""
+        for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values()):
+            await self._load(script)
+
+    async def _load(self, script: _Script) -> None:
+        self._loaded(script, await self.client.script_load(script.source))
+
+    async def _call(self, *args: Any) -> Any:
+        """One command, one attempt. A timeout, a socket error or a
+        cancellation disconnects the connection (redis-py's ``send_command``
+        and ``read_response`` do it) before it goes back to the pool, so no
+        late reply is ever read by the next caller."""
+        spares = self._spares
+        if spares is not None:
+            return await spares.call(args)
+        pool = self._pool
+        if pool is None:
+            return await self.client.execute_command(*args)
+        try:
+            conn = await pool.get_connection(*self._conn_args)
+        except self._reply_errors as exc:
+            raise _refused_connect(exc, self._connect_error) from exc
+        try:
+            await conn.send_command(*args)
+            return await conn.read_response()
+        finally:
+            await pool.release(conn)
+
+    async def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[str]) -> Any:
+        """One ``EVALSHA``; on ``NOSCRIPT`` load and retry once (safe: the
+        script did not run). Never retried otherwise."""
+        try:
+            return await self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+        except self._errors as exc:
+            if not _is_noscript(exc):
+                raise
+        await self._load(script)
+        return await self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    # -- decisions ------------------------------------------------------------------
+    async def run_kernel_async(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> KernelVerdict:
+        """One decision (what ``allow_async``/``peek_async`` await): one
+        ``EVALSHA``, two after a ``SCRIPT FLUSH``; a near-cache denial or an
+        open breaker answers without a round trip."""
+        early = self._early(config, key, cost, now)
+        if early is not None:
+            return early
+        keys, args = self._single_args(config, key, cost, now, commit)
+        try:
+            reply = await self._evalsha(SCRIPTS[config.algorithm], keys, args)
+        except self._errors as exc:
+            return self._error_verdict(config, exc)
+        return self._answered(config, key, cost, now, reply)
+
+    async def run_kernel_many_async(
+        self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
+    ) -> list[KernelVerdict]:
+        """A batch in one round trip, as ``RedisStorage.run_kernel_many``
+        (``now``: ``None`` for the server's clock, else the injected reading).
+        Called directly (it is the async ``allow_many``), so it checks every
+        key, cost and the clock first, as a limiter would, and sends nothing
+        if one is bad."""
+        check_batch(keys, costs, config.capacity, self.max_key_bytes)
+        if now is not None:
+            check_now(now)
+        run = self._batch_start(config, keys, costs, now)
+        if isinstance(run, list):
+            return run
+        try:
+            for attempt in range(2):
+                pipe = self.client.pipeline(transaction=False)
+                run.queue(pipe)
+                reload = run.absorb(await pipe.execute(raise_on_error=False), attempt)
+                if reload is None:
+                    break
+                await self._load(reload)
+        except self._errors as exc:
+            return run.abort(exc)
+        return run.result()
+
+    async def forget_async(self, config: LimiterConfig, key: str) -> None:
+        """``DEL`` the key (a reset is an admin action: errors raise)."""
+        await self.client.delete(self._forget_local(config, key))
+
+    async def snapshot_async(self, config: LimiterConfig, key: str) -> LimiterState | None:
+        """The raw stored state (not brought up to now), or ``None``."""
+        raw = await self.client.execute_command(*self._snapshot_command(config, key))
+        return self._parse_snapshot(config.algorithm, raw)
+
+    async def keys(self) -> list[str]:
+        """Every key under the prefix (``SCAN``; every primary of a cluster)."""
+        return [
+            raw.decode() if isinstance(raw, bytes) else raw
+            async for raw in self.client.scan_iter(match=self._scan_match(), count=1000)
+        ]
+
+    async def count(self) -> int:
+        """Keys under the prefix, counted with ``SCAN`` (O(keys): not for a hot path)."""
+        return len(await self.keys())
+
+    async def clear(self) -> int:
+        """Delete every key under the prefix; returns how many."""
+        names = await self.keys()
+        for name in names:
+            await self.client.delete(name)
+        return len(names)
+
+    async def close(self) -> None:
+        """Give kept connections back and close the derived client's
+        connections (never the caller's client)."""
+        if self._spares is not None:
+            await self._spares.release_all()
+        if self.client is not self.user_client:
+            closer = getattr(self.client, "aclose", None) or self.client.close
+            await closer()
+
+    # -- the synchronous protocols: present, so limiters accept the storage ----------
+    def run_kernel(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> KernelVerdict:
+        """Refused: a synchronous decision would block the event loop."""
+        raise TypeError(_ASYNC_ONLY)
+
+    def run_kernel_many(
+        self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
+    ) -> list[KernelVerdict]:
+        """Refused: ``await storage.run_kernel_many_async(limiter.config, keys, costs, None)``."""
+        raise TypeError(_ASYNC_ONLY + "; a batch: `await storage.run_kernel_many_async(...)`")
+
+    def run_kernel_all(
+        self, items: Sequence[tuple[LimiterConfig, str, int]], now: float | None
+    ) -> list[KernelVerdict]:
+        """Refused: compound limits are synchronous only (``RedisStorage.allow_all``)."""
+        raise TypeError("AsyncRedisStorage has no compound decisions yet; use RedisStorage.allow_all")
+
+    def forget(self, config: LimiterConfig, key: str) -> None:
+        """Refused: ``await storage.forget_async(limiter.config, key)``."""
+        raise TypeError(_ASYNC_ONLY + "; a reset: `await storage.forget_async(limiter.config, key)`")
+
+    def snapshot(self, config: LimiterConfig, key: str, now: float | None) -> LimiterState | None:
+        """Refused: ``await storage.snapshot_async(limiter.config, key)``."""
+        raise TypeError(_ASYNC_ONLY + "; a state: `await storage.snapshot_async(limiter.config, key)`")
+
+    def __len__(self) -> int:
+        """Refused: counting keys is I/O; ``await storage.count()``."""
+        raise TypeError("use await storage.count()")
+
+    def __bool__(self) -> bool:
+        return True  # ``__len__`` refuses: truthiness must not ask it

@@ -1,0 +1,729 @@
+"""What the synchronous and the asyncio storage share: options, key layout,
+argument caches, verdict parsing, the failure policy, the near-cache and the
+metrics, plus the limiter glue of ``allow_all``.
+
+Why a private module: none of it does I/O, so both storages (in this
+package's ``__init__``) build on it, each sending what it prepares.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import math
+import sys
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, ClassVar, Literal
+
+from ..._shared import (
+    MAX_KEY_BYTES,
+    REASON_STORE_UNAVAILABLE,
+    Algorithm,
+    KernelVerdict,
+    LimiterConfig,
+    LimiterState,
+    SystemClock,
+    ValidationError,
+    check_cutoff,
+    check_now,
+    decision_from_verdict,
+    event_counter,
+)
+from ._connections import (
+    _AsyncSpareConnections,
+    _client_package,
+    _SyncSpareConnections,
+    derive_client,
+    is_asyncio_client,
+    is_cluster_client,
+)
+from ._resilience import (
+    _POLICIES,
+    REASON_STORE_ERROR,
+    SERVER_ERROR_CODES,
+    WRITE_REFUSED_CODES,
+    CircuitOpenError,
+    OnError,
+    RedisKeyError,
+    RedisUnavailableError,
+    _Breaker,
+    _code_of_text,
+    _is_noscript,
+    error_code,
+)
+from ._scripts import (
+    BATCH_CHUNK,
+    BATCH_SCRIPTS,
+    INJECTED_EXPIRY_FLOOR_MS,
+    SCRIPTS,
+    _params,
+    _parse_verdict,
+    _Script,
+)
+
+# --------------------------------------------------------------------------
+# Near-cache
+
+
+class _NearCache:
+    """Local memory of recent denials:
+    ``(rule, key) -> (until, cost, retry_at, reset_at)``.
+
+    A request of at least the denied cost before ``until`` is denied without a
+    round trip (a smaller cost might pass sooner, so it goes to the store).
+    Bounded in size (LRU) and in lifetime (``max_ttl``) so a stale entry can
+    only ever shorten, never extend, the wrong answer window. The answer's
+    ``retry_after`` counts down from the store's own, not from ``until``:
+    the cache's lifetime is ours, the wait is the client's.
+    """
+
+    __slots__ = ("_entries", "_lock", "max_entries", "max_ttl")
+
+    def __init__(self, max_entries: int, max_ttl: float) -> None:
+        self.max_entries = max_entries
+        self.max_ttl = max_ttl
+        self._entries: OrderedDict[Any, tuple[float, int, float, float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def lookup(self, ident: Any, cost: int, now: float) -> tuple[float, float] | None:
+        entry = self._entries.get(ident)
+        if entry is None:
+            return None
+        until, min_cost, retry_at, reset_at = entry
+        if now >= until:
+            with self._lock:
+                if self._entries.get(ident) is entry:
+                    del self._entries[ident]
+            return None
+        if cost < min_cost:
+            return None
+        return retry_at - now, max(0.0, reset_at - now)
+
+    def remember(self, ident: Any, cost: int, now: float, retry_after: float, reset_after: float) -> None:
+        ttl = min(retry_after, self.max_ttl)
+        if ttl <= 0.0:
+            return
+        with self._lock:
+            self._entries[ident] = (now + ttl, cost, now + retry_after, now + reset_after)
+            self._entries.move_to_end(ident)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def forget(self, ident: Any) -> None:
+        with self._lock:
+            self._entries.pop(ident, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# --------------------------------------------------------------------------
+# The storages: what the synchronous and the asyncio one share, then each one's I/O
+
+
+def _digest(text: str, salt: bytes) -> str:
+    return "#" + hashlib.blake2b(text.encode("utf-8"), digest_size=16, key=salt).hexdigest()
+
+
+# One script call of a batch: script, its keys, its arguments, the batch positions it decides.
+_Call = tuple[_Script, list[str], list[str], list[int]]
+
+
+class _RedisBase:
+    """Everything but the I/O, shared by :class:`RedisStorage` and
+    :class:`AsyncRedisStorage`: options, key layout, argument caches, verdict
+    parsing, the failure policy, the circuit breaker, the near-cache and the
+    metrics. A subclass sends what these methods prepare and hands the
+    replies back; see :class:`RedisStorage` for the options."""
+
+    _asyncio: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        prefix: str = "nanolimit:",
+        clock: Literal["server", "client"] = "server",
+        on_error: OnError = "allow",
+        rule_on_error: Mapping[str, OnError] | None = None,
+        timeout: float = 0.05,
+        derive: bool = True,
+        deny_retry_after: float = 1.0,
+        breaker_threshold: int = 5,
+        breaker_cooldown: float = 1.0,
+        batch: Literal["script", "pipeline"] = "script",
+        near_cache: bool = False,
+        near_cache_size: int = 10_000,
+        near_cache_ttl: float = 1.0,
+        secret_rules: Collection[str] = (),
+        hash_identities: bool = False,
+        max_identity_bytes: int = 64,
+        key_salt: bytes = b"",
+        max_key_bytes: int = MAX_KEY_BYTES,
+        keep_connections: int = 8,
+    ) -> None:
+        if type(keep_connections) is not int or keep_connections < 0:
+            raise ValidationError(f"keep_connections must be an int >= 0, got {keep_connections!r}")
+        if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
+            raise ValidationError("prefix must be a str without '{' or '}' (they would become a hash tag)")
+        if batch not in ("script", "pipeline"):
+            raise ValidationError(f"batch must be 'script' or 'pipeline', got {batch!r}")
+        if clock not in ("server", "client"):
+            raise ValidationError(f"clock must be 'server' or 'client', got {clock!r}")
+        for policy in (on_error, *(rule_on_error or {}).values()):
+            if policy not in _POLICIES:
+                raise ValidationError(f"on_error must be one of {_POLICIES}, got {policy!r}")
+        if not (isinstance(timeout, (int, float)) and 0 < timeout <= 60):
+            raise ValidationError(f"timeout must be seconds in (0, 60], got {timeout!r}")
+        if not (deny_retry_after > 0 and math.isfinite(deny_retry_after)):
+            raise ValidationError("deny_retry_after must be finite and > 0")
+        if not isinstance(breaker_threshold, int) or breaker_threshold < 1:
+            raise ValidationError("breaker_threshold must be an int >= 1")
+        if len(key_salt) > 64:
+            raise ValidationError("key_salt is at most 64 bytes (BLAKE2b key)")
+        if is_asyncio_client(client) is not self._asyncio:
+            want, other = (
+                ("an asyncio", "RedisStorage") if self._asyncio else ("a synchronous", "AsyncRedisStorage")
+            )
+            raise ValidationError(
+                f"{type(self).__name__} needs {want} client, got {type(client).__module__}."
+                f"{type(client).__name__} (use {other} for that one)"
+            )
+        self.user_client = client
+        self.client = derive_client(client, float(timeout)) if derive else client
+        self.cluster = is_cluster_client(client)
+        self.prefix = prefix
+        self.clock = clock
+        self.batch = batch
+        self.on_error: OnError = on_error
+        self.rule_on_error: dict[str, OnError] = dict(rule_on_error or {})
+        self.timeout = float(timeout)
+        self.deny_retry_after = float(deny_retry_after)
+        self.secret_rules = frozenset(secret_rules)
+        self.hash_identities = hash_identities
+        self.max_identity_bytes = max_identity_bytes
+        self.key_salt = bytes(key_salt)
+        self.max_key_bytes = max_key_bytes
+        self._breaker = _Breaker(breaker_threshold, float(breaker_cooldown))
+        self._setup_direct(keep_connections)
+        self._near = _NearCache(near_cache_size, near_cache_ttl) if near_cache else None
+        self._counts = {
+            "decisions": 0,
+            "errors": 0,
+            "degraded": 0,
+            "timeouts": 0,
+            "key_errors": 0,
+            "write_refused": 0,
+            "script_loads": 0,
+            "breaker_open_skips": 0,
+        }
+        self._count_lock = threading.Lock()
+        self._near_hits = event_counter()  # counted on the near-cache's hot path: no lock
+        self._decisions = event_counter()  # and this one on every decision's
+        self._prefixes: dict[tuple[Algorithm, str], str] = {}
+        self._param_cache: dict[LimiterConfig, tuple[str, str]] = {}
+        # the last config asked for: a limiter passes the same object every
+        # time, and an identity test is cheaper than hashing the dataclass
+        self._last_params: tuple[LimiterConfig | None, tuple[str, str]] = (None, ("", ""))
+        # What counts as "the store failed": the client library's base error
+        # (redis-py's RedisError, valkey-py's ValkeyError) and socket errors;
+        # anything unknown is caught broadly rather than raised into a request.
+        self._errors: tuple[type[BaseException], ...] = (Exception,)
+        # The server's error replies (redis-py's ResponseError): the ones
+        # about a key answer that key alone (see ``_error_verdict``).
+        self._reply_errors: tuple[type[BaseException], ...] = ()
+        self._connect_error: tuple[type[BaseException], ...] = ()
+        try:
+            exceptions = _client_package(client).exceptions
+            base = getattr(exceptions, "RedisError", None) or getattr(exceptions, "ValkeyError", None)
+            if isinstance(base, type) and issubclass(base, BaseException):
+                self._errors = (base, OSError)
+            reply = getattr(exceptions, "ResponseError", None)
+            if isinstance(reply, type) and issubclass(reply, BaseException):
+                self._reply_errors = (reply,)
+            connect = getattr(exceptions, "ConnectionError", None)
+            if isinstance(connect, type) and issubclass(connect, BaseException):
+                self._connect_error = (connect,)
+        except (ImportError, AttributeError):
+            pass
+
+    def _setup_direct(self, keep: int) -> None:
+        """Decide whether single calls may talk to a pooled connection directly.
+
+        redis-py 8 wraps every ``execute_command`` in retry and observability
+        machinery that costs about 25 µs on this machine — most of what a
+        decision costs above a ``PING``. The decision call needs none of it
+        (it must not be retried), so on a standalone client we take a
+        connection from the client's pool, send, read and give it back, as
+        redis-py itself does underneath (the asyncio client alike, awaiting
+        each step). Clusters (routing) and single-connection clients go
+        through ``execute_command``.
+        """
+        self._pool: Any = None
+        self._conn_args: tuple[str, ...] = ()
+        self._spares: Any = None  # _SyncSpareConnections or _AsyncSpareConnections
+        pool = getattr(self.client, "connection_pool", None)
+        if self.cluster or pool is None or getattr(self.client, "connection", None) is not None:
+            return
+        if not (hasattr(pool, "get_connection") and hasattr(pool, "release")):
+            return
+        try:
+            params = list(inspect.signature(pool.get_connection).parameters.values())
+        except (TypeError, ValueError):
+            return
+        if (
+            params
+            and params[0].default is inspect.Parameter.empty
+            and params[0].kind
+            in (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            )
+        ):
+            self._conn_args = ("EVALSHA",)  # older redis-py and valkey-py want a command name
+        self._pool = pool
+        self._keep_spares(pool, keep)
+
+    def _keep_spares(self, pool: Any, keep: int) -> None:
+        """Let single calls keep up to ``keep`` connections out of the
+        derived client's pool between calls (see :class:`_SpareConnections`):
+        never the caller's pool, which may have other users waiting, nor a
+        blocking one, and fewer than half of a bounded one."""
+        limit = getattr(pool, "max_connections", None)
+        if isinstance(limit, int):
+            keep = min(keep, limit // 2)
+        if (
+            keep <= 0
+            or self.client is self.user_client
+            or isinstance(getattr(pool, "timeout", None), (int, float))
+        ):
+            return
+        exceptions = getattr(_client_package(self.client), "exceptions", None)
+        if self._asyncio:
+            self._spares = _AsyncSpareConnections(pool, self._conn_args, keep, exceptions)
+            return
+        spares = _SyncSpareConnections(pool, self._conn_args, keep, exceptions)
+        self._spares = spares
+        weakref.finalize(self, spares.release_all)
+
+    # -- keys -------------------------------------------------------------------
+    def _rule_prefix(self, cfg: LimiterConfig) -> str:
+        ident = (cfg.algorithm, cfg.rule)
+        found = self._prefixes.get(ident)
+        if found is None:
+            rule = cfg.rule
+            if "{" in rule or "}" in rule or rule.startswith("#") or len(rule.encode("utf-8")) > 128:
+                rule = _digest(rule, self.key_salt)
+            found = f"{self.prefix}{cfg.algorithm.value}:{rule}:"
+            self._prefixes[ident] = found
+        return found
+
+    def redis_key(self, cfg: LimiterConfig, key: str) -> str:
+        """The Redis key holding ``key``'s state under ``cfg``."""
+        identity = key
+        if (
+            self.hash_identities
+            or cfg.rule in self.secret_rules
+            or "{" in key
+            or "}" in key
+            or key.startswith("#")
+            or len(key) > self.max_identity_bytes
+            or (not key.isascii() and len(key.encode("utf-8")) > self.max_identity_bytes)
+        ):
+            identity = _digest(key, self.key_salt)
+        return self._rule_prefix(cfg) + "{" + identity + "}"
+
+    def _scan_match(self) -> str:
+        special = "*?[]\\"
+        return "".join("\\" + c if c in special else c for c in self.prefix) + "*"
+
+    # -- metrics ------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._count_lock:
+            self._counts[name] += n
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters since construction: ``decisions`` (answered by the store),
+        ``errors`` (the server or the connection failed: what feeds the
+        breaker), ``timeouts`` (of those), ``key_errors`` (error replies about
+        one call's key: a foreign value, a bad state, a refused write),
+        ``write_refused`` (of those, ``OOM``/``MISCONF``), ``degraded``
+        (answered by the failure policy), ``script_loads``,
+        ``breaker_open_skips``, ``near_cache_hits``, plus the breaker's
+        ``breaker_state`` and how often it ``breaker_opened``."""
+        with self._count_lock:
+            out: dict[str, Any] = dict(self._counts)
+        out["decisions"] += self._decisions.value
+        out["near_cache_hits"] = self._near_hits.value
+        out["breaker_state"] = self._breaker.state
+        out["breaker_opened"] = self._breaker.opened
+        return out
+
+    # -- what a decision sends, and what it makes of the answer --------------------
+    def _loaded(self, script: _Script, sha: Any) -> None:
+        """Check the SHA a ``SCRIPT LOAD`` answered."""
+        if isinstance(sha, bytes):
+            sha = sha.decode()
+        if sha != script.sha:  # pragma: no cover - a server that hashes differently
+            raise RedisUnavailableError(f"server computed SHA {sha} for a script we know as {script.sha}")
+        self._count("script_loads")
+
+    def _params(self, cfg: LimiterConfig) -> tuple[str, str]:
+        """The kernel constants of ``cfg`` as exact strings, formatted once."""
+        last = self._last_params  # one read: another thread may replace it
+        if last[0] is cfg:
+            return last[1]
+        found = self._param_cache.get(cfg)
+        if found is None:
+            found = self._param_cache[cfg] = _params(cfg)
+        self._last_params = (cfg, found)
+        return found
+
+    def _policy(self, rule: str) -> OnError:
+        return self.rule_on_error.get(rule, self.on_error)
+
+    def _fallback(
+        self, cfg: LimiterConfig, exc: BaseException | None, reason: str = REASON_STORE_UNAVAILABLE
+    ) -> KernelVerdict:
+        """The failure policy's verdict (or raise)."""
+        policy = self._policy(cfg.rule)
+        if policy == "raise":
+            if isinstance(exc, RedisUnavailableError):
+                raise exc
+            if exc is None:
+                raise CircuitOpenError("circuit breaker open: Redis is not being asked")
+            # redis-py's repr of its errors drops the message: name and text
+            raise RedisUnavailableError(f"Redis decision failed: {type(exc).__name__}: {exc}") from exc
+        self._count("degraded")
+        if policy == "allow":
+            return (True, 0.0, 0.0, 0.0, 0.0, True, reason)
+        wait = self.deny_retry_after
+        return (False, 0.0, wait, wait, 0.0, True, reason)
+
+    def _failed(self, exc: BaseException) -> None:
+        """The server or the connection failed: count it, feed the breaker."""
+        self._count("errors")
+        if "imeout" in type(exc).__name__ or isinstance(exc, TimeoutError):
+            self._count("timeouts")
+        self._breaker.failure()
+
+    def _key_error(self, exc: BaseException) -> RedisKeyError | None:
+        """``exc`` as an error about one call's key, or None when it says the
+        server or the connection failed. By the reply's error code (never its
+        text): a reply that is not an error reply (a timeout, a reset socket,
+        ``LOADING``, which redis-py raises as a connection error) or whose
+        code is in :data:`SERVER_ERROR_CODES` is the server's; any other
+        error reply (``WRONGTYPE``, ``BADSTATE``, ``OOM``, ``MISCONF``,
+        ``NOPERM``, a script's ``ERR``) came from a server able to answer,
+        about this call."""
+        if isinstance(exc, RedisKeyError):
+            return exc
+        if not isinstance(exc, self._reply_errors):
+            return None
+        code = error_code(exc)
+        if code in SERVER_ERROR_CODES:
+            return None
+        key_error = RedisKeyError(f"Redis answered this key with an error: {code}: {exc}", code)
+        key_error.__cause__ = exc
+        return key_error
+
+    def _key_error_verdict(self, cfg: LimiterConfig, error: RedisKeyError) -> KernelVerdict:
+        """One key's error reply: counted on its own, never the breaker's
+        business (the server answered, so it is up: a half-open breaker
+        closes), answered by that key's policy, nothing written to it."""
+        with self._count_lock:
+            counts = self._counts
+            counts["errors"] += 1
+            counts["key_errors"] += 1
+            if error.code in WRITE_REFUSED_CODES:
+                counts["write_refused"] += 1
+        self._breaker.success()
+        return self._fallback(cfg, error, REASON_STORE_ERROR)
+
+    def _error_verdict(self, cfg: LimiterConfig, exc: BaseException) -> KernelVerdict:
+        """A decision call failed: a key's error answers that key by its
+        policy; a failure of the server or the connection is counted, feeds
+        the breaker, and the policy answers."""
+        key_error = self._key_error(exc)
+        if key_error is not None:
+            return self._key_error_verdict(cfg, key_error)
+        self._failed(exc)
+        return self._fallback(cfg, exc)
+
+    def _part_error(self, cfg: LimiterConfig, part: Any) -> tuple[KernelVerdict, bool]:
+        """One key's ``"E <error reply>"`` in a multi-key script's reply (the
+        script caught that key's error and went on with the others): the
+        policy's answer, and whether the error was the server's (a
+        ``READONLY`` write on a demoted primary, say: it feeds the breaker)."""
+        text = part.decode("utf-8", "replace") if isinstance(part, bytes) else str(part)
+        if not text.startswith("E "):
+            raise ValueError(f"unexpected script reply {text[:80]!r}")
+        text = text[2:]
+        code = _code_of_text(text)
+        if code in SERVER_ERROR_CODES:
+            failure = RedisUnavailableError(f"Redis failed: {text}")
+            self._failed(failure)
+            return self._fallback(cfg, failure), True
+        error = RedisKeyError(f"Redis answered this key with an error: {text}", code)
+        return self._key_error_verdict(cfg, error), False
+
+    def _now_arg(self, now: float | None) -> str:
+        if now is None:
+            return repr(time.time()) if self.clock == "client" else ""
+        return repr(now)
+
+    def _floor_ms(self, now: float | None) -> str:
+        return "0" if now is None else str(INJECTED_EXPIRY_FLOOR_MS)
+
+    def _early(self, config: LimiterConfig, key: str, cost: int, now: float | None) -> KernelVerdict | None:
+        """The answer that needs no round trip, if any: a near-cache denial,
+        or the policy's while the breaker is open."""
+        near = self._near
+        if near is not None:
+            t = time.monotonic() if now is None else now
+            hit = near.lookup((config.algorithm, config.rule, key, now is None), cost, t)
+            if hit is not None:
+                self._near_hits.add()
+                return (False, 0.0, hit[0], hit[1], 0.0, False)
+        if not self._breaker.allow_call():
+            self._count("breaker_open_skips")
+            return self._fallback(config, None)
+        return None
+
+    def _single_args(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> tuple[tuple[str], tuple[str, ...]]:
+        """``KEYS`` and ``ARGV`` of one decision's ``EVALSHA``."""
+        p1, p2 = self._params(config)
+        return (self.redis_key(config, key),), (
+            self._now_arg(now),
+            str(cost),
+            "1" if commit else "0",
+            self._floor_ms(now),
+            p1,
+            p2,
+        )
+
+    def _answered(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, reply: Any
+    ) -> KernelVerdict:
+        """The store answered: a verdict, remembered by the near-cache if a denial."""
+        self._breaker.success()
+        self._decisions.add()
+        verdict = _parse_verdict(reply)
+        near = self._near
+        if near is not None and not verdict[0]:
+            t = time.monotonic() if now is None else now
+            near.remember((config.algorithm, config.rule, key, now is None), cost, t, verdict[2], verdict[3])
+        return verdict
+
+    def _batch_start(
+        self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
+    ) -> _BatchRun | list[KernelVerdict]:
+        """The script calls of a batch (see ``RedisStorage.run_kernel_many``),
+        or the whole answer when nothing is to be sent."""
+        n = len(keys)
+        if n == 0:
+            return []
+        if not self._breaker.allow_call():
+            self._count("breaker_open_skips")
+            return [self._fallback(config, None)] * n
+        p1, p2 = self._params(config)
+        now_arg = self._now_arg(now)
+        floor_ms = self._floor_ms(now)
+        rkeys = [self.redis_key(config, key) for key in keys]
+        calls: list[_Call] = []
+        if self.batch == "script":
+            script = BATCH_SCRIPTS[config.algorithm]
+            groups: dict[int, list[int]] = {}
+            if self.cluster:
+                slot_of = _client_package(self.user_client).crc.key_slot
+                for i, rkey in enumerate(rkeys):
+                    groups.setdefault(slot_of(rkey.encode("utf-8")), []).append(i)
+            else:
+                groups[0] = list(range(n))
+            for members in groups.values():
+                for c in range(0, len(members), BATCH_CHUNK):
+                    part = members[c : c + BATCH_CHUNK]
+                    args = [now_arg, floor_ms, p1, p2, *[str(costs[i]) for i in part]]
+                    calls.append((script, [rkeys[i] for i in part], args, part))
+        else:
+            script = SCRIPTS[config.algorithm]
+            for i, (rkey, cost) in enumerate(zip(rkeys, costs)):
+                calls.append((script, [rkey], [now_arg, str(cost), "1", floor_ms, p1, p2], [i]))
+        return _BatchRun(self, config, calls, n)
+
+    def _forget_local(self, config: LimiterConfig, key: str) -> str:
+        """Drop ``key``'s near-cache entries; the Redis key to ``DEL``."""
+        if self._near is not None:
+            for server_time in (True, False):  # entries are per time base (monotonic or injected)
+                self._near.forget((config.algorithm, config.rule, key, server_time))
+        return self.redis_key(config, key)
+
+    def _snapshot_command(self, config: LimiterConfig, key: str) -> tuple[str, ...]:
+        """The one read command that fetches ``key``'s raw state."""
+        rkey = self.redis_key(config, key)
+        algo = config.algorithm
+        if algo is Algorithm.GCRA:
+            return ("GET", rkey)
+        if algo is Algorithm.SLIDING_LOG:
+            return ("LRANGE", rkey, "0", "-1")
+        if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
+            return ("HMGET", rkey, "l", "u")
+        return ("HMGET", rkey, "k", "n", "p", "u")
+
+    @staticmethod
+    def _parse_snapshot(algo: Algorithm, raw: Any) -> LimiterState | None:
+        """The state read by :meth:`_snapshot_command` (not brought up to now), or ``None``."""
+        if algo is Algorithm.GCRA:
+            if raw is None:
+                return None
+            tat, updated = (raw.decode() if isinstance(raw, bytes) else raw).split(" ")
+            return LimiterState(algo, float(updated), tat=int(float(tat)))
+        if algo is Algorithm.SLIDING_LOG:
+            if not raw:
+                return None
+            return LimiterState(algo, float(raw[0]), log=tuple(float(x) for x in raw[1:]))
+        if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
+            level, updated = raw
+            if level is None:
+                return None
+            return LimiterState(algo, float(updated), level=float(level))
+        k, count, previous, updated = raw
+        if k is None:
+            return None
+        if algo is Algorithm.FIXED_WINDOW:
+            return LimiterState(algo, float(updated), window_index=int(float(k)), count=int(float(count)))
+        return LimiterState(
+            algo,
+            float(updated),
+            window_index=int(float(k)),
+            count=int(float(count)),
+            previous=int(float(previous)),
+        )
+
+    # -- Storage protocol ---------------------------------------------------------
+    def apply(self, key: str, now: float, mutate: Callable[[Any], tuple[Any, Any]]) -> Any:
+        """Not supported: a Python closure cannot run atomically inside Redis
+        (a WATCH/MULTI loop would retry under contention and could not keep
+        SPEC §5's one-step contract cheaply). Built-in algorithms never call it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} runs the built-in algorithms only; "
+            "a custom algorithm needs its own Lua script"
+        )
+
+    def evict_idle(self, cutoff: float) -> int:
+        """A no-op that returns 0: every key carries an expiry equal to the time
+        until its state is back to "never seen", so Redis evicts idle keys
+        itself, on every node, without a scan."""
+        check_cutoff(cutoff)
+        return 0
+
+    def __repr__(self) -> str:
+        name = type(self).__name__
+        return f"<{name} prefix={self.prefix!r} cluster={self.cluster} on_error={self.on_error!r}>"
+
+
+class _BatchRun:
+    """One batch in flight, for either storage: the script calls still to
+    send and the verdicts so far. ``absorb`` takes a pipeline's replies and
+    answers the script to load when some calls hit ``NOSCRIPT`` (those did not
+    run, and are sent once more); nothing else is ever retried."""
+
+    __slots__ = ("config", "down", "failed", "out", "storage", "todo")
+
+    def __init__(self, storage: _RedisBase, config: LimiterConfig, calls: list[_Call], n: int) -> None:
+        self.storage = storage
+        self.config = config
+        self.todo = calls
+        self.out: list[KernelVerdict | None] = [None] * n
+        self.failed = 0  # keys the policy answered
+        self.down = False  # whether the server (not a key) failed
+
+    def queue(self, pipe: Any) -> None:
+        for script, call_keys, args, _ in self.todo:
+            pipe.execute_command("EVALSHA", script.sha, len(call_keys), *call_keys, *args)
+
+    def absorb(self, replies: Sequence[Any], attempt: int) -> _Script | None:
+        storage, config, out = self.storage, self.config, self.out
+        again = []
+        for call, reply in zip(self.todo, replies):
+            members = call[3]
+            if isinstance(reply, BaseException):
+                if attempt == 0 and _is_noscript(reply):
+                    again.append(call)
+                    continue
+                self.failed += len(members)
+                key_error = storage._key_error(reply)
+                if key_error is not None and len(members) == 1:  # one EVALSHA: its key's error
+                    out[members[0]] = storage._key_error_verdict(config, key_error)
+                    continue
+                self.down = True
+                storage._failed(reply)
+                for i in members:
+                    out[i] = storage._fallback(config, reply)
+            elif isinstance(reply, list):
+                for i, part in zip(members, reply):
+                    try:
+                        out[i] = _parse_verdict(part)
+                    except ValueError:  # that key's error: the script went on with the others
+                        out[i], down = storage._part_error(config, part)
+                        self.failed += 1
+                        self.down = self.down or down
+            else:
+                out[members[0]] = _parse_verdict(reply)
+        self.todo = again
+        return again[0][0] if again else None
+
+    def abort(self, exc: BaseException) -> list[KernelVerdict]:
+        """The round trip itself failed (each key's error reply comes back
+        among the replies instead): a failure of the server or the
+        connection; the policy answers what is still open."""
+        storage = self.storage
+        storage._failed(exc)
+        fallback = storage._fallback(self.config, exc)
+        return [fallback if v is None else v for v in self.out]
+
+    def result(self) -> list[KernelVerdict]:
+        if not self.down:
+            self.storage._breaker.success()
+        self.storage._count("decisions", len(self.out) - self.failed)
+        return [v for v in self.out if v is not None]
+
+
+# --------------------------------------------------------------------------
+# Limiter glue (either twin)
+
+
+def limiter_config(limiter: Any) -> LimiterConfig:
+    """A limiter's validated configuration, whichever twin built it."""
+    cfg = limiter.config
+    if not isinstance(cfg, LimiterConfig):
+        raise ValidationError(f"{type(limiter).__name__} is not a nanolimit limiter")
+    return cfg
+
+
+def kernel_now(limiter: Any) -> float | None:
+    """What the limiter would hand a KernelStorage: None for the default
+    SystemClock (use the server's TIME), else its injected clock's reading."""
+    clock = limiter.clock
+    if type(clock) is SystemClock:
+        return None
+    return check_now(clock.now())
+
+
+def decision_maker(limiter: Any, cfg: LimiterConfig) -> Callable[[KernelVerdict], Any]:
+    """Build the Decision type of the limiter's own twin from a verdict."""
+    module = sys.modules.get(type(limiter).__module__)
+    decision_type: Any = getattr(module, "Decision", None)
+    if decision_type is None:  # pragma: no cover - a foreign limiter class
+        from ..._decision_py import Decision as py_decision
+
+        decision_type = py_decision
+
+    return functools.partial(decision_from_verdict, decision_type, cfg)

@@ -1,0 +1,179 @@
+"""Failures: the errors a storage raises, how a server's error reply is
+classified (the server's trouble, or one key's), and the circuit breaker.
+
+Why a private module: what counts as "the store is down" decides whether a
+request is answered by policy and whether the breaker opens (docs/redis.md,
+"Failures"); the rules sit together here, apart from the I/O that meets them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Final, Literal
+
+OnError = Literal["allow", "deny", "raise"]
+_POLICIES: Final = ("allow", "deny", "raise")
+
+# --------------------------------------------------------------------------
+# Errors
+
+
+class StorageUnavailableError(RuntimeError):
+    """A shared store could not answer a decision (raised only under
+    ``on_error="raise"``; the other policies answer a degraded decision)."""
+
+
+class RedisUnavailableError(StorageUnavailableError):
+    """Redis/Valkey failed, timed out, or is behind an open circuit breaker."""
+
+
+class CircuitOpenError(RedisUnavailableError):
+    """The circuit breaker is open: the store was not even asked."""
+
+
+class RedisKeyError(RedisUnavailableError):
+    """The server answered this one call with an error about the key, not
+    about itself: a value of another type at the limiter's key (``WRONGTYPE``),
+    a stored state the limiter did not write (``BADSTATE``), a write refused
+    for memory (``OOM``) or persistence (``MISCONF``), an ACL refusal
+    (``NOPERM``), a script error. Raised only under ``on_error="raise"``; it
+    never feeds the circuit breaker (``code`` is the reply's error code)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# Decision.reason when the policy answered one key's error reply (the store is up).
+REASON_STORE_ERROR: Final = "store_error"
+
+# --------------------------------------------------------------------------
+# Error replies: which say the server cannot answer now (they feed the circuit
+# breaker) and which are about one call's key (answered by that key's policy).
+# Classified by the reply's error code, its first word; never by its text.
+
+# The server, or its role in a cluster, is not able to serve anyone right now.
+SERVER_ERROR_CODES: Final = frozenset(
+    {
+        "LOADING",  # loading its dataset after a restart
+        "BUSY",  # another script is running past the busy threshold
+        "MASTERDOWN",  # a replica that lost its primary
+        "READONLY",  # a replica (a failover moved the primary)
+        "CLUSTERDOWN",
+        "TRYAGAIN",  # slot migration in progress
+        "MOVED",
+        "ASK",
+        "NOREPLICAS",
+        "NOAUTH",
+        "WRONGPASS",
+    }
+)
+# Writes refused server-wide (memory full under noeviction, persistence
+# failing): answered per call, not by the breaker, counted in ``write_refused``.
+WRITE_REFUSED_CODES: Final = frozenset({"OOM", "MISCONF"})
+
+# Codes redis-py/valkey-py strip from the message when they pick a class.
+_CLASS_CODES: Final = {
+    "NoScriptError": "NOSCRIPT",
+    "OutOfMemoryError": "OOM",
+    "ReadOnlyError": "READONLY",
+    "ExecAbortError": "EXECABORT",
+    "NoPermissionError": "NOPERM",
+    "AskError": "ASK",
+    "MovedError": "MOVED",
+    "TryAgainError": "TRYAGAIN",
+    "ClusterDownError": "CLUSTERDOWN",
+    "MasterDownError": "MASTERDOWN",
+    "ClusterCrossSlotError": "CROSSSLOT",
+    "BusyLoadingError": "LOADING",
+    "AuthenticationError": "NOAUTH",
+}
+
+
+def _code_of_text(text: str) -> str:
+    """The error code that starts an error reply's text (``"ERR"`` when the
+    text starts with none: redis-py strips ``ERR``)."""
+    word = text.split(" ", 1)[0]
+    if word.isascii() and word.isupper() and word.replace("_", "").isalpha():
+        return word
+    return "ERR"
+
+
+def error_code(exc: BaseException) -> str:
+    """The error code of a server's error reply (``WRONGTYPE``, ``OOM``,
+    ``BADSTATE``, ...): redis-py 8's ``status_code``, else the class the
+    client picked for it, else the first word of the reply."""
+    code = getattr(exc, "status_code", None)
+    if isinstance(code, str) and code:
+        return code
+    found = _CLASS_CODES.get(type(exc).__name__)
+    if found is not None:
+        return found
+    return _code_of_text(str(exc.args[0]) if exc.args else "")
+
+
+def _is_noscript(exc: BaseException) -> bool:
+    """redis-py and valkey-py raise ``NoScriptError`` (the ``NOSCRIPT`` prefix
+    stripped); other clients may hand back the raw reply."""
+    return type(exc).__name__ == "NoScriptError" or error_code(exc) == "NOSCRIPT"
+
+
+# --------------------------------------------------------------------------
+# Circuit breaker
+
+
+class _Breaker:
+    """Closed → (``threshold`` consecutive failures) → open for ``cooldown``
+    seconds, answering by policy without a round trip → half-open: one caller
+    probes; success closes it, failure opens it again. Stops a dead server
+    from costing every request a full timeout."""
+
+    __slots__ = ("_failures", "_lock", "_open_until", "_probing", "cooldown", "opened", "threshold")
+
+    def __init__(self, threshold: int, cooldown: float) -> None:
+        self.threshold = threshold
+        self.cooldown = cooldown
+        self._failures = 0
+        self._open_until = 0.0
+        self._probing = False
+        self._lock = threading.Lock()
+        self.opened = 0
+
+    def allow_call(self) -> bool:
+        if self._failures < self.threshold:
+            return True
+        with self._lock:
+            if self._failures < self.threshold:
+                return True
+            now = time.monotonic()
+            if now < self._open_until:
+                return False
+            # Half-open: this caller is the probe. A probe that never reports
+            # (cancelled, interrupted, failed on its own input) must not keep
+            # the breaker half-open for good: after another cooldown the next
+            # caller probes instead.
+            self._probing = True
+            self._open_until = now + self.cooldown
+            return True
+
+    def success(self) -> None:
+        if self._failures or self._probing:
+            with self._lock:
+                self._failures = 0
+                self._probing = False
+
+    def failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            self._probing = False
+            if self._failures >= self.threshold:
+                if self._failures == self.threshold:
+                    self.opened += 1
+                self._open_until = time.monotonic() + self.cooldown
+
+    @property
+    def state(self) -> str:
+        if self._failures < self.threshold:
+            return "closed"
+        return "half-open" if time.monotonic() >= self._open_until else "open"

@@ -1,0 +1,109 @@
+-- One stored stamp, checked (a number, within ±MAX_STAMP and at most
+-- MAX_LEAD past its key's own stored time), then moved back by the
+-- clock-lead rebase's ``shift`` when there is one.
+local function log_stamp(raw, limit, shift)
+  local s = tonumber(raw)
+  if not (s and s > -MAX_STAMP and s <= limit) then
+    error({err = 'BADSTATE sliding_log: a stored stamp is not one this limiter writes'})
+  end
+  if shift then s = s - shift end
+  return s
+end
+local function k_sliding_log(key, clock, cost, commit, floor_ms, capacity, window)
+  local total = redis.call('LLEN', key)
+  local updated, n
+  local limit, shift = 0, nil
+  if total == 0 then updated = clock; n = 0
+  else
+    updated = tonumber(redis.call('LINDEX', key, 0)); n = total - 1
+    if not (updated and updated > -MAX_STAMP and updated < MAX_STAMP) then
+      error({err = 'BADSTATE sliding_log: the stored state is not one this limiter writes'})
+    end
+    limit = updated + MAX_LEAD
+    if updated - clock > MAX_LEAD then  -- the clock's error: every stamp back by the lead
+      shift = updated - clock
+      updated = clock
+    end
+  end
+  local now = clock
+  if updated > now then now = updated end
+  -- entries sit at list indices 1..n; drop those over the capacity, then the expired
+  local pos = 1
+  if n > capacity then pos = 1 + n - capacity end
+  local cutoff = now - window
+  -- the common case, nothing expired, costs one LINDEX; else scan in chunks
+  local scan = pos <= n and log_stamp(redis.call('LINDEX', key, pos), limit, shift) <= cutoff
+  while scan and pos <= n do
+    local chunk = redis.call('LRANGE', key, pos, pos + 63)
+    local i = 1
+    while i <= #chunk and log_stamp(chunk[i], limit, shift) <= cutoff do i = i + 1 end
+    pos = pos + i - 1
+    if i <= #chunk then break end
+  end
+  local drop = pos - 1
+  local len = n - drop
+  local retry = 0.0
+  local remaining = 0.0
+  local newest = nil
+  local allowed = len + cost <= capacity
+  if allowed then
+    len = len + cost
+    remaining = capacity - len
+    newest = now
+  else
+    retry = log_stamp(redis.call('LINDEX', key, pos + len + cost - capacity - 1), limit, shift) + window - now
+    if len > 0 then newest = log_stamp(redis.call('LINDEX', key, -1), limit, shift) end
+  end
+  local reset = 0.0
+  if newest then reset = newest + window - now end
+  local extra = now - clock
+  if extra > 0 then
+    if retry > 0 then retry = retry + extra end
+    if reset > 0 then reset = reset + extra end
+  end
+  if commit then
+    local stamp = string.format('%.17g', now)
+    if total == 0 then redis.call('RPUSH', key, stamp)
+    elseif shift then
+      -- rebased: the kept entries (list indices pos..n) go to the tail moved
+      -- back by the lead, then everything before them is dropped and the new
+      -- u goes in front (a write refused for memory fails at the first RPUSH,
+      -- before anything changed)
+      local at = pos
+      while at <= n do
+        local last = at + 4095
+        if last > n then last = n end
+        local chunk = redis.call('LRANGE', key, at, last)
+        local moved = {}
+        for i = 1, #chunk do moved[i] = string.format('%.17g', log_stamp(chunk[i], limit, shift)) end
+        redis.call('RPUSH', key, unpack(moved))
+        at = last + 1
+      end
+      redis.call('LTRIM', key, n + 1, -1)
+      redis.call('LPUSH', key, stamp)
+    else
+      if drop > 0 then redis.call('LTRIM', key, drop, -1) end
+      redis.call('LSET', key, 0, stamp)
+    end
+    if allowed and cost == 1 then redis.call('RPUSH', key, stamp)
+    elseif allowed then
+      local batch = {}
+      local size = cost
+      if size > 4096 then size = 4096 end
+      for i = 1, size do batch[i] = stamp end
+      local left = cost
+      while left > 0 do
+        if left < size then
+          local part = {}
+          for i = 1, left do part[i] = stamp end
+          batch = part
+        end
+        redis.call('RPUSH', key, unpack(batch))
+        left = left - #batch
+      end
+    end
+    redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
+  end
+  if allowed then return true, string.format('1 %.17g 0 %.17g 0', remaining, reset), shift ~= nil end
+  return false, string.format('0 0 %.17g %.17g 0', retry, reset), shift ~= nil
+end
