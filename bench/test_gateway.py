@@ -1,5 +1,6 @@
-"""Gateway costs: the framework-free middleware per request, ``rule_for``
-with 1 vs 1,000 rules, and replay throughput on the native batch path.
+"""Gateway costs: the framework-free middleware per request, the ASGI and
+WSGI adapters' admitted path, ``rule_for`` with 1 vs 1,000 rules, and replay
+throughput on the native batch path.
 
 Each benchmarked call runs ``BATCH`` requests; read ``ns_per_request_median``
 in ``extra_info`` (pytest-benchmark's time / ``BATCH``). Targets (issue 8):
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from nanolimit import FakeClock, SystemClock
+from nanolimit import FakeClock, SystemClock, asgi, wsgi
 from nanolimit import __main__ as cli
 from nanolimit.factory import LimiterFactory
 from nanolimit.middleware import RateLimitMiddleware, Request, Response
@@ -71,6 +73,89 @@ def test_middleware_request(benchmark, twin: types.ModuleType, scope: str) -> No
 
     benchmark(loop)
     assert mw.metrics.snapshot()["api"]["allowed"] > 0
+    _per_request(benchmark, BATCH)
+
+
+def _api_rule() -> RateLimitRule:
+    return RateLimitRule("api", "*", "/api", "ip", "token_bucket", HIGH_LIMIT, 60.0)
+
+
+def test_asgi_request(benchmark, twin: types.ModuleType) -> None:
+    """The ASGI adapter's admitted path with a bare ASGI app: scope to
+    Request, the decision, the headers encoded into ``http.response.start``.
+    Nothing suspends, so each coroutine runs to the end on one ``send(None)``
+    (no event loop in the timing)."""
+    mw = asgi.RateLimitMiddleware(_app, RuleRegistry([_api_rule()]), LimiterFactory(twin.InMemoryStorage()))
+    scopes = [
+        {
+            "type": "http",
+            "method": "GET",
+            "path": f"/api/items/{i % 50}",
+            "root_path": "",
+            "headers": [(b"host", b"example.com")],
+            "client": (f"10.0.{i % 7}.{i % 100}", 40000 + i),
+        }
+        for i in range(BATCH)
+    ]
+    sent: list[Any] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    def loop() -> None:
+        del sent[:]
+        for scope in scopes:
+            coro = mw(scope, receive, send)
+            try:
+                coro.send(None)
+            except StopIteration:
+                continue
+            raise AssertionError("the admitted path suspended")
+
+    benchmark(loop)
+    assert len(sent) == 2 * BATCH and (b"x-ratelimit-limit", str(HIGH_LIMIT).encode()) in sent[0]["headers"]
+    _per_request(benchmark, BATCH)
+
+
+async def _app(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"ok", "more_body": False})
+
+
+def test_wsgi_request(benchmark, twin: types.ModuleType) -> None:
+    """The WSGI adapter's admitted path with a bare WSGI app: environ to
+    Request, the decision, the headers appended in ``start_response``."""
+    started: list[Any] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+        started.append(headers)
+
+    mw = wsgi.RateLimitMiddleware(app, RuleRegistry([_api_rule()]), LimiterFactory(twin.InMemoryStorage()))
+    environs = [
+        {
+            "REQUEST_METHOD": "GET",
+            "SCRIPT_NAME": "",
+            "PATH_INFO": f"/api/items/{i % 50}",
+            "REMOTE_ADDR": f"10.0.{i % 7}.{i % 100}",
+            "HTTP_HOST": "example.com",
+        }
+        for i in range(BATCH)
+    ]
+
+    def loop() -> None:
+        del started[:]
+        for environ in environs:
+            mw(environ, start_response)
+
+    benchmark(loop)
+    assert len(started) == BATCH and ("X-RateLimit-Limit", str(HIGH_LIMIT)) in started[0]
     _per_request(benchmark, BATCH)
 
 
