@@ -1,8 +1,8 @@
-"""``nanolimit demo``: the reference scenarios of SPEC §7, replayed through
+"""``nanolimit demo``: the reference scenarios of docs/spec.md §7, replayed through
 the real framework-free gateway middleware (rules, keys, limiter, metrics,
 headers) on the in-memory default store with a fake clock. It prints what
 each request got, so a new user sees the whole contract in one screen, and
-exits non-zero if any answer differs from the SPEC: the demo is also a smoke
+exits non-zero if any answer differs from the spec: the demo is also a smoke
 test of an installation.
 """
 
@@ -145,7 +145,7 @@ def _scenario_threads() -> tuple[bool, list[str]]:
 def demo() -> int:
     print(
         f"nanolimit {nanolimit.__version__} ({nanolimit.IMPLEMENTATION} core), "
-        "SPEC §7 scenarios through the gateway middleware\n"
+        "docs/spec.md §7 scenarios through the gateway middleware\n"
     )
     all_ok = True
     for scenario in (

@@ -1,7 +1,7 @@
 """``python -m nanolimit``: the command line.
 
 The parser and the dispatch; each command lives in a module of its own:
-``demo`` (:mod:`.demo`) replays the reference scenarios of SPEC §7 through
+``demo`` (:mod:`.demo`) replays the reference scenarios of docs/spec.md §7 through
 the gateway middleware, ``check-config`` (:mod:`.check_config`) validates a
 rules file, ``replay`` (:mod:`.replay`) runs a request log through a
 candidate limit, ``bench`` (:mod:`.bench`) sets nanolimit beside its peers,
@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         version=f"nanolimit {nanolimit.__version__} ({nanolimit.IMPLEMENTATION} core)",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="replay SPEC §7 through the gateway middleware")
+    commands.add_parser("demo", help="replay docs/spec.md §7 through the gateway middleware")
     commands.add_parser("info", help="print which core is loaded")
     commands.add_parser("bench", help="nanolimit and its peers side by side (nanolimit bench --help)")
     check = commands.add_parser("check-config", help="validate a rules file (TOML or JSON)")
