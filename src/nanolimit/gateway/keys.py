@@ -26,13 +26,11 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from .._shared import ValidationError
+from .request import Request
 from .rules import KeyScope
-
-if TYPE_CHECKING:
-    from .middleware import Request
 
 __all__ = [
     "ANONYMOUS",

@@ -21,7 +21,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from .._shared import Algorithm, ValidationError
 from .factory import LimiterFactory
 from .keys import DefaultKeyExtractor, KeyExtractor
 from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics, rate_headers
+from .request import Request
 from .rules import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RateLimitRule, RuleRegistry, RuleSet, key_bytes
 
 __all__ = ["Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
@@ -38,26 +39,6 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.:@/+-]*\Z")
 _MISSING: Any = object()
 # (rule, retry seconds) -> 429 body: a flood of denials renders few bodies.
 _BODIES: dict[tuple[str, int], bytes] = {}
-
-
-@dataclass(slots=True)
-class Request:
-    """What the gateway needs to know about a request.
-
-    ``path`` is the decoded path, as ASGI's ``scope["path"]`` and WSGI's
-    ``PATH_INFO`` give it; rules match it after
-    :func:`nanolimit.rules.normalize_path` (repeated slashes collapse), and
-    a ``GET`` rule covers a ``HEAD`` request. ``headers`` maps lower-case
-    names to values; ``client`` is the peer address of the connection (never
-    a header); ``user`` is an authenticated user id if the framework knows
-    one.
-    """
-
-    method: str
-    path: str
-    headers: Mapping[str, str] = field(default_factory=dict)
-    client: str | None = None
-    user: str | None = None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,34 @@
+"""The gateway's view of a request: the one value every gateway module reads.
+
+It sits at the bottom of the gateway, importing nothing from it, so keys,
+the pipeline and the adapters all depend on it and none on another just to
+name a request (keys.py used to import the pipeline for it, which imported
+keys.py back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["Request"]
+
+
+@dataclass(slots=True)
+class Request:
+    """What the gateway needs to know about a request.
+
+    ``path`` is the decoded path, as ASGI's ``scope["path"]`` and WSGI's
+    ``PATH_INFO`` give it; rules match it after
+    :func:`nanolimit.rules.normalize_path` (repeated slashes collapse), and
+    a ``GET`` rule covers a ``HEAD`` request. ``headers`` maps lower-case
+    names to values; ``client`` is the peer address of the connection (never
+    a header, which any client can write); ``user`` is an authenticated user
+    id if the framework knows one.
+    """
+
+    method: str
+    path: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+    client: str | None = None
+    user: str | None = None
