@@ -1,11 +1,12 @@
-"""``python -m nanolimit``: the command line.
+"""``nanolimit`` (or ``python -m nanolimit``): the command line of the nanolimit rate limiter.
 
 The parser and the dispatch; each command lives in a module of its own:
 ``demo`` (:mod:`.demo`) replays the reference scenarios of docs/spec.md §7 through
 the gateway middleware, ``check-config`` (:mod:`.check_config`) validates a
 rules file, ``replay`` (:mod:`.replay`) runs a request log through a
 candidate limit, ``bench`` (:mod:`.bench`) sets nanolimit beside its peers,
-and ``info`` says which core is loaded.
+and ``info`` says which core is loaded. ``--help`` shows these docstrings as
+plain text (:func:`._help.plain`), never as reStructuredText.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import nanolimit
 
 from .._shared import Algorithm
 from ..gateway.rules import KeyScope
+from . import check_config as check_config_command
+from . import demo as demo_command
+from . import replay as replay_command
+from ._help import FORMATTER, first_paragraph, plain
 from .check_config import check_config
 from .demo import ALGORITHM_ORDER, WALL, demo
 from .replay import REPLAY_BATCH, replay
@@ -34,30 +39,74 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return _bench.main(args_list[1:])
     argv = args_list
-    parser = argparse.ArgumentParser(prog="nanolimit", description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="nanolimit",
+        description=first_paragraph(__doc__),
+        epilog="Run 'nanolimit COMMAND --help' for what one command does and its options.",
+        formatter_class=FORMATTER,
+    )
     parser.add_argument(
         "--version",
         action="version",
         version=f"nanolimit {nanolimit.__version__} ({nanolimit.IMPLEMENTATION} core)",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="replay docs/spec.md §7 through the gateway middleware")
-    commands.add_parser("info", help="print which core is loaded")
-    commands.add_parser("bench", help="nanolimit and its peers side by side (nanolimit bench --help)")
-    check = commands.add_parser("check-config", help="validate a rules file (TOML or JSON)")
-    check.add_argument("path")
-    rp = commands.add_parser("replay", help="replay a request log (timestamp,key[,cost]) through a limit")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser(
+        "demo",
+        help="replay docs/spec.md §7 through the gateway middleware",
+        description=plain(demo_command.__doc__),
+        formatter_class=FORMATTER,
+    )
+    commands.add_parser(
+        "info",
+        help="print which core is loaded",
+        description="Print the version and the live core (native or reference) as JSON.",
+    )
+    commands.add_parser(
+        "bench",
+        help="nanolimit and its peers side by side (nanolimit bench --help)",
+        description="nanolimit and its peers side by side; 'nanolimit bench --help' lists its options.",
+    )
+    check = commands.add_parser(
+        "check-config",
+        help="validate a rules file (TOML or JSON)",
+        description=plain(check_config_command.__doc__),
+        formatter_class=FORMATTER,
+    )
+    check.add_argument("path", help="the rules file (.toml or .json)")
+    rp = commands.add_parser(
+        "replay",
+        help="replay a request log (timestamp,key[,cost]) through a limit",
+        description=plain(replay_command.__doc__),
+        formatter_class=FORMATTER,
+    )
     rp.add_argument("trace", help="CSV file: timestamp (Unix seconds or ISO 8601), key, optional cost")
     rp.add_argument("--rule", required=True, help='the limit, e.g. "100/minute" or "10/s burst 20"')
-    rp.add_argument("--algorithm", default="token_bucket", choices=[a.value for a in Algorithm])
-    rp.add_argument("--scope", default="ip", choices=[s.value for s in KeyScope])
+    rp.add_argument(
+        "--algorithm",
+        default="token_bucket",
+        choices=[a.value for a in Algorithm],
+        help="the algorithm (default: %(default)s)",
+    )
+    rp.add_argument(
+        "--scope",
+        default="ip",
+        choices=[s.value for s in KeyScope],
+        help="what the key column counts under (default: %(default)s)",
+    )
     rp.add_argument("--top", type=int, default=10, help="how many keys to list (most denied first)")
     rp.add_argument("--batch", type=int, default=REPLAY_BATCH, help="requests per native batch")
     rp.add_argument("--per-key", metavar="CSV", help="write every key's counts to this file")
     rp.add_argument("--json", action="store_true", help="print the summary as JSON")
     bar = rp.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None)
-    bar.add_argument("--no-progress", dest="progress", action="store_false")
+    bar.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="draw a progress bar on stderr (default: when stderr is a terminal and the file is over 8 MiB)",
+    )
+    bar.add_argument("--no-progress", dest="progress", action="store_false", help="never draw it")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(json.dumps({"version": nanolimit.__version__, "implementation": nanolimit.IMPLEMENTATION}))
