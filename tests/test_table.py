@@ -189,3 +189,69 @@ def test_unseeded_collisions_do_not_exist(backend: types.SimpleNamespace) -> Non
         assert not a.allow(key).allowed
         assert not b.allow(key).allowed
     assert len(storage) == 2 * len(keys)
+
+
+# --------------------------------------------------------------------------
+# Native only: apply's mutate runs unlocked; what it may and may not call.
+
+
+@pytest.mark.native
+def test_apply_inside_a_mutate_is_refused(native) -> None:
+    storage = native.InMemoryStorage(stripes=1)
+    storage.apply("outer", 1.0, lambda s: (1, None))
+
+    def nested(state):
+        storage.apply("inner", 1.0, lambda s: (2, None))
+        return 3, None
+
+    with pytest.raises(RuntimeError, match="inside a mutate"):
+        storage.apply("outer", 2.0, nested)
+    # nothing changed, and nothing is left locked or pinned
+    assert storage.apply("outer", 3.0, lambda s: (s, s)) == 1
+    assert storage.apply("inner", 3.0, lambda s: (s, s)) is None
+    other = native.InMemoryStorage(stripes=1)  # another storage is not this one
+    assert storage.apply("outer", 4.0, lambda s: (s, other.apply("x", 4.0, lambda t: (7, 7)))) == 7
+
+
+@pytest.mark.native
+def test_a_mutate_may_decide_on_its_storage(native) -> None:
+    """No stripe lock is held while a mutate runs, so it can call a limiter
+    of its own storage on the same stripe (this used to be refused)."""
+    storage = native.InMemoryStorage(stripes=1)
+    limiter = native.FixedWindowCounter(3, 60.0, storage, FakeClock(0.0))
+    assert storage.apply("k", 1.0, lambda s: (1, limiter.allow("user").remaining)) == 2
+    assert limiter.state("user").count == 1
+    assert storage.apply("k", 1.0, lambda s: (s, s)) == 1
+
+
+@pytest.mark.native
+def test_evict_idle_leaves_the_key_whose_mutate_runs(native) -> None:
+    storage = native.InMemoryStorage(stripes=1)
+    for key in ("busy", "idle1", "idle2"):
+        storage.apply(key, 1.0, lambda s: ("old", None))
+    evicted: list[int] = []
+
+    def evicting(state):
+        evicted.append(storage.evict_idle(float("inf")))
+        return state + "+new", None
+
+    storage.apply("busy", 2.0, evicting)
+    assert evicted == [2]  # the idle ones; "busy" is being touched
+    assert storage.keys() == ["busy"]
+    assert storage.apply("busy", 3.0, lambda s: (s, s)) == "old+new"
+
+
+@pytest.mark.native
+def test_a_failing_mutate_unpins_its_key(native) -> None:
+    storage = native.InMemoryStorage(stripes=1)
+    storage.apply("k", 1.0, lambda s: (1, None))
+
+    def boom(state):
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        storage.apply("k", 2.0, boom)
+    with pytest.raises(ValueError):  # not a (state, result) pair
+        storage.apply("k", 2.0, lambda s: (1, 2, 3))
+    assert storage.evict_idle(float("inf")) == 1
+    assert len(storage) == 0

@@ -7,6 +7,9 @@ must be spent exactly, never more, whatever the interleaving.
 from __future__ import annotations
 
 import threading
+import time
+
+import pytest
 
 from nanolimit import FakeClock
 
@@ -169,3 +172,72 @@ def test_retired_indexes_are_freed_once_no_batch_is_in_flight(native):
     churn_indexes(limiter, storage)
     limiter.allow_many(["last"])  # the only batch: at its end nothing can read a retired block
     assert storage._retired_index_blocks == 0
+
+
+# --------------------------------------------------------------------------
+# Native only: apply runs its mutate with no stripe lock held.
+
+BOUNDED_WAIT = 10.0
+
+
+@pytest.mark.native
+def test_slow_apply_does_not_block_a_decision_on_its_stripe(native):
+    """A mutate that waits (here on an Event) holds up no limiter: allow() on
+    another key of the same stripe (one stripe: every key) answers while the
+    mutate is still running, and the apply then completes as usual."""
+    storage = native.InMemoryStorage(stripes=1)
+    limiter = native.TokenBucket(5, 60.0, storage, FakeClock(1000.0))
+    inside, release = threading.Event(), threading.Event()
+    applied: list[object] = []
+    decided: list[bool] = []
+
+    def slow(state):
+        inside.set()
+        assert release.wait(BOUNDED_WAIT), "the test never released the mutate"
+        return (state or 0) + 1, "done"
+
+    def run_slow() -> None:
+        applied.append(storage.apply("slow", 1.0, slow))
+
+    slow_thread = threading.Thread(target=run_slow, daemon=True)
+    slow_thread.start()
+    try:
+        assert inside.wait(BOUNDED_WAIT)
+        decider = threading.Thread(target=lambda: decided.append(limiter.allow("other").allowed), daemon=True)
+        decider.start()
+        decider.join(BOUNDED_WAIT)
+        assert not decider.is_alive(), "allow() waited for a mutate of another key"
+        assert decided == [True]
+        assert slow_thread.is_alive()  # the mutate is still running
+        assert len(storage) == 1  # "other" is stored; "slow" is not written yet
+    finally:
+        release.set()
+        slow_thread.join(BOUNDED_WAIT)
+    assert not slow_thread.is_alive()
+    assert applied == ["done"]
+    assert storage.apply("slow", 2.0, lambda s: (s, s)) == 1
+    assert limiter.state("other").level == 4.0
+
+
+@pytest.mark.native
+def test_slow_applies_of_one_key_stay_atomic(native):
+    """Mutates that give the GIL away mid-way (a sleep) still never lose an
+    update of their key, while decisions on the same stripe go on."""
+    storage = native.InMemoryStorage(stripes=1)
+    limiter = native.GCRA(10**6, 1.0, storage, FakeClock(1000.0))
+
+    def incr(state):
+        n = (state or 0) + 1
+        time.sleep(0.0005)
+        return n, n
+
+    def hammer(i):
+        for n in range(25):
+            if i % 2:
+                storage.apply("counter", 1.0, incr)
+            else:
+                assert limiter.allow(f"user-{i}-{n % 3}").allowed
+        return True
+
+    assert run_threads(hammer) == [True] * THREADS
+    assert storage.apply("counter", 1.0, lambda s: (s, s)) == THREADS // 2 * 25

@@ -85,7 +85,6 @@ from nanolimit._shared import (
 )
 
 cdef extern from "Python.h":
-    unsigned long PyThread_get_thread_ident() nogil
     bint PyUnicode_IS_COMPACT_ASCII(object o)
     void* PyUnicode_DATA(object o)
     Py_ssize_t PyUnicode_GET_LENGTH(object o)
@@ -126,8 +125,8 @@ cdef void raise_status(int status) except *:
         raise MemoryError("nanolimit: a table stripe is full (16,777,214 keys)")
     if status == NL_REENTRANT:
         raise RuntimeError(
-            "InMemoryStorage re-entered from inside apply() on the same stripe; "
-            "a mutate function must not call back into its storage"
+            "InMemoryStorage.apply() called from inside a mutate function of the same "
+            "storage; a mutate function must not call apply() of its storage"
         )
     raise RuntimeError(f"nanolimit: internal status {status}")
 

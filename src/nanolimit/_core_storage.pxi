@@ -4,6 +4,12 @@
 # InMemoryStorage: the striped table in C memory, its namespaces, the
 # decision paths (one, a batch, a compound) and the Storage protocol.
 
+# apply's mutate runs under a Python lock shared by a group of stripes (see
+# ``InMemoryStorage.apply``): enough groups for applies of unrelated keys to
+# overlap, few enough to build with every storage.
+cdef uint32_t APPLY_LOCK_GROUPS = 16
+
+
 @cython.final
 cdef class InMemoryStorage:
     """Per-key state in a striped open-addressing table in C memory.
@@ -30,6 +36,9 @@ cdef class InMemoryStorage:
     cdef list _namespace_users            # per namespace id: a WeakSet of the limiters using it
     cdef list _free_namespaces            # ids reclaimed from retired rules, for reuse
     cdef object _namespace_lock
+    cdef tuple _apply_locks               # apply's Python locks, one per group of stripes
+    cdef uint32_t apply_lock_mask         # a stripe's group: its index & this
+    cdef object _applying                 # threading.local: this thread is running a mutate
 
     def __cinit__(self, *, stripes=64, max_key_bytes=MAX_KEY_BYTES, max_keys=None, on_full="evict",
                   evict_idle_after=None, _hash_mask=None):
@@ -75,6 +84,9 @@ cdef class InMemoryStorage:
         self._namespace_users = [None]
         self._free_namespaces = []
         self._namespace_lock = threading.Lock()
+        self.apply_lock_mask = min(self.stripe_mask + 1, APPLY_LOCK_GROUPS) - 1
+        self._apply_locks = tuple([threading.Lock() for i in range(self.apply_lock_mask + 1)])
+        self._applying = threading.local()
 
     def __dealloc__(self):
         cdef ObjectList objects
@@ -146,7 +158,6 @@ cdef class InMemoryStorage:
         cdef uint32_t i
         cdef Stripe* s
         cdef ObjectList objects
-        cdef int status
         if retired == NULL:
             raise MemoryError()
         reclaimed = []
@@ -161,9 +172,7 @@ cdef class InMemoryStorage:
             memset(&objects, 0, sizeof(ObjectList))
             for i in range(self.stripe_mask + 1):
                 s = &self.stripes[i]
-                status = lock_stripe(s)
-                if status != NL_OK:
-                    raise_status(status)
+                lock_stripe(s)
                 stripe_evict(s, INFINITY, retired, &objects)
                 nl_unlock(&s.lock)
             release_objects(&objects)
@@ -193,9 +202,8 @@ cdef class InMemoryStorage:
         """One decision; ``h`` is ``hash_key`` of the key (the caller hashes
         early, to start the index slot's load before the lock)."""
         cdef Stripe* s = self.stripe_for(h)
-        cdef int status = lock_stripe(s)
-        if status != NL_OK:
-            return status
+        cdef int status
+        lock_stripe(s)
         status = table_decide(s, self.bounds_or_null(), h, ns, key, <uint32_t>klen, now, cost, p, commit, v)
         nl_unlock(&s.lock)
         return status
@@ -208,7 +216,6 @@ cdef class InMemoryStorage:
         """Decide ``n`` requests in order. Hashes are computed first so the
         loop can prefetch the index slot ``2 * AHEAD`` requests ahead and the
         entry ``AHEAD`` ahead: a large table costs cache misses, not probes."""
-        cdef unsigned long me = PyThread_get_thread_ident()
         cdef Py_ssize_t i = 0
         cdef uint64_t h
         cdef Stripe* s
@@ -244,9 +251,6 @@ cdef class InMemoryStorage:
                     nl_unlock(&held.lock)
                 held = NULL
                 if not nl_trylock(&s.lock):
-                    if s.owner == me:
-                        status = NL_REENTRANT
-                        break
                     nl_lock_spin(&s.lock)
                 held = s
                 run = 0
@@ -297,9 +301,7 @@ cdef class InMemoryStorage:
         cdef uint32_t slot
         cdef Py_ssize_t position
         cdef void* obj = NULL
-        cdef int status = lock_stripe(s)
-        if status != NL_OK:
-            raise_status(status)
+        lock_stripe(s)
         position = stripe_find(s, h, ns, key, <uint32_t>klen, &slot)
         if position >= 0:
             obj = stripe_delete(s, slot, <uint32_t>position)
@@ -317,9 +319,8 @@ cdef class InMemoryStorage:
         cdef Py_ssize_t position
         cdef Entry copy
         cdef double* log = NULL
-        cdef int status = lock_stripe(s)
-        if status != NL_OK:
-            raise_status(status)
+        cdef int status = NL_OK
+        lock_stripe(s)
         position = stripe_find(s, h, ns, key, <uint32_t>klen, &slot)
         if position >= 0:
             copy = s.entries[position]
@@ -465,9 +466,7 @@ cdef class InMemoryStorage:
                 stripe_ids[j] = stripe_id
                 stripes_used += 1
             for j in range(stripes_used):
-                status = lock_stripe(&self.stripes[stripe_ids[j]])
-                if status != NL_OK:
-                    break
+                lock_stripe(&self.stripes[stripe_ids[j]])
                 locked += 1
             # Phase 1 may make room in full stripes; phase 2 then never refuses
             # (a compound request can overshoot max_keys by its own few keys).
@@ -517,9 +516,16 @@ cdef class InMemoryStorage:
     def apply(self, key, now, mutate):
         """Run ``mutate(state | None) -> (state, result)`` atomically for ``key``.
 
-        The slow, general seam (SPEC §5) for algorithms written in Python: the
-        stripe lock is held while ``mutate`` runs, so it must not call back
-        into this storage. A returned state of ``None`` forgets the key.
+        The slow, general seam (SPEC §5) for algorithms written in Python. No
+        stripe lock is held while ``mutate`` runs: the ``apply`` calls of a
+        group of stripes take turns on a Python lock (``_apply_locks``, which
+        releases the GIL while it waits), and the stripe lock is taken only
+        to read the state before and to write it after. So a slow mutate
+        holds up only other ``apply`` calls of its group, never a limiter's
+        decision, and ``evict_idle`` leaves the key it is running for (the
+        key is being touched). ``mutate`` must not call ``apply`` of this
+        storage (``RuntimeError``: it could wait on itself). A returned state
+        of ``None`` forgets the key.
         """
         cdef Py_ssize_t klen
         cdef const char* data = key_bytes(key, self.max_key_bytes, &klen)
@@ -533,37 +539,63 @@ cdef class InMemoryStorage:
         cdef int status = NL_OK
         if not callable(mutate):
             raise ValidationError("mutate must be callable")
-        status = lock_stripe(s)
-        if status != NL_OK:
-            raise_status(status)
-        s.owner = PyThread_get_thread_ident()
-        try:
-            position = stripe_find(s, h, ALG_APPLY, data, <uint32_t>klen, &slot)
-            state = None if position < 0 else <object><PyObject*>s.entries[position].state.obj
-            new_state, result = mutate(state)
-        except BaseException:
-            s.owner = 0
-            nl_unlock(&s.lock)
-            raise
-        # Python may have run: the stripe cannot have changed (re-entry is refused).
-        if new_state is None:
-            if position >= 0:
-                old = stripe_delete(s, slot, <uint32_t>position)
-        elif position >= 0:
-            e = &s.entries[position]
-            old = e.state.obj
-            Py_INCREF(new_state)
-            e.state.obj = <void*><PyObject*>new_state
-            if t > e.updated_at:
-                e.updated_at = t
-        else:
-            e = stripe_insert(s, h, ALG_APPLY, data, <uint32_t>klen, slot, &status)
-            if e != NULL:
-                Py_INCREF(new_state)
-                e.state.obj = <void*><PyObject*>new_state
-                e.updated_at = t
-        s.owner = 0
-        nl_unlock(&s.lock)
+        applying = self._applying
+        if getattr(applying, "active", False):
+            raise_status(NL_REENTRANT)
+        with <object>self._apply_locks[((h >> 40) & self.stripe_mask) & self.apply_lock_mask]:
+            applying.active = True
+            try:
+                # Read: the state (a new reference, ours while mutate runs)
+                # and the pin that keeps evict_idle off this key meanwhile.
+                lock_stripe(s)
+                position = stripe_find(s, h, ALG_APPLY, data, <uint32_t>klen, &slot)
+                if position >= 0:
+                    e = &s.entries[position]
+                    e.state.apply.busy = 1
+                    state = <object><PyObject*>e.state.obj
+                else:
+                    state = None
+                nl_unlock(&s.lock)
+                try:
+                    new_state, result = mutate(state)
+                except BaseException:
+                    if position >= 0:
+                        lock_stripe(s)
+                        position = stripe_find(s, h, ALG_APPLY, data, <uint32_t>klen, &slot)
+                        if position >= 0:
+                            s.entries[position].state.apply.busy = 0
+                        nl_unlock(&s.lock)
+                    raise
+                # Write, unpinning in the same hold. Other keys of the stripe
+                # may have come and gone (entries move), so the key is looked
+                # up again; its own entry cannot have changed (apply keys
+                # change only here, one apply of a group at a time, and the
+                # pin kept evict_idle away): it still holds the ``state`` read,
+                # or is still absent.
+                lock_stripe(s)
+                position = stripe_find(s, h, ALG_APPLY, data, <uint32_t>klen, &slot)
+                if position >= 0:
+                    s.entries[position].state.apply.busy = 0
+                if new_state is None:
+                    if position >= 0:
+                        old = stripe_delete(s, slot, <uint32_t>position)
+                elif position >= 0:
+                    e = &s.entries[position]
+                    old = e.state.obj
+                    Py_INCREF(new_state)
+                    e.state.obj = <void*><PyObject*>new_state
+                    if t > e.updated_at:
+                        e.updated_at = t
+                else:
+                    e = stripe_insert(s, h, ALG_APPLY, data, <uint32_t>klen, slot, &status)
+                    if e != NULL:
+                        Py_INCREF(new_state)
+                        e.state.obj = <void*><PyObject*>new_state
+                        e.state.apply.busy = 0
+                        e.updated_at = t
+                nl_unlock(&s.lock)
+            finally:
+                applying.active = False
         if old != NULL:
             Py_DECREF(<object><PyObject*>old)
         if status != NL_OK:
@@ -580,14 +612,10 @@ cdef class InMemoryStorage:
         cdef uint32_t i
         cdef Stripe* s
         cdef ObjectList objects
-        cdef int status
         memset(&objects, 0, sizeof(ObjectList))
         for i in range(self.stripe_mask + 1):
             s = &self.stripes[i]
-            status = lock_stripe(s)
-            if status != NL_OK:
-                release_objects(&objects)
-                raise_status(status)
+            lock_stripe(s)
             removed += stripe_evict(s, limit, NULL, &objects)
             nl_unlock(&s.lock)
         release_objects(&objects)
@@ -599,8 +627,7 @@ cdef class InMemoryStorage:
         cdef Stripe* s
         for i in range(self.stripe_mask + 1):
             s = &self.stripes[i]
-            if lock_stripe(s) != NL_OK:
-                raise_status(NL_REENTRANT)
+            lock_stripe(s)
             total += s.count
             nl_unlock(&s.lock)
         return total
@@ -613,12 +640,9 @@ cdef class InMemoryStorage:
         cdef char* buffer
         cdef uint32_t* meta
         cdef size_t used, total, n
-        cdef int status
         for i in range(self.stripe_mask + 1):
             s = &self.stripes[i]
-            status = lock_stripe(s)
-            if status != NL_OK:
-                raise_status(status)
+            lock_stripe(s)
             n = s.count
             total = 0
             for j in range(n):
@@ -662,8 +686,7 @@ cdef class InMemoryStorage:
         cdef Stripe* s
         for i in range(self.stripe_mask + 1):
             s = &self.stripes[i]
-            if lock_stripe(s) != NL_OK:
-                raise_status(NL_REENTRANT)
+            lock_stripe(s)
             keys += s.count
             at_rest += s.evicted_at_rest
             lru += s.evicted_active
@@ -682,8 +705,7 @@ cdef class InMemoryStorage:
         cdef Stripe* s
         for i in range(self.stripe_mask + 1):
             s = &self.stripes[i]
-            if lock_stripe(s) != NL_OK:
-                raise_status(NL_REENTRANT)
+            lock_stripe(s)
             mask = s.index_mask
             for j in range(s.count):
                 home = <uint32_t>entry_hash(s, &s.entries[j]) & mask
@@ -714,8 +736,7 @@ cdef class InMemoryStorage:
         cdef IndexHeader* block
         for i in range(self.stripe_mask + 1):
             s = &self.stripes[i]
-            if lock_stripe(s) != NL_OK:
-                raise_status(NL_REENTRANT)
+            lock_stripe(s)
             total += <size_t>s.capacity * sizeof(Entry)
             if s.index != NULL:
                 total += sizeof(IndexHeader) + (<size_t>s.index_mask + 1) * sizeof(uint32_t)

@@ -155,16 +155,16 @@ cdef void forget_entry(Stripe* s, uint64_t h, uint32_t ns, const char* key,
         stripe_delete(s, slot, <uint32_t>position)
 
 
-cdef inline int lock_stripe(Stripe* s) noexcept:
+cdef inline void lock_stripe(Stripe* s) noexcept:
     """Take a stripe lock while holding the GIL: try once, and only if that
-    fails release the GIL to wait, so a holder that needs the GIL can finish."""
+    fails release the GIL to wait, so a holder that needs the GIL can finish.
+    No stripe lock is ever held while Python code runs (``apply`` runs its
+    mutate unlocked), so the holder is never this thread and never waits
+    for us: the wait is short and cannot deadlock."""
     if nl_trylock(&s.lock):
-        return NL_OK
-    if s.owner == PyThread_get_thread_ident():
-        return NL_REENTRANT
+        return
     with nogil:
         nl_lock_spin(&s.lock)
-    return NL_OK
 
 
 cdef inline void release_objects(ObjectList* objects):

@@ -41,7 +41,6 @@ ctypedef struct Stripe:
     uint32_t count                  # live entries, dense in entries[0:count]
     uint32_t capacity               # entries allocated
     uint32_t random                 # xorshift state for eviction sampling
-    unsigned long owner             # thread running Python under this lock (apply)
     uint32_t sweep                  # idle-sweep cursor into entries
     uint32_t cap                    # most entries this stripe may hold (bounded tables)
     uint64_t evicted_at_rest        # forgotten with no effect on any decision
@@ -51,7 +50,7 @@ ctypedef struct Stripe:
     uint64_t hash_mask              # all ones, but for the collision test hook
     BatchReaders* readers           # the storage's batches that read indexes unlocked
     void* retired                   # replaced index blocks such a batch may still read
-    uint8_t _pad2[16]               # 128 bytes: stripes never share a cache line
+    uint8_t _pad2[24]               # 128 bytes: stripes never share a cache line
 
 # An index block: this header, then the slots (``Stripe.index`` points at the
 # slots). The mask travels with the block, so a reader without the lock
@@ -408,7 +407,8 @@ cdef inline Py_ssize_t stripe_evict(Stripe* s, double cutoff, const uint8_t* onl
                                     ObjectList* out) noexcept nogil:
     """Drop entries last touched before ``cutoff``, and only limiters' entries
     of the namespace ids flagged in ``only_namespaces`` unless it is NULL;
-    compacts and reindexes."""
+    compacts and reindexes. An ``apply`` key whose mutate is running
+    (``ApplyState.busy``) is being touched, so it is never idle."""
     cdef uint32_t i, kept = 0
     cdef Py_ssize_t removed = 0
     cdef Entry* e
@@ -418,7 +418,7 @@ cdef inline Py_ssize_t stripe_evict(Stripe* s, double cutoff, const uint8_t* onl
         if only_namespaces != NULL and (e.ns == ALG_APPLY or not only_namespaces[e.ns >> 3]):
             drop = False
         else:
-            drop = e.updated_at < cutoff
+            drop = e.updated_at < cutoff and not (e.ns == ALG_APPLY and e.state.apply.busy)
         if drop and (e.ns != ALG_APPLY or objects_push(out, e.state.obj) == NL_OK):
             entry_release(e)
             removed += 1

@@ -70,12 +70,17 @@ ctypedef struct LogState:           # sliding log: ring buffer, oldest at head
     uint32_t head
     uint32_t length
 
+ctypedef struct ApplyState:         # apply(): ``obj`` is KeyState.obj
+    void* obj
+    uint32_t busy                   # its mutate is running: evict_idle leaves it
+
 ctypedef union KeyState:
     BucketState bucket
     WindowState window
     GcraState gcra
     LogState log
     void* obj                       # ALG_APPLY: an owned PyObject*
+    ApplyState apply                # ALG_APPLY: the same object and its busy flag
 
 ctypedef union KeyBytes:
     char short_key[16]
