@@ -8,12 +8,12 @@ exposition format is written by hand: no dependency on a metrics library.
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from typing import Any
 
 from .._select import native_core
+from .headers import rate_headers
 
 __all__ = ["ALLOWED", "DENIED", "NEAR_LIMIT", "OUTCOMES", "SHADOW_DENIED", "Metrics"]
 
@@ -169,21 +169,6 @@ class Metrics:
 
     def __getstate__(self) -> Any:
         raise TypeError("Metrics cannot be pickled (it holds per-thread counters)")
-
-
-def rate_headers(
-    limit_str: str, policy: str, r_prefix: str, left: int, reset: float, wall_now: float
-) -> dict[str, str]:
-    """The five rate-limit headers of a decision (SPEC §3), from a rule's
-    preformatted pieces: what ``AdmittedRequests.record`` writes in C."""
-    text = str(left)
-    return {
-        "X-RateLimit-Limit": limit_str,
-        "X-RateLimit-Remaining": text,
-        "X-RateLimit-Reset": str(math.ceil(wall_now + reset)),
-        "RateLimit-Policy": policy,
-        "RateLimit": f"{r_prefix}{text};t={math.ceil(reset)}",
-    }
 
 
 class _ShardedAdmitted:

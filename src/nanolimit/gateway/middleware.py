@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -27,18 +26,16 @@ from typing import Any
 
 from .._shared import Algorithm, ValidationError
 from .factory import LimiterFactory
+from .headers import deny_body, rate_headers, retry_seconds, rule_pieces
 from .keys import DefaultKeyExtractor, KeyExtractor
-from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics, rate_headers
+from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics
 from .request import Request
 from .rules import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RateLimitRule, RuleRegistry, RuleSet, key_bytes
 
 __all__ = ["Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
 
 _ceil = math.ceil
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.:@/+-]*\Z")
 _MISSING: Any = object()
-# (rule, retry seconds) -> 429 body: a flood of denials renders few bodies.
-_BODIES: dict[tuple[str, int], bytes] = {}
 
 
 @dataclass(slots=True)
@@ -51,18 +48,6 @@ class Response:
 
     def json(self) -> Any:
         return json.loads(self.body)
-
-
-def deny_body(rule: str, retry_after: int) -> bytes:
-    """SPEC §2: the JSON body of a 429. Rule names are validated to need no
-    JSON escaping (see ``RateLimitRule``), so the body is formatted directly;
-    anything else goes through ``json.dumps``."""
-    if _SAFE_NAME.match(rule):
-        return b'{"error": "rate_limit_exceeded", "rule": "%s", "retry_after": %d}' % (
-            rule.encode(),
-            retry_after,
-        )
-    return json.dumps({"error": "rate_limit_exceeded", "rule": rule, "retry_after": retry_after}).encode()
 
 
 class Outcome:
@@ -130,11 +115,8 @@ class _Binding:
         self.dry_run = rule.dry_run
         self.shape = rule.shape and rule.algorithm is Algorithm.LEAKY_BUCKET
         capacity = limiter.capacity
-        self.limit_str = str(capacity)
         self.near = capacity * near_ratio
-        window = max(1, _ceil(limiter.window_seconds))
-        self.policy = f'"{rule.name}";q={capacity};w={window}'
-        self.r_prefix = f'"{rule.name}";r='
+        self.limit_str, self.policy, self.r_prefix = rule_pieces(rule.name, capacity, limiter.window_seconds)
 
 
 class RateLimitMiddleware:
@@ -286,13 +268,18 @@ class RateLimitMiddleware:
         except AttributeError:
             shard = self._local.shard = self.metrics.shard()
         self._counts(shard, b.name)[DENIED] += 1
-        return self._refusal(b, d)
+        return self._refusal(b, d, d.retry_after, d)
 
-    def _refusal(self, b: _Binding, d: Any) -> tuple[bool, dict[str, str], float, str, int, Any]:
+    def _refusal(
+        self, b: _Binding, d: Any, retry_after: float, answer: Any
+    ) -> tuple[bool, dict[str, str], float, str, int, Any]:
+        """A 429 by ``b`` (whose decision is ``d``): its headers, and the one
+        place ``Retry-After`` is written (``answer`` is what the caller
+        gets as the decision: ``d``, or the compound decision)."""
         headers = self._headers(b, d)
-        retry = max(1, _ceil(d.retry_after))
+        retry = retry_seconds(retry_after)
         headers["Retry-After"] = str(retry)
-        return (False, headers, 0.0, b.name, retry, d)
+        return (False, headers, 0.0, b.name, retry, answer)
 
     def _check_stacked(
         self, request: Request, ruleset: RuleSet, rules: tuple[RateLimitRule, ...]
@@ -350,19 +337,18 @@ class RateLimitMiddleware:
                     delay = d.delay
             elif not d.allowed:
                 counts[DENIED] += 1
-        if len(enforced) == 1:
-            b = enforced[0][0]
-            headers = self._headers(b, summary)
-            name = b.name
-        else:
-            headers = summary.headers(self.wall_clock())
+        # the headers describe the binding rule (its own quota, window,
+        # remaining and reset): the one the compound decision names
+        binding, decision = enforced[0][0], decisions[0]
+        if len(enforced) > 1:
             name = summary.rule
+            for (b, _), d in zip(enforced, decisions):
+                if b.name == name:
+                    binding, decision = b, d
+                    break
         if allowed:
-            headers.pop("Retry-After", None)
-            return (True, headers, delay, name, 0, summary)
-        retry = max(1, _ceil(summary.retry_after))
-        headers["Retry-After"] = str(retry)
-        return (False, headers, 0.0, name, retry, summary)
+            return (True, self._headers(binding, decision), delay, binding.name, 0, summary)
+        return self._refusal(binding, decision, summary.retry_after, summary)
 
     # -- the pipeline stage -------------------------------------------------------
     def __call__(self, request: Request, next_handler: Callable[[Request], Response]) -> Response:
@@ -400,13 +386,7 @@ class RateLimitMiddleware:
         allowed, headers, delay, name, retry, _ = raw
         if not allowed:
             headers["Content-Type"] = "application/json"
-            body = _BODIES.get((name, retry))
-            if body is None:
-                body = deny_body(name, retry)
-                if len(_BODIES) >= 4096:
-                    _BODIES.clear()  # bounded; a flood of denials mostly repeats a few values
-                _BODIES[(name, retry)] = body
-            return Response(429, headers, body)
+            return Response(429, headers, deny_body(name, retry))
         if delay > 0.0:
             self.sleep(delay)
         response = next_handler(request)

@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .factory import LimiterFactory
+from .headers import deny_body
 from .keys import KeyExtractor
 from .metrics import Metrics
 from .middleware import RateLimitMiddleware as Core
-from .middleware import deny_body
 from .request import Request
 from .rules import RuleRegistry
 
