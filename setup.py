@@ -1,7 +1,8 @@
 """Build the native core.
 
 NANOLIMIT_NO_EXTENSIONS=1  build no extension: the pure-Python twin is used.
-NANOLIMIT_DEBUG_BUILD=1    -O0 -g, Cython line tracing off, asserts on.
+NANOLIMIT_DEBUG_BUILD=1    -O0 -g, asserts on, and Cython's boundscheck and
+                           wraparound on (list and tuple indexing checked).
 NANOLIMIT_SANITIZE=1       AddressSanitizer + UBSan (run with LD_PRELOAD of libasan).
 NANOLIMIT_ANNOTATE=1       write Cython's HTML annotation next to the sources.
 
@@ -59,7 +60,10 @@ def _extensions() -> list:
     )
     return cythonize(
         [extension],
-        compiler_directives={"language_level": 3},
+        # The sources leave these two to the build: unchecked in a release
+        # build, checked in the debug build, where an index bug raises
+        # IndexError instead of reading past a list.
+        compiler_directives={"language_level": 3, "boundscheck": DEBUG, "wraparound": DEBUG},
         annotate=_flag("NANOLIMIT_ANNOTATE"),
         include_path=["src"],
     )

@@ -1,5 +1,6 @@
 # cython: language_level=3, freethreading_compatible=True, binding=False, embedsignature=True, embedsignature.format=clinic
-# cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# cython: cdivision=True, initializedcheck=False
+# boundscheck and wraparound come from setup.py: off, but on in the debug build.
 # binding=False: methods are builtin methods, which CPython calls directly;
 # a cyfunction costs ~100 more instructions a call (-13 % per decision).
 # The clinic-format signature keeps inspect.signature() working.

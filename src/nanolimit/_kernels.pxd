@@ -1,4 +1,4 @@
-# cython: language_level=3, cdivision=True, boundscheck=False, wraparound=False
+# cython: language_level=3, cdivision=True
 # The six decision kernels: SPEC §4 written literally, in the same order of
 # floating-point operations as ``reference.py`` (its ``_<algorithm>``
 # functions). ``now`` is already ``max(clock, updated_at)``; the caller stamps

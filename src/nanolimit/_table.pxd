@@ -1,4 +1,4 @@
-# cython: language_level=3, cdivision=True, boundscheck=False, wraparound=False
+# cython: language_level=3, cdivision=True
 # One stripe of the striped hash table: a dense array of 48-byte entries plus
 # an open-addressing index of uint32 slots (linear probing, backward-shift
 # deletion, so there are no tombstones). A slot holds an 8-bit fingerprint of

@@ -1,4 +1,4 @@
-# cython: language_level=3, cdivision=True, boundscheck=False, wraparound=False
+# cython: language_level=3, cdivision=True
 # Fixed-layout C types shared by every native module: per-key state, the
 # table entry, the limiter parameters and a kernel's verdict.
 
