@@ -233,6 +233,78 @@ class Cluster:
 # pytest glue: test modules load this module with ``pytest_plugins = ["redis_servers"]``.
 
 _SERVERS: dict[str, Server] = {}
+
+
+class Sentinel:
+    """One Sentinel process (``<binary> <config> --sentinel``) watching
+    ``master`` as ``name``, on 127.0.0.1. Sentinel rewrites its config file,
+    so the file lives in its own temporary directory; ``stop()`` ends the
+    process by its PID and removes the directory."""
+
+    def __init__(self, binary: str, master: Server, name: str = "nanolimit-master") -> None:
+        self.binary = binary
+        self.master = master
+        self.name = name
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="nanolimit-sentinel-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 10.0) -> None:
+        config = Path(self.dir) / "sentinel.conf"
+        config.write_text(
+            f"port {self.port}\nbind {HOST}\nprotected-mode no\ndir {self.dir}\n"
+            f"logfile {Path(self.dir) / 'sentinel.log'}\n"
+            f"sentinel monitor {self.name} {HOST} {self.master.port} 1\n"
+        )
+        self.proc = subprocess.Popen(
+            [self.binary, str(config), "--sentinel"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sentinel exited at start: {self._log_tail()}")
+            if self._knows_master():
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"sentinel on port {self.port} did not name its master: {self._log_tail()}")
+
+    def _knows_master(self) -> bool:
+        try:
+            with socket.create_connection((HOST, self.port), timeout=0.2) as s:
+                s.settimeout(0.2)
+                s.sendall(f"SENTINEL get-master-addr-by-name {self.name}\r\n".encode())
+                return str(self.master.port).encode() in s.recv(256)
+        except OSError:
+            return False
+
+    def _log_tail(self) -> str:
+        try:
+            return (Path(self.dir) / "sentinel.log").read_text()[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def sentinel(redis_server: Server):  # type: ignore[no-untyped-def]
+    """A Sentinel (the same binary, ``--sentinel``) watching the shared
+    server of the kind under test, for this test alone."""
+    watcher = Sentinel(redis_server.binary, redis_server)
+    watcher.start()
+    yield watcher
+    watcher.stop()
+
+
 _CLUSTERS: dict[str, Cluster] = {}
 
 

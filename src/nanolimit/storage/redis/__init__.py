@@ -111,9 +111,11 @@ from ._connections import (
 )
 from ._connections import (
     _SyncSpareConnections as _SyncSpareConnections,
+    check_client as check_client,
 )
 from ._connections import (
     derive_client as derive_client,
+    direct_path as direct_path,
 )
 from ._connections import (
     is_asyncio_client as is_asyncio_client,

@@ -38,7 +38,9 @@ from ._connections import (
     _AsyncSpareConnections,
     _client_package,
     _SyncSpareConnections,
+    check_client,
     derive_client,
+    direct_path,
     is_asyncio_client,
     is_cluster_client,
 )
@@ -186,6 +188,7 @@ class _RedisBase:
             raise ValidationError("breaker_threshold must be an int >= 1")
         if len(key_salt) > 64:
             raise ValidationError("key_salt is at most 64 bytes (BLAKE2b key)")
+        check_client(client)
         if is_asyncio_client(client) is not self._asyncio:
             want, other = (
                 ("an asyncio", "RedisStorage") if self._asyncio else ("a synchronous", "AsyncRedisStorage")
@@ -238,6 +241,9 @@ class _RedisBase:
         # about a key answer that key alone (see ``_error_verdict``).
         self._reply_errors: tuple[type[BaseException], ...] = ()
         self._connect_error: tuple[type[BaseException], ...] = ()
+        # What counts in ``timeouts``: the client's own TimeoutError (redis-py's
+        # is not the builtin one) and the builtin (socket and asyncio timeouts).
+        self._timeout_errors: tuple[type[BaseException], ...] = (TimeoutError,)
         try:
             exceptions = _client_package(client).exceptions
             base = getattr(exceptions, "RedisError", None) or getattr(exceptions, "ValkeyError", None)
@@ -249,6 +255,9 @@ class _RedisBase:
             connect = getattr(exceptions, "ConnectionError", None)
             if isinstance(connect, type) and issubclass(connect, BaseException):
                 self._connect_error = (connect,)
+            timed_out = getattr(exceptions, "TimeoutError", None)
+            if isinstance(timed_out, type) and issubclass(timed_out, BaseException):
+                self._timeout_errors = (TimeoutError, timed_out)
         except (ImportError, AttributeError):
             pass
 
@@ -261,15 +270,18 @@ class _RedisBase:
         (it must not be retried), so on a standalone client we take a
         connection from the client's pool, send, read and give it back, as
         redis-py itself does underneath (the asyncio client alike, awaiting
-        each step). Clusters (routing) and single-connection clients go
-        through ``execute_command``.
+        each step). Only for the client and pool types the library itself
+        defines (:func:`direct_path`): clusters (routing), single-connection
+        clients and any subclass or unknown pool go through the public
+        ``execute_command``.
         """
         self._pool: Any = None
         self._conn_args: tuple[str, ...] = ()
         self._spares: Any = None  # _SyncSpareConnections or _AsyncSpareConnections
-        pool = getattr(self.client, "connection_pool", None)
-        if self.cluster or pool is None or getattr(self.client, "connection", None) is not None:
+        path = direct_path(self.client)
+        if path == "public":
             return
+        pool = self.client.connection_pool
         if not (hasattr(pool, "get_connection") and hasattr(pool, "release")):
             return
         try:
@@ -287,7 +299,8 @@ class _RedisBase:
         ):
             self._conn_args = ("EVALSHA",)  # older redis-py and valkey-py want a command name
         self._pool = pool
-        self._keep_spares(pool, keep)
+        if path == "kept":
+            self._keep_spares(pool, keep)
 
     def _keep_spares(self, pool: Any, keep: int) -> None:
         """Let single calls keep up to ``keep`` connections out of the
@@ -408,7 +421,7 @@ class _RedisBase:
     def _failed(self, exc: BaseException) -> None:
         """The server or the connection failed: count it, feed the breaker."""
         self._count("errors")
-        if "imeout" in type(exc).__name__ or isinstance(exc, TimeoutError):
+        if isinstance(exc, self._timeout_errors):
             self._count("timeouts")
         self._breaker.failure()
 

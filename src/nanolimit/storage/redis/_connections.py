@@ -13,27 +13,135 @@ import importlib
 import inspect
 import os
 import select
+import sys
 import time
 import weakref
 from typing import Any, ClassVar, Final
 
+from ..._shared import ValidationError
+
 # --------------------------------------------------------------------------
 # Client plumbing
+#
+# Which client types are known decides which path a decision takes
+# (docs/redis.md, "Clients"). The client library's own classes — the
+# standalone client, its ConnectionPool/BlockingConnectionPool and its plain,
+# TLS and Unix-socket connections — are known, and only they get the fast
+# paths that lean on redis-py internals: a pooled connection used directly,
+# connections kept between calls (their ``_sock``/``_writer``). Anything else
+# — a subclass of the client or of a pool, a custom connection class — goes
+# through the public API (``execute_command``), so what the subclass changes
+# is honoured. A Sentinel-managed pool is known for deriving (through its
+# Sentinel's public ``master_for``/``slave_for``) and for the direct pool path,
+# never for kept connections (its connections follow a failover on connect).
+
+# Reached as attributes of the client's top package (``redis``, ``valkey``).
+_STANDALONE_POOLS: Final = ("ConnectionPool", "BlockingConnectionPool")
+_PLAIN_CONNECTIONS: Final = ("Connection", "SSLConnection", "UnixDomainSocketConnection")
+_ACCEPTED: Final = (
+    "a redis-py or valkey-py client object: redis.Redis, redis.RedisCluster, "
+    "redis.sentinel.Sentinel(...).master_for(name), their redis.asyncio twins, or the valkey ones"
+)
 
 
 def _client_package(client: Any) -> Any:
-    """``redis`` or ``valkey`` (or any redis-py fork): the client's top package."""
-    return importlib.import_module(type(client).__module__.split(".")[0])
+    """``redis`` or ``valkey`` (or any redis-py fork): the top package of the
+    library the client's class comes from, found along its MRO so a subclass
+    defined elsewhere still names its library."""
+    for cls in type(client).__mro__:
+        top = cls.__module__.split(".")[0]
+        if top == "builtins":
+            continue
+        module = sys.modules.get(top) or importlib.import_module(top)
+        if all(hasattr(module, name) for name in ("exceptions", "retry", "backoff")):
+            return module
+    raise ValidationError(f"client must be {_ACCEPTED}; got {type(client).__name__} {_shown(client)}")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_client(client: Any) -> None:
+    """Refuse, with a message naming what is accepted, anything that is not a
+    client object: a URL string (``RedisStorage("redis://...")``) used to
+    fail deep inside with ``ModuleNotFoundError: builtins.retry``. A URL is
+    not accepted here on purpose: how a storage is named by a URI (TLS,
+    cluster, Sentinel schemes) is decided in one place, not guessed by each
+    storage; ``redis.Redis.from_url(url)`` makes the client."""
+    if isinstance(client, (str, bytes)):
+        raise ValidationError(
+            f"client must be {_ACCEPTED}; got the {type(client).__name__} {_shown(client)} "
+            "(for a URL, pass redis.Redis.from_url(url))"
+        )
+    if not callable(getattr(client, "execute_command", None)):
+        raise ValidationError(f"client must be {_ACCEPTED}; got {type(client).__name__} {_shown(client)}")
+    _client_package(client)
+
+
+def _library_class(pkg: Any, asyncio_client: bool, module: str, name: str) -> Any:
+    """``pkg[.asyncio].<module>.<name>``, or None where this library has none."""
+    path = f"{pkg.__name__}{'.asyncio' if asyncio_client else ''}.{module}"
+    try:
+        found = getattr(importlib.import_module(path), name, None)
+    except ImportError:
+        return None
+    return found if isinstance(found, type) else None
+
+
+def _is_a(value: Any, pkg: Any, asyncio_client: bool, module: str, name: str) -> bool:
+    cls = _library_class(pkg, asyncio_client, module, name)
+    return cls is not None and isinstance(value, cls)
+
+
+def _exactly(value: Any, pkg: Any, asyncio_client: bool, module: str, names: tuple[str, ...]) -> bool:
+    return any(type(value) is _library_class(pkg, asyncio_client, module, name) for name in names)
 
 
 def is_cluster_client(client: Any) -> bool:
-    """A RedisCluster-like client (duck typed: it has a nodes manager)."""
-    return hasattr(client, "nodes_manager") and hasattr(client, "get_nodes")
+    """A RedisCluster (or a subclass), of either flavour: routed by slot."""
+    try:
+        pkg = _client_package(client)
+    except ValidationError:
+        return False
+    return _is_a(client, pkg, is_asyncio_client(client), "cluster", "RedisCluster")
 
 
 def is_asyncio_client(client: Any) -> bool:
     """A ``redis.asyncio`` (or ``valkey.asyncio``) client: its commands are coroutines."""
     return inspect.iscoroutinefunction(getattr(client, "execute_command", None))
+
+
+def _is_sentinel_pool(pool: Any, pkg: Any, asyncio_client: bool) -> bool:
+    return _is_a(pool, pkg, asyncio_client, "sentinel", "SentinelConnectionPool")
+
+
+def direct_path(client: Any) -> str:
+    """How decisions on ``client`` (a derived one) reach the server:
+    ``"kept"`` — a known client on a known standalone pool of plain
+    connections: a pooled connection used directly, and connections kept
+    between calls; ``"pool"`` — a known client on a Sentinel-managed pool: a
+    pooled connection used directly (``get_connection``/``send_command``/
+    ``read_response``/``release``, the pool's and the connection's public
+    methods), none kept; ``"public"`` — anything else: ``execute_command``."""
+    pkg = _client_package(client)
+    aio = is_asyncio_client(client)
+    if not _exactly(client, pkg, aio, "client", ("Redis",)):
+        return "public"  # a cluster (routing), or a subclass that may change execute_command
+    if getattr(client, "connection", None) is not None:
+        return "public"  # single_connection_client=True: one connection and its own lock
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        return "public"
+    if type(pool) is _library_class(pkg, aio, "sentinel", "SentinelConnectionPool"):
+        return "pool"
+    if not _exactly(pool, pkg, aio, "connection", _STANDALONE_POOLS):
+        return "public"
+    connection_class = getattr(pool, "connection_class", None)
+    if not any(connection_class is _library_class(pkg, aio, "connection", n) for n in _PLAIN_CONNECTIONS):
+        return "public"
+    return "kept"
 
 
 def derive_client(client: Any, timeout: float) -> Any:
@@ -43,9 +151,19 @@ def derive_client(client: Any, timeout: float) -> Any:
     for over 25 s on a frozen server. The caller's own client is left as it is.
     Works for the synchronous and the ``asyncio`` clients alike (each has its
     own ``Retry`` class, next to its client module).
+
+    A cluster is rebuilt from its nodes and its nodes manager's settings
+    (redis-py has no public accessor for them); a Sentinel-managed client
+    through its Sentinel's ``master_for``/``slave_for``; any other from its
+    pool's public ``connection_kwargs``, ``connection_class`` and
+    ``max_connections``, with the same client and pool classes. A client
+    whose classes cannot be rebuilt that way raises :class:`ValidationError`
+    naming ``derive=False`` (then its timeouts and retries are the caller's).
     """
+    check_client(client)
     pkg = _client_package(client)
-    home = type(client).__module__.rsplit(".", 1)[0]  # "redis" or "redis.asyncio"
+    aio = is_asyncio_client(client)
+    home = pkg.__name__ + (".asyncio" if aio else "")  # where the client's own Retry lives
     retry_mod = importlib.import_module(home + ".retry")
     backoff_mod = importlib.import_module(pkg.__name__ + ".backoff")
 
@@ -74,18 +192,42 @@ def derive_client(client: Any, timeout: float) -> Any:
         known = client.get_nodes() or list(client.nodes_manager.startup_nodes.values())
         nodes = [node_type(n.host, n.port) for n in known]
         return type(client)(startup_nodes=nodes, retry=no_retry(), **kwargs)
-    pool = client.connection_pool
+    pool = getattr(client, "connection_pool", None)
+    if pool is None or not hasattr(pool, "connection_kwargs"):
+        raise ValidationError(
+            f"cannot derive a short-timeout client from {type(client).__name__} (no connection_pool "
+            "with connection_kwargs); pass derive=False and set its timeouts and retries yourself"
+        )
     kwargs = dict(pool.connection_kwargs)
     kwargs.update(overrides)
     kwargs["retry"] = no_retry()
+    if _is_sentinel_pool(pool, pkg, aio):
+        # the pool's own back reference (a proxy) is rebuilt by the new pool
+        kwargs.pop("connection_pool", None)
+        make = pool.sentinel_manager.master_for if pool.is_master else pool.sentinel_manager.slave_for
+        derived = make(
+            pool.service_name,
+            redis_class=type(client),
+            connection_pool_class=type(pool),
+            max_connections=pool.max_connections,
+            **kwargs,
+        )
+        derived.auto_close_connection_pool = True
+        return derived
     extra: dict[str, Any] = {}
     if isinstance(getattr(pool, "timeout", None), (int, float)):
         # a BlockingConnectionPool: waiting for a free connection is bounded too
         extra["timeout"] = min(pool.timeout, timeout)
-    new_pool = type(pool)(
-        connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs, **extra
-    )
-    derived = type(client)(connection_pool=new_pool)
+    try:
+        new_pool = type(pool)(
+            connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs, **extra
+        )
+        derived = type(client)(connection_pool=new_pool)
+    except TypeError as exc:  # a subclass whose constructor takes other arguments
+        raise ValidationError(
+            f"cannot derive a short-timeout client from {type(client).__name__} on "
+            f"{type(pool).__name__} ({exc}); pass derive=False and set its timeouts and retries yourself"
+        ) from exc
     derived.auto_close_connection_pool = True  # our pool: ``close()``/``aclose()`` disconnects it
     return derived
 

@@ -8,6 +8,8 @@ request is answered by policy and whether the breaker opens (docs/redis.md,
 
 from __future__ import annotations
 
+import functools
+import importlib
 import threading
 import time
 from typing import Final, Literal
@@ -100,6 +102,35 @@ def _code_of_text(text: str) -> str:
     return "ERR"
 
 
+@functools.cache
+def _class_codes(package: str) -> dict[type, str]:
+    """The classes of ``package.exceptions`` (redis-py, valkey-py) that stand
+    for a stripped error code, by identity: a class elsewhere that merely
+    shares a name is not one of them."""
+    try:
+        exceptions = importlib.import_module(package + ".exceptions")
+    except ImportError:
+        return {}
+    codes: dict[type, str] = {}
+    for name, code in _CLASS_CODES.items():
+        cls = getattr(exceptions, name, None)
+        if isinstance(cls, type):
+            codes[cls] = code
+    return codes
+
+
+def _code_of_class(exc: BaseException) -> str | None:
+    """The code the client stripped when it picked ``exc``'s class (or a
+    class ``exc``'s derives from), else None."""
+    codes = _class_codes(type(exc).__module__.split(".")[0])
+    if codes:
+        for cls in type(exc).__mro__:
+            found = codes.get(cls)
+            if found is not None:
+                return found
+    return None
+
+
 def error_code(exc: BaseException) -> str:
     """The error code of a server's error reply (``WRONGTYPE``, ``OOM``,
     ``BADSTATE``, ...): redis-py 8's ``status_code``, else the class the
@@ -107,7 +138,7 @@ def error_code(exc: BaseException) -> str:
     code = getattr(exc, "status_code", None)
     if isinstance(code, str) and code:
         return code
-    found = _CLASS_CODES.get(type(exc).__name__)
+    found = _code_of_class(exc)
     if found is not None:
         return found
     return _code_of_text(str(exc.args[0]) if exc.args else "")
@@ -116,7 +147,7 @@ def error_code(exc: BaseException) -> str:
 def _is_noscript(exc: BaseException) -> bool:
     """redis-py and valkey-py raise ``NoScriptError`` (the ``NOSCRIPT`` prefix
     stripped); other clients may hand back the raw reply."""
-    return type(exc).__name__ == "NoScriptError" or error_code(exc) == "NOSCRIPT"
+    return error_code(exc) == "NOSCRIPT"
 
 
 # --------------------------------------------------------------------------
