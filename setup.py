@@ -7,7 +7,7 @@ NANOLIMIT_SANITIZE=1       AddressSanitizer + UBSan (run with LD_PRELOAD of liba
 NANOLIMIT_ANNOTATE=1       write Cython's HTML annotation next to the sources.
 
 Floating point: -ffp-contract=off and never -ffast-math, so the C kernels and
-the reference agree to the last bit (SPEC §4).
+the reference agree to the last bit (docs/spec.md §4).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SPEC §5 / §7: read, decide and write are one atomic step per key.
+"""docs/spec.md §5: read, decide and write are one atomic step per key.
 
 8 threads start together on a Barrier against a frozen clock; the budget
 must be spent exactly, never more, whatever the interleaving.

@@ -6,7 +6,7 @@
 
 @cython.final
 cdef class Decision:
-    """The answer to one request (SPEC §2). Frozen: a Decision is a fact.
+    """The answer to one request (docs/spec.md §2). Frozen: a Decision is a fact.
 
     ``degraded`` is true when the store could not decide normally and a policy
     answered instead; ``reason`` then says which ("storage_full",
@@ -68,7 +68,7 @@ cdef class Decision:
 
 
 cdef inline int64_t whole_units(double remaining) noexcept nogil:
-    """``max(0, floor(remaining))`` (SPEC's remaining): for values of at
+    """``max(0, floor(remaining))`` (docs/spec.md §2's remaining): for values of at
     least 1 truncation is the floor, and it needs no libm call."""
     return <int64_t>remaining if remaining >= 1.0 else 0
 

@@ -7,7 +7,7 @@
 # The hot window of one key's lease (TwoTierStorage): enough to decide a
 # request in C exactly as the storage's Python path would.
 ctypedef struct LeaseRecord:
-    double last_now                 # the key's own time floor (SPEC §4)
+    double last_now                 # the key's own time floor (docs/spec.md §4)
     int64_t window_index            # the window described below; LEASE_NONE: Python decides
     int64_t own                     # this instance's units in it (authoritative while loaded)
     int64_t ceiling                 # own + cost must stay <= ceiling: units pushed + the lease

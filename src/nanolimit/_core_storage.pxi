@@ -393,7 +393,7 @@ cdef class InMemoryStorage:
 
     def allow_all(self, requests):
         """Decide a request bound by several limiters of this storage at once,
-        all-or-nothing (SPEC §6 compound limits): every stripe involved is
+        all-or-nothing (docs/spec.md §5, compound requests): every stripe involved is
         locked in index order, each limit is decided without spending, and
         only if all allow is each one charged. A denial by the last limit
         never charges the first.
@@ -516,7 +516,7 @@ cdef class InMemoryStorage:
     def apply(self, key, now, mutate):
         """Run ``mutate(state | None) -> (state, result)`` atomically for ``key``.
 
-        The slow, general seam (SPEC §5) for algorithms written in Python. No
+        The slow, general seam (docs/spec.md §5) for algorithms written in Python. No
         stripe lock is held while ``mutate`` runs: the ``apply`` calls of a
         group of stripes take turns on a Python lock (``_apply_locks``, which
         releases the GIL while it waits), and the stripe lock is taken only

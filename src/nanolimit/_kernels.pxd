@@ -1,5 +1,5 @@
 # cython: language_level=3, cdivision=True
-# The six decision kernels: SPEC §4 written literally, in the same order of
+# The six decision kernels: docs/spec.md §4 written literally, in the same order of
 # floating-point operations as ``reference.py`` (its ``_<algorithm>``
 # functions). ``now`` is already ``max(clock, updated_at)``; the caller stamps
 # ``updated_at`` afterwards. Kernels never raise and never touch Python objects.

@@ -1,6 +1,7 @@
 /* Small portable C helpers for the native core: a seeded hash, a byte-sized
- * stripe lock, the wall clock and integer floor division. Header-only so the
- * Cython kernels inline them. */
+ * stripe lock, the wall clock, integer floor division, key equality, and the
+ * atomics and prefetch hints of the lock-free counters and batch readers.
+ * Header-only so the Cython kernels inline them. */
 #ifndef NANOLIMIT_NATIVE_H
 #define NANOLIMIT_NATIVE_H
 
@@ -118,7 +119,8 @@ static inline uint64_t nl_hash_seeded(uint64_t seed, const char *key, size_t len
 /* ------------------------------------------------------------------------
  * Stripe lock: one byte, test-and-set. Critical sections are tens of
  * nanoseconds, so a contended waiter spins briefly and then yields its core.
- * Callers holding the GIL try once and release the GIL before spinning. */
+ * Callers holding the GIL try once and release the GIL before spinning; no
+ * Python code runs while a stripe lock is held (apply runs its mutate unlocked). */
 
 static inline void nl_cpu_relax(void)
 {

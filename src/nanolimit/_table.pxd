@@ -2,8 +2,10 @@
 # One stripe of the striped hash table: a dense array of 48-byte entries plus
 # an open-addressing index of uint32 slots (linear probing, backward-shift
 # deletion, so there are no tombstones). A slot holds an 8-bit fingerprint of
-# the hash and the entry's position + 1; 0 is empty. Every function here runs
-# under the stripe's lock, never raises and never touches a Python object.
+# the hash and the entry's position + 1; 0 is empty. No function here raises
+# or touches a Python object, and every one runs under the stripe's lock but
+# the prefetch hints and the batch readers' epoch (prefetch_slot,
+# prefetch_entry, batch_join, batch_leave), which read without it.
 
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
@@ -462,7 +464,7 @@ cdef enum:
 
 cdef inline bint entry_at_rest(const Entry* e, const Params* p, double now) noexcept nogil:
     """True when the key's state is back to that of a key never seen, so
-    forgetting it changes no decision (SPEC §4 new-key states)."""
+    forgetting it changes no decision (docs/spec.md §4, the new-key states)."""
     cdef int alg = e.ns & NS_ALGORITHM_MASK
     cdef double elapsed
     cdef int64_t index

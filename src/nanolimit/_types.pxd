@@ -46,8 +46,7 @@ cdef enum:
     NL_OK = 0
     NL_NOMEM = -1
     NL_TABLE_FULL = -2
-    NL_REENTRANT = -3
-    NL_FULL = -4
+    NL_REENTRANT = -3               # apply() called inside a mutate (apply's own check)
 
 # Keys up to this many UTF-8 bytes live inside the entry; longer ones on the heap.
 cdef enum:
@@ -89,7 +88,7 @@ ctypedef union KeyBytes:
 # 48 bytes a key. The hash is not stored: the index slot keeps 8 bits of it,
 # and the rare paths that need all of it (rehash, deletion) recompute it.
 ctypedef struct Entry:
-    double updated_at               # the key's own monotonic time (SPEC §4)
+    double updated_at               # the key's own monotonic time (docs/spec.md §4)
     uint32_t key_len
     uint32_t ns                     # namespace: (algorithm, rule) of the owner
     KeyBytes key
