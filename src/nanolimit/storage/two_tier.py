@@ -51,7 +51,10 @@ from .._shared import (
     ValidationError,
     check_now,
 )
-from .redis import RedisStorage, _client_package, _is_noscript, _Script, derive_client
+from .redis import RedisStorage
+from .redis._connections import _client_package, derive_client
+from .redis._resilience import _is_noscript
+from .redis._scripts import _Script
 
 __all__ = ["SUPPORTED_ALGORITHMS", "TwoTierStorage"]
 

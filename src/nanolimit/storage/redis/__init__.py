@@ -63,149 +63,65 @@ from ..._shared import (
     check_now,
     compound_items,
 )
-from ._base import (
-    _BatchRun as _BatchRun,
-)
 
 # Every name the single module ``storage/redis.py`` held stays importable
-# from here (two_tier, the tests and old imports use some private ones),
-# re-exported explicitly (``name as name``) for type checkers.
+# from here (the tests and old imports use some private ones), so the
+# ones this module does not use itself carry ``noqa: F401``.
 from ._base import (
-    _Call as _Call,
-)
-from ._base import (
-    _digest as _digest,
-)
-from ._base import (
-    _NearCache as _NearCache,
-)
-from ._base import (
-    _RedisBase as _RedisBase,
-)
-from ._base import (
-    decision_maker as decision_maker,
-)
-from ._base import (
-    kernel_now as kernel_now,
-)
-from ._base import (
-    limiter_config as limiter_config,
+    _BatchRun,  # noqa: F401
+    _Call,  # noqa: F401
+    _digest,  # noqa: F401
+    _NearCache,  # noqa: F401
+    _RedisBase,
+    decision_maker,
+    kernel_now,
+    limiter_config,
 )
 from ._connections import (
-    _UNPROBED as _UNPROBED,
-)
-from ._connections import (
-    _AsyncSpareConnections as _AsyncSpareConnections,
-)
-from ._connections import (
-    _client_package as _client_package,
-)
-from ._connections import (
-    _hiredis_pack as _hiredis_pack,
-)
-from ._connections import (
-    _refused_connect as _refused_connect,
-)
-from ._connections import (
-    _SpareConnections as _SpareConnections,
-)
-from ._connections import (
-    _SyncSpareConnections as _SyncSpareConnections,
-    check_client as check_client,
-)
-from ._connections import (
-    derive_client as derive_client,
-    direct_path as direct_path,
-)
-from ._connections import (
-    is_asyncio_client as is_asyncio_client,
-)
-from ._connections import (
-    is_cluster_client as is_cluster_client,
+    _UNPROBED,  # noqa: F401
+    _AsyncSpareConnections,  # noqa: F401
+    _client_package,
+    _hiredis_pack,  # noqa: F401
+    _refused_connect,
+    _SpareConnections,  # noqa: F401
+    _SyncSpareConnections,  # noqa: F401
+    check_client,  # noqa: F401
+    derive_client,  # noqa: F401
+    direct_path,  # noqa: F401
+    is_asyncio_client,  # noqa: F401
+    is_cluster_client,  # noqa: F401
 )
 from ._resilience import (
-    _CLASS_CODES as _CLASS_CODES,
-)
-from ._resilience import (
-    _POLICIES as _POLICIES,
-)
-from ._resilience import (
-    REASON_STORE_ERROR as REASON_STORE_ERROR,
-)
-from ._resilience import (
-    SERVER_ERROR_CODES as SERVER_ERROR_CODES,
-)
-from ._resilience import (
-    WRITE_REFUSED_CODES as WRITE_REFUSED_CODES,
-)
-from ._resilience import (
-    CircuitOpenError as CircuitOpenError,
-)
-from ._resilience import (
-    OnError as OnError,
-)
-from ._resilience import (
-    RedisKeyError as RedisKeyError,
-)
-from ._resilience import (
-    RedisUnavailableError as RedisUnavailableError,
-)
-from ._resilience import (
-    StorageUnavailableError as StorageUnavailableError,
-)
-from ._resilience import (
-    _Breaker as _Breaker,
-)
-from ._resilience import (
-    _code_of_text as _code_of_text,
-)
-from ._resilience import (
-    _is_noscript as _is_noscript,
-)
-from ._resilience import (
-    error_code as error_code,
+    _CLASS_CODES,  # noqa: F401
+    _POLICIES,  # noqa: F401
+    REASON_STORE_ERROR,  # noqa: F401
+    SERVER_ERROR_CODES,  # noqa: F401
+    WRITE_REFUSED_CODES,  # noqa: F401
+    CircuitOpenError,
+    OnError,  # noqa: F401
+    RedisKeyError,
+    RedisUnavailableError,
+    StorageUnavailableError,
+    _Breaker,  # noqa: F401
+    _code_of_text,  # noqa: F401
+    _is_noscript,
+    error_code,  # noqa: F401
 )
 from ._scripts import (
-    _ALGO_IDS as _ALGO_IDS,
-)
-from ._scripts import (
-    _COMPOUND_MAIN as _COMPOUND_MAIN,
-)
-from ._scripts import (
-    _ERROR_TEXT as _ERROR_TEXT,
-)
-from ._scripts import (
-    _KERNEL_LUA as _KERNEL_LUA,
-)
-from ._scripts import (
-    _MAX_STAMP as _MAX_STAMP,
-)
-from ._scripts import (
-    _PRELUDE as _PRELUDE,
-)
-from ._scripts import (
-    BATCH_CHUNK as BATCH_CHUNK,
-)
-from ._scripts import (
-    BATCH_SCRIPTS as BATCH_SCRIPTS,
-)
-from ._scripts import (
-    COMPOUND_SCRIPT as COMPOUND_SCRIPT,
-)
-from ._scripts import (
-    INJECTED_EXPIRY_FLOOR_MS as INJECTED_EXPIRY_FLOOR_MS,
-)
-from ._scripts import (
-    SCRIPTS as SCRIPTS,
-)
-from ._scripts import (
-    _params as _params,
-)
-from ._scripts import (
-    _parse_verdict as _parse_verdict,
-)
-from ._scripts import (
-    _Script as _Script,
+    _ALGO_IDS,
+    _COMPOUND_MAIN,  # noqa: F401
+    _ERROR_TEXT,  # noqa: F401
+    _KERNEL_LUA,  # noqa: F401
+    _MAX_STAMP,  # noqa: F401
+    _PRELUDE,  # noqa: F401
+    BATCH_CHUNK,  # noqa: F401
+    BATCH_SCRIPTS,
+    COMPOUND_SCRIPT,
+    INJECTED_EXPIRY_FLOOR_MS,  # noqa: F401
+    SCRIPTS,
+    _params,
+    _parse_verdict,
+    _Script,
 )
 
 __all__ = [
