@@ -1,7 +1,7 @@
 """Pure ASGI 3 middleware: Starlette, FastAPI, Litestar or a bare ASGI app.
 
 Imports nothing from any framework. HTTP requests are decided before the app
-runs: a denial answers 429 with the SPEC §2 JSON body and headers and never
+runs: a denial answers 429 with the docs/spec.md §2 JSON body and headers and never
 reaches the app; an admitted request gets the headers added to its
 ``http.response.start``. A shaping leaky-bucket rule makes the admitted
 request ``await asyncio.sleep(delay)`` first (the event loop keeps serving
@@ -18,9 +18,10 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMappi
 from typing import Any
 
 from .factory import LimiterFactory
-from .headers import deny_body
+from .headers import RATE_HEADERS
 from .keys import KeyExtractor
 from .metrics import Metrics
+from .middleware import Outcome
 from .middleware import RateLimitMiddleware as Core
 from .request import Request
 from .rules import RuleRegistry
@@ -109,8 +110,16 @@ def request_from_scope(scope: Scope) -> Request:
     )
 
 
+# The names the pipeline writes, lower-cased and encoded once (HTTP/2 and
+# HTTP/3 require lower case; ASGI servers pass the bytes through).
+_NAMES = {name: name.lower().encode("latin-1") for name in (*RATE_HEADERS, "Retry-After", "Content-Type")}
+
+
 def _encode(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
-    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    """The outcome's headers as ASGI writes them: the second and last
+    reshape of the answer (Decision -> Outcome -> these pairs)."""
+    names = _NAMES
+    return [(names.get(k) or k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
 class RateLimitMiddleware:
@@ -155,19 +164,19 @@ class RateLimitMiddleware:
         if kind != "http" and (kind != "websocket" or self.websocket == "pass"):
             await self.app(scope, receive, send)
             return
-        raw = self.core._decide(self.request_factory(scope))
-        if raw is None:
+        outcome = self.core.check(self.request_factory(scope))
+        if outcome is None:
             await self.app(scope, receive, send)
             return
-        allowed, headers, delay, name, retry, _ = raw
-        if not allowed:
+        if not outcome.allowed:
             if kind == "http":
-                await self._deny_http(send, headers, name, retry)
+                await self._deny_http(send, outcome)
             else:
-                await self._deny_websocket(scope, receive, send, headers, name, retry)
+                await self._deny_websocket(scope, receive, send, outcome)
             return
-        if delay > 0.0:
-            await self.sleep(delay)
+        if outcome.delay > 0.0:
+            await self.sleep(outcome.delay)
+        headers = outcome.headers
         if not headers or kind != "http":
             await self.app(scope, receive, send)
             return
@@ -180,23 +189,21 @@ class RateLimitMiddleware:
 
         await self.app(scope, receive, send_with_headers)
 
-    async def _deny_http(self, send: Send, headers: dict[str, str], name: str, retry: int) -> None:
-        body = deny_body(name, retry)
-        out = _encode(headers)
+    async def _deny_http(self, send: Send, outcome: Outcome) -> None:
+        body = outcome.body()
+        out = _encode(outcome.headers)
         out.append((b"content-type", b"application/json"))
         out.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": 429, "headers": out})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _deny_websocket(
-        self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str], name: str, retry: int
-    ) -> None:
+    async def _deny_websocket(self, scope: Scope, receive: Receive, send: Send, outcome: Outcome) -> None:
         message = await receive()  # websocket.connect
         if message.get("type") != "websocket.connect":
             return
         if "websocket.http.response" in (scope.get("extensions") or {}):
-            body = deny_body(name, retry)
-            out = _encode(headers)
+            body = outcome.body()
+            out = _encode(outcome.headers)
             out.append((b"content-type", b"application/json"))
             out.append((b"content-length", str(len(body)).encode()))
             await send({"type": "websocket.http.response.start", "status": 429, "headers": out})

@@ -21,9 +21,26 @@ from typing import NamedTuple
 
 from .._shared import MAX_TIME, ValidationError
 
-__all__ = ["MAX_HEADER_SECONDS", "RulePieces", "deny_body", "rate_headers", "retry_seconds", "rule_pieces"]
+__all__ = [
+    "MAX_HEADER_SECONDS",
+    "RATE_HEADERS",
+    "RulePieces",
+    "deny_body",
+    "rate_headers",
+    "retry_seconds",
+    "rule_pieces",
+]
 
 _ceil = math.ceil
+
+# The five rate-limit headers, in the order every writer sets them.
+RATE_HEADERS = (
+    "X-RateLimit-Limit",
+    "X-RateLimit-Remaining",
+    "X-RateLimit-Reset",
+    "RateLimit-Policy",
+    "RateLimit",
+)
 
 # The largest reset a header may carry: ceil() of anything below it is an
 # exact int64 (the native lane writes C integers). A decision of the core

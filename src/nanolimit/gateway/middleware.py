@@ -1,23 +1,26 @@
-"""The framework-free request path (SPEC §6).
+"""The framework-free request path (docs/spec.md §6).
 
 ``RateLimitMiddleware(registry, factory)(request, next_handler)`` finds the
-rule(s), builds the key, decides, counts, and answers 429 (SPEC §2 body and
-headers) or the handler's response with the headers added. No rule: the
-request passes unlimited, by choice. The ASGI and WSGI adapters
-(:mod:`nanolimit.asgi`, :mod:`nanolimit.wsgi`) call :meth:`check` and do
-their own I/O, so every front end shares this one decision path.
+rule(s), builds the key, decides, counts, and answers 429 (docs/spec.md §2
+body and headers) or the handler's response with the headers added. No rule:
+the request passes unlimited, by choice.
 
-The hot path is written for the interpreter: one ruleset snapshot per
-request, a per-rule binding (limiter, pre-rendered constant headers,
-counters) found by the rule's identity, this thread's metric shard, and a
-header dict built from the decision's numbers. Stacked rulesets decide
-several rules at once through ``storage.allow_all`` (all or nothing).
+:meth:`RateLimitMiddleware.check` is the pipeline's one public decision:
+the ASGI and WSGI adapters (:mod:`nanolimit.asgi`, :mod:`nanolimit.wsgi`)
+call it and do their own I/O, so every front end shares one decision path.
+A request takes one ruleset snapshot, one route-cache look-up (the only
+cache of its route: misses walk the ruleset uncached), one entry into the
+core (``limiter.allow``, or ``storage.allow_all`` for stacked rules) and at
+most one read of the wall clock. The core's Decision becomes an
+:class:`Outcome`, with the headers rendered into it once, which the front
+end writes out: two reshapes from the core's answer to the wire.
+``__call__`` inlines the common case (one enforced rule, admitted) and
+writes the headers straight into the handler's response.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -34,9 +37,6 @@ from .rules import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RateLimitRule, RuleReg
 
 __all__ = ["Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
 
-_ceil = math.ceil
-_MISSING: Any = object()
-
 
 @dataclass(slots=True)
 class Response:
@@ -51,13 +51,14 @@ class Response:
 
 
 class Outcome:
-    """The verdict on one request, for the front ends.
+    """The pipeline's answer on one request, what every front end writes out.
 
     ``allowed``: let it through (always true for dry-run rules);
-    ``headers``: what to add to the response (or the 429's headers);
-    ``delay``: seconds a shaping leaky-bucket rule wants the request to wait;
-    ``rule``: the deciding (or denying) rule's name; ``retry_after``: whole
-    seconds for the 429 body; ``decision``: the Decision or CompoundDecision.
+    ``headers``: what to add to the response, or the 429's headers (with
+    ``Retry-After``), rendered once; ``delay``: seconds a shaping
+    leaky-bucket rule wants the request to wait; ``rule``: the deciding (or
+    denying) rule's name; ``retry_after``: whole seconds for the 429 body;
+    ``decision``: the core's Decision or CompoundDecision.
     """
 
     __slots__ = ("allowed", "decision", "delay", "headers", "retry_after", "rule")
@@ -87,7 +88,10 @@ class Outcome:
 
 
 class _Binding:
-    """A rule bound to its limiter, with its constant header values rendered once."""
+    """A rule bound to its limiter, with its constant header text rendered once.
+
+    ``simple``: one enforced rule that never shapes, the case the hot paths
+    decide inline (a route-cache value answers it with one attribute read)."""
 
     __slots__ = (
         "admitted",
@@ -102,6 +106,7 @@ class _Binding:
         "rule",
         "scope",
         "shape",
+        "simple",
     )
 
     def __init__(self, rule: RateLimitRule, limiter: Any, metrics: Metrics) -> None:
@@ -114,20 +119,47 @@ class _Binding:
         self.scope = rule.scope
         self.dry_run = rule.dry_run
         self.shape = rule.shape and rule.algorithm is Algorithm.LEAKY_BUCKET
+        self.simple = not self.dry_run and not self.shape
         capacity = limiter.capacity
         self.near = capacity * near_ratio
         self.limit_str, self.policy, self.r_prefix = rule_pieces(rule.name, capacity, limiter.window_seconds)
 
 
+class _Stack:
+    """The route of a request that several rules of a stacked ruleset cover:
+    their bindings, most specific first (one per distinct set of rules, so a
+    flood of paths shares a few)."""
+
+    __slots__ = ("bindings",)
+    simple = False
+
+    def __init__(self, bindings: tuple[_Binding, ...]) -> None:
+        self.bindings = bindings
+
+
+class _NoRoute:
+    """A route-cache sentinel; ``simple`` is false, so the hot path's one
+    attribute test also turns these away."""
+
+    __slots__ = ()
+    simple = False
+
+
+_MISSING = _NoRoute()  # not in the route cache
+_UNLIMITED = _NoRoute()  # cached: no rule applies
+_Route = _Binding | _Stack | _NoRoute
+
+
 class RateLimitMiddleware:
-    """A pipeline stage ``(request, next_handler) -> Response``.
+    """A pipeline stage ``(request, next_handler) -> Response``, and the
+    decision every front end shares (:meth:`check`).
 
     ``factory`` defaults to a :class:`LimiterFactory` on a fresh in-memory
     store; ``extractor`` to :class:`DefaultKeyExtractor`; ``metrics`` to a
     new :class:`Metrics` (read it back as ``middleware.metrics``).
-    ``wall_clock`` gives the Unix time of ``X-RateLimit-Reset``; ``sleep``
-    is how a shaping leaky-bucket rule waits (the ASGI adapter awaits
-    instead).
+    ``wall_clock`` gives the Unix time of ``X-RateLimit-Reset`` (read at
+    most once per request); ``sleep`` is how a shaping leaky-bucket rule
+    waits (the ASGI adapter awaits instead).
     """
 
     def __init__(
@@ -156,48 +188,71 @@ class RateLimitMiddleware:
                 return extractor_.key_for(request, scope).storage_key()
 
         self._key: Callable[[Request, Any], str] = fast
-        self._state: tuple[RuleSet | None, dict[int, _Binding]] = (None, {})
-        # (method, path, tier) -> binding (None: no rule), for one snapshot,
-        # keyed by the request's own method and path: a hit normalises nothing
-        self._routes: tuple[RuleSet | None, dict[tuple[str, str, str | None], _Binding | None]] = (None, {})
+        # one snapshot's bindings (by rule identity) and stacks (by the rules' identities)
+        self._state: tuple[RuleSet | None, dict[int, _Binding], dict[tuple[int, ...], _Stack]] = (
+            None,
+            {},
+            {},
+        )
+        # The route cache, the only one on the request path: (method, path,
+        # tier) -> route, for one snapshot, keyed by the request's own method
+        # and path, so a hit normalises nothing. A miss walks the ruleset
+        # uncached (RuleSet.lookup): the route is never cached twice.
+        # (Values are _Route; typed Any so that the hot paths read a value's
+        # attributes after the one ``simple`` test, without a narrowing call.)
+        self._routes: tuple[RuleSet | None, dict[tuple[str, str, str | None], Any]] = (None, {})
         self.route_cache_size = 4096
         # bounded by bytes too: keys over MAX_CACHED_KEY_BYTES are never
         # cached, and the cached keys take at most route_cache_bytes in all
         self.route_cache_bytes = CACHE_KEY_BYTES
         self._route_bytes = 0
         self._local = threading.local()  # this thread's metric shard, cached
+        # __call__ inlines check(); a subclass that overrides check() gets it
+        # called for every request instead, as the adapters call it
+        self._inline = type(self).check is RateLimitMiddleware.check
 
-    # -- bindings ---------------------------------------------------------------
-    def _bind(self, rule: RateLimitRule, ruleset: RuleSet) -> _Binding:
+    # -- routes -----------------------------------------------------------------
+    def _binding(self, rule: RateLimitRule, ruleset: RuleSet) -> _Binding:
         state = self._state
         if state[0] is not ruleset:
-            state = (ruleset, {})
+            state = (ruleset, {}, {})
             self._state = state
-        binding = _Binding(rule, self.factory.for_rule(rule), self.metrics)
-        # keyed by identity: the binding holds the rule, so the id stays unique
-        state[1][id(rule)] = binding
+        binding = state[1].get(id(rule))
+        if binding is None or binding.rule is not rule:
+            binding = _Binding(rule, self.factory.for_rule(rule), self.metrics)
+            # keyed by identity: the binding holds the rule, so the id stays unique
+            state[1][id(rule)] = binding
         return binding
 
-    def _route(self, request: Request, ruleset: RuleSet, tier: str | None) -> _Binding | None:
-        """Resolve and remember the binding of a (method, path, tier); None
-        when no rule applies, or, in stacked mode, when several do (the
-        stacked path resolves those itself)."""
-        if ruleset.stacked:
-            rules = ruleset.match_all(request.method, request.path, tier)
-            rule = rules[0] if len(rules) == 1 else None
-        else:
-            rule = ruleset.match(request.method, request.path, tier)
-        binding = None
-        if rule is not None:
-            state = self._state
-            binding = state[1].get(id(rule)) if state[0] is ruleset else None
-            if binding is None or binding.rule is not rule:
-                binding = self._bind(rule, ruleset)
+    def _stack(self, rules: tuple[RateLimitRule, ...], ruleset: RuleSet) -> _Stack:
+        bindings = tuple(self._binding(rule, ruleset) for rule in rules)
+        stacks = self._state[2]
+        key = tuple(id(rule) for rule in rules)
+        stack = stacks.get(key)
+        if stack is None or stack.bindings != bindings:
+            stack = stacks[key] = _Stack(bindings)
+        return stack
+
+    def _route(self, request: Request, ruleset: RuleSet, tier: str | None) -> _Route:
+        """Resolve and remember the route of a (method, path, tier): a
+        binding, a stack of them (stacked mode), or ``_UNLIMITED``."""
         method = request.method
         path = request.path
+        route: _Route
+        if ruleset.stacked:
+            rules = ruleset.lookup_all(method, path, tier)
+            if not rules:
+                route = _UNLIMITED
+            elif len(rules) == 1:
+                route = self._binding(rules[0], ruleset)
+            else:
+                route = self._stack(rules, ruleset)
+        else:
+            rule = ruleset.lookup(method, path, tier)
+            route = _UNLIMITED if rule is None else self._binding(rule, ruleset)
         size = key_bytes(method, path, tier)
         if size > MAX_CACHED_KEY_BYTES:
-            return binding  # a hostile long path or method: decided, never kept
+            return route  # a hostile long path or method: decided, never kept
         routes = self._routes
         if routes[0] is not ruleset:
             routes = (ruleset, {})
@@ -207,93 +262,91 @@ class RateLimitMiddleware:
         if len(table) >= self.route_cache_size or self._route_bytes + size > self.route_cache_bytes:
             table.clear()  # bounded: unique hostile paths cost a miss, never memory
             self._route_bytes = 0
-        table[(method, path, tier)] = binding
+        table[(method, path, tier)] = route
         self._route_bytes += size
-        return binding
+        return route
 
-    def _counts(self, shard: dict[str, list[int]], name: str) -> list[int]:
+    def _shard(self) -> dict[str, list[int]]:
+        try:
+            return self._local.shard  # type: ignore[no-any-return]
+        except AttributeError:
+            shard = self._local.shard = self.metrics.shard()
+            return shard
+
+    @staticmethod
+    def _counts(shard: dict[str, list[int]], name: str) -> list[int]:
         counts = shard.get(name)
         if counts is None:
             counts = shard[name] = [0, 0, 0, 0]
         return counts
 
-    def _headers(self, b: _Binding, d: Any) -> dict[str, str]:
-        return rate_headers(b.limit_str, b.policy, b.r_prefix, d.remaining, d.reset_after, self.wall_clock())
-
     # -- the decision -----------------------------------------------------------
     def check(self, request: Request) -> Outcome | None:
-        """Decide ``request``; None when no rule applies (pass through)."""
-        raw = self._decide(request)
-        return None if raw is None else Outcome(*raw)
+        """Decide ``request``: the pipeline's public decision, for any front end.
 
-    def _decide(self, request: Request) -> tuple[bool, dict[str, str], float, str, int, Any] | None:
-        """:meth:`check` as a plain tuple (the hot path builds no Outcome)."""
-        ruleset = self.registry._set
+        None when no rule applies (pass it through unlimited); otherwise the
+        :class:`Outcome`, counted in the metrics, with the headers to send.
+        Nothing is sent or slept here: a front end writes the outcome out
+        (and sleeps or awaits ``delay``) in its own I/O."""
+        ruleset = self.registry.ruleset
         tier = self.extractor.tier_for(request) if ruleset.has_tiers else None
         routes = self._routes
-        if routes[0] is ruleset:
-            b = routes[1].get((request.method, request.path, tier), _MISSING)
-            if b is _MISSING:
-                b = self._route(request, ruleset, tier)
-        else:
+        b: Any = (
+            routes[1].get((request.method, request.path, tier), _MISSING)
+            if routes[0] is ruleset
+            else _MISSING
+        )
+        if b is _MISSING:
             b = self._route(request, ruleset, tier)
-        if b is None:
-            if ruleset.stacked:
-                rules = ruleset.match_all(request.method, request.path, tier)
-                if rules:
-                    return self._check_stacked(request, ruleset, rules)
+        if b.simple:
+            d = b.allow(self._key(request, b.scope))
+            if d.allowed:
+                headers: dict[str, str] = {}
+                # counts it and writes the five headers in one call (C when built)
+                b.admitted.record(d, headers, b.limit_str, b.policy, b.r_prefix, b.near, self.wall_clock())
+                return Outcome(True, headers, 0.0, b.name, 0, d)
+            return self._denied(b, d)
+        if b is _UNLIMITED:
             return None
+        if type(b) is _Stack:
+            return self._check_stacked(request, b.bindings)
+        return self._check_one(request, b)
+
+    def _check_one(self, request: Request, b: _Binding) -> Outcome:
+        """One rule that shadows (dry run) or shapes (a leaky bucket's delay)."""
         d = b.allow(self._key(request, b.scope))
         if d.allowed:
             if b.dry_run:
                 b.admitted.count(d, b.near)
-                return (True, {}, 0.0, b.name, 0, d)
+                return Outcome(True, {}, 0.0, b.name, 0, d)
             headers: dict[str, str] = {}
-            # counts it and writes the five headers in one call (C when built), as __call__ does
             b.admitted.record(d, headers, b.limit_str, b.policy, b.r_prefix, b.near, self.wall_clock())
-            return (True, headers, d.delay if b.shape else 0.0, b.name, 0, d)
+            return Outcome(True, headers, d.delay if b.shape else 0.0, b.name, 0, d)
         if b.dry_run:
-            try:
-                shard = self._local.shard
-            except AttributeError:
-                shard = self._local.shard = self.metrics.shard()
-            self._counts(shard, b.name)[SHADOW_DENIED] += 1
-            return (True, {}, 0.0, b.name, 0, d)
+            self._counts(self._shard(), b.name)[SHADOW_DENIED] += 1
+            return Outcome(True, {}, 0.0, b.name, 0, d)
         return self._denied(b, d)
 
-    def _denied(self, b: _Binding, d: Any) -> tuple[bool, dict[str, str], float, str, int, Any]:
-        """Count and answer a denial by an enforced rule (the inlined path's tail)."""
-        try:
-            shard = self._local.shard
-        except AttributeError:
-            shard = self._local.shard = self.metrics.shard()
-        self._counts(shard, b.name)[DENIED] += 1
+    def _denied(self, b: _Binding, d: Any) -> Outcome:
+        """Count and answer a denial by one enforced rule."""
+        self._counts(self._shard(), b.name)[DENIED] += 1
         return self._refusal(b, d, d.retry_after, d)
 
-    def _refusal(
-        self, b: _Binding, d: Any, retry_after: float, answer: Any
-    ) -> tuple[bool, dict[str, str], float, str, int, Any]:
+    def _refusal(self, b: _Binding, d: Any, retry_after: float, answer: Any) -> Outcome:
         """A 429 by ``b`` (whose decision is ``d``): its headers, and the one
         place ``Retry-After`` is written (``answer`` is what the caller
         gets as the decision: ``d``, or the compound decision)."""
-        headers = self._headers(b, d)
+        headers = rate_headers(
+            b.limit_str, b.policy, b.r_prefix, d.remaining, d.reset_after, self.wall_clock()
+        )
         retry = retry_seconds(retry_after)
         headers["Retry-After"] = str(retry)
-        return (False, headers, 0.0, b.name, retry, answer)
+        return Outcome(False, headers, 0.0, b.name, retry, answer)
 
-    def _check_stacked(
-        self, request: Request, ruleset: RuleSet, rules: tuple[RateLimitRule, ...]
-    ) -> tuple[bool, dict[str, str], float, str, int, Any]:
+    def _check_stacked(self, request: Request, bindings: tuple[_Binding, ...]) -> Outcome:
         """Several rules at once: shadow rules decide on their own; enforced
-        rules decide together, all or nothing, through ``storage.allow_all``."""
-        state = self._state
-        bindings: list[_Binding] = []
-        for rule in rules:
-            b = state[1].get(id(rule)) if state[0] is ruleset else None
-            if b is None or b.rule is not rule:
-                b = self._bind(rule, ruleset)
-                state = self._state
-            bindings.append(b)
+        rules decide together, all or nothing, through ``storage.allow_all``
+        (one entry into the core for all of them)."""
         shard = self.metrics.shard()
         enforced: list[tuple[_Binding, str]] = []
         for b in bindings:
@@ -310,7 +363,7 @@ class RateLimitMiddleware:
             else:
                 counts[SHADOW_DENIED] += 1
         if not enforced:
-            return (True, {}, 0.0, bindings[0].name, 0, None)
+            return Outcome(True, {}, 0.0, bindings[0].name, 0, None)
         if len(enforced) == 1:
             b, key = enforced[0]
             d = b.allow(key)
@@ -347,19 +400,28 @@ class RateLimitMiddleware:
                     binding, decision = b, d
                     break
         if allowed:
-            return (True, self._headers(binding, decision), delay, binding.name, 0, summary)
+            headers = rate_headers(
+                binding.limit_str,
+                binding.policy,
+                binding.r_prefix,
+                decision.remaining,
+                decision.reset_after,
+                self.wall_clock(),
+            )
+            return Outcome(True, headers, delay, binding.name, 0, summary)
         return self._refusal(binding, decision, summary.retry_after, summary)
 
     # -- the pipeline stage -------------------------------------------------------
     def __call__(self, request: Request, next_handler: Callable[[Request], Response]) -> Response:
         # The common case (one enforced rule, admitted, no shaping) is
-        # :meth:`_decide` inlined: no tuple, one call fewer per request.
-        # Everything else takes the shared path below it.
-        ruleset = self.registry._set
+        # :meth:`check` inlined, its headers written straight into the
+        # handler's response: no Outcome, no header dict, one call fewer.
+        # Everything else takes check() and _respond.
+        ruleset = self.registry.ruleset
         routes = self._routes
-        if routes[0] is ruleset and not ruleset.has_tiers:
-            b = routes[1].get((request.method, request.path, None), _MISSING)
-            if b is not None and b is not _MISSING and not b.dry_run and not b.shape:
+        if routes[0] is ruleset and self._inline and not ruleset.has_tiers:
+            b: Any = routes[1].get((request.method, request.path, None), _MISSING)
+            if b.simple:
                 d = b.allow(self._key(request, b.scope))
                 if d.allowed:
                     try:
@@ -373,22 +435,19 @@ class RateLimitMiddleware:
                     )
                     return response
                 return self._respond(request, next_handler, self._denied(b, d))
-        return self._respond(request, next_handler, self._decide(request))
+        return self._respond(request, next_handler, self.check(request))
 
     def _respond(
-        self,
-        request: Request,
-        next_handler: Callable[[Request], Response],
-        raw: tuple[bool, dict[str, str], float, str, int, Any] | None,
+        self, request: Request, next_handler: Callable[[Request], Response], outcome: Outcome | None
     ) -> Response:
-        if raw is None:
+        if outcome is None:
             return next_handler(request)
-        allowed, headers, delay, name, retry, _ = raw
-        if not allowed:
+        headers = outcome.headers
+        if not outcome.allowed:
             headers["Content-Type"] = "application/json"
-            return Response(429, headers, deny_body(name, retry))
-        if delay > 0.0:
-            self.sleep(delay)
+            return Response(429, headers, outcome.body())
+        if outcome.delay > 0.0:
+            self.sleep(outcome.delay)
         response = next_handler(request)
         if headers:
             response.headers.update(headers)

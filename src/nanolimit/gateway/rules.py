@@ -627,18 +627,28 @@ class RuleSet:
             found.sort(key=_head_rank if method == "HEAD" else _rank, reverse=True)
         return found
 
+    def lookup(self, method: str, path: str, tier: str | None = None) -> RateLimitRule | None:
+        """:meth:`match` without the cache, for a caller that keeps its own
+        (the pipeline's route cache): a route is then cached once, not in
+        both. Walks the normalised path (:meth:`_walk`)."""
+        found = self._walk(method.upper(), path, tier, True)
+        return found[0] if found else self.default
+
+    def lookup_all(self, method: str, path: str, tier: str | None = None) -> tuple[RateLimitRule, ...]:
+        """:meth:`match_all` without the cache (see :meth:`lookup`)."""
+        found = self._walk(method.upper(), path, tier, False)
+        return tuple(found) if found else (() if self.default is None else (self.default,))
+
     def match(self, method: str, path: str, tier: str | None = None) -> RateLimitRule | None:
         """The most specific rule covering the request, else the default, else None.
 
         Cached by the request's own ``(method, path, tier)``, so a hit costs
-        one dict look-up and no normalisation; a miss walks the normalised
-        path (:meth:`_walk`)."""
+        one dict look-up and no normalisation; a miss is a :meth:`lookup`."""
         key = (method, path, tier)
         hit = self._cache.get(key, _MISSING)
         if hit is not _MISSING:
             return hit  # type: ignore[no-any-return]
-        found = self._walk(method.upper(), path, tier, True)
-        rule = found[0] if found else self.default
+        rule = self.lookup(method, path, tier)
         if self._cache_size:
             size = key_bytes(method, path, tier)
             if size <= MAX_CACHED_KEY_BYTES:
@@ -657,8 +667,7 @@ class RuleSet:
         hit = self._cache_all.get(key)
         if hit is not None:
             return hit
-        found = self._walk(method.upper(), path, tier, False)
-        rules = tuple(found) if found else (() if self.default is None else (self.default,))
+        rules = self.lookup_all(method, path, tier)
         if self._cache_size:
             size = key_bytes(method, path, tier)
             if size <= MAX_CACHED_KEY_BYTES:
@@ -692,7 +701,7 @@ class RuleRegistry:
     limits); otherwise the most specific one does (SPEC §6).
     """
 
-    __slots__ = ("_cache_bytes", "_cache_size", "_set")
+    __slots__ = ("_cache_bytes", "_cache_size", "ruleset")
 
     def __init__(
         self,
@@ -709,28 +718,32 @@ class RuleRegistry:
             raise ValidationError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
         self._cache_size = cache_size
         self._cache_bytes = cache_bytes
-        self._set = RuleSet(rules, default, stacked=stacked, cache_size=cache_size, cache_bytes=cache_bytes)
+        # The current snapshot: read it once per request (the pipeline does);
+        # assign it only through replace(), which validates first.
+        self.ruleset = RuleSet(
+            rules, default, stacked=stacked, cache_size=cache_size, cache_bytes=cache_bytes
+        )
 
     def snapshot(self) -> RuleSet:
         """The current ruleset; read it once per request."""
-        return self._set
+        return self.ruleset
 
     @property
     def default(self) -> RateLimitRule | None:
-        return self._set.default
+        return self.ruleset.default
 
     @property
     def stacked(self) -> bool:
-        return self._set.stacked
+        return self.ruleset.stacked
 
     def rules(self) -> tuple[RateLimitRule, ...]:
         """The current rules (without the default)."""
-        return self._set.rules
+        return self.ruleset.rules
 
     def rule_for(self, method: str, path: str, tier: str | None = None) -> RateLimitRule:
         """The most specific rule for the request (SPEC §6); the default when
         none matches; :class:`RuleNotFoundError` when there is no default."""
-        rule = self._set.match(method, path, tier)
+        rule = self.ruleset.match(method, path, tier)
         if rule is None:
             raise RuleNotFoundError(
                 f"no rule matches {method} {path} (tier {tier!r}) and there is no default"
@@ -740,7 +753,7 @@ class RuleRegistry:
     def rules_for(self, method: str, path: str, tier: str | None = None) -> tuple[RateLimitRule, ...]:
         """Every rule that applies to the request: all matches in stacked
         mode, the most specific one otherwise. Raises like :meth:`rule_for`."""
-        ruleset = self._set
+        ruleset = self.ruleset
         if ruleset.stacked:
             rules = ruleset.match_all(method, path, tier)
         else:
@@ -762,7 +775,7 @@ class RuleRegistry:
         """Swap in a new ruleset in one assignment (hot reload). The new set
         is built and validated first, so a bad ruleset changes nothing.
         ``default`` and ``stacked`` are kept unless given."""
-        current = self._set
+        current = self.ruleset
         new = RuleSet(
             rules,
             current.default if default is _KEEP else default,
@@ -770,14 +783,14 @@ class RuleRegistry:
             cache_size=self._cache_size,
             cache_bytes=self._cache_bytes,
         )
-        self._set = new
+        self.ruleset = new
         return new
 
     def __len__(self) -> int:
-        return len(self._set.rules)
+        return len(self.ruleset.rules)
 
     def __repr__(self) -> str:
-        return f"<RuleRegistry {self._set!r}>"
+        return f"<RuleRegistry {self.ruleset!r}>"
 
 
 def specificity_sorted(rules: Sequence[RateLimitRule]) -> list[RateLimitRule]:

@@ -2,7 +2,7 @@
 ...)``), Django (wrap ``get_wsgi_application()``) or any WSGI callable.
 
 Imports nothing from any framework. A denied request answers 429 with the
-SPEC §2 JSON body and headers without calling the app; an admitted one gets
+docs/spec.md §2 JSON body and headers without calling the app; an admitted one gets
 the headers appended in ``start_response``. A shaping leaky-bucket rule
 makes the admitted request ``time.sleep(delay)`` in its worker thread first.
 """
@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .factory import LimiterFactory
-from .headers import deny_body
 from .keys import KeyExtractor
 from .metrics import Metrics
 from .middleware import RateLimitMiddleware as Core
@@ -120,19 +119,19 @@ class RateLimitMiddleware:
         self.sleep = sleep
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
-        raw = self.core._decide(self.request_factory(environ))
-        if raw is None:
+        outcome = self.core.check(self.request_factory(environ))
+        if outcome is None:
             return self.app(environ, start_response)
-        allowed, headers, delay, name, retry, _ = raw
-        if not allowed:
-            body = deny_body(name, retry)
+        headers = outcome.headers
+        if not outcome.allowed:
+            body = outcome.body()
             out = list(headers.items())
             out.append(("Content-Type", "application/json"))
             out.append(("Content-Length", str(len(body))))
             start_response("429 Too Many Requests", out)
             return [body]
-        if delay > 0.0:
-            self.sleep(delay)
+        if outcome.delay > 0.0:
+            self.sleep(outcome.delay)
         if not headers:
             return self.app(environ, start_response)
         extra = list(headers.items())
