@@ -136,7 +136,7 @@ def test_head_through_every_lookup_finds_the_get_rule() -> None:
 
 def test_an_explicit_head_rule_is_more_specific_for_head() -> None:
     """The decision: at equal prefix length HEAD > GET > ``*`` for a HEAD
-    request; a longer prefix still wins first (SPEC §6)."""
+    request; a longer prefix still wins first (docs/spec.md §6)."""
     any_rule = rule("any", method="*", path_prefix="/page")
     get_rule = rule("get", method="GET", path_prefix="/page")
     head_rule = rule("head", method="HEAD", path_prefix="/page")

@@ -54,6 +54,26 @@ def test_tier_defaults_and_custom_tier() -> None:
     assert custom.tier_for(Request("GET", "/", {}, "192.0.2.1")) == "free"
 
 
+def test_the_default_tier_never_reads_the_api_key() -> None:
+    """The default tier ignores API keys, so it must not run the api_key
+    hook (an app's hook may be a database look-up); a custom tier gets it."""
+    read: list[str] = []
+
+    def api_key(request: Request) -> str | None:
+        read.append(request.path)
+        return "k-paid"
+
+    ex = DefaultKeyExtractor(api_key=api_key)
+    assert ex.tier_for(Request("GET", "/a", {}, "192.0.2.1", user="bob")) == "authenticated"
+    assert ex.tier_for(Request("GET", "/b", {}, "192.0.2.1")) == "anonymous"
+    assert read == []
+    custom = DefaultKeyExtractor(
+        api_key=api_key, tier=lambda req, user, key: "paid" if key == "k-paid" else "free"
+    )
+    assert custom.tier_for(Request("GET", "/c", {}, "192.0.2.1")) == "paid"
+    assert read == ["/c"]
+
+
 def test_ipv6_clients_are_keyed_by_their_64() -> None:
     ex = DefaultKeyExtractor()
     a = ex.key_for(Request("GET", "/", {}, "2001:db8:1:2:aaaa::1"), KeyScope.IP)

@@ -1,4 +1,4 @@
-"""The framework-free middleware: decisions, SPEC §2 responses, shadow mode,
+"""The framework-free middleware: decisions, docs/spec.md §2 responses, shadow mode,
 shaping, metrics and compound (stacked) limits, for both twins."""
 
 from __future__ import annotations

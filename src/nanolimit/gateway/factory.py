@@ -5,7 +5,7 @@ configuration every time; the factory caches them by the rule *value*. An
 edited rule is a different value and gets a fresh limiter, which still finds
 its keys' state, because the storage namespaces state by (algorithm, rule
 name): raising a limit changes the ceiling, it never hands back budget
-already spent (SPEC §6). ``prune`` drops limiters of retired rules.
+already spent (docs/spec.md §6). ``prune`` drops limiters of retired rules.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import ipaddress
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from .._shared import ValidationError
@@ -387,7 +387,7 @@ class DefaultKeyExtractor:
 
     def _forwarded_element(self, raw: str) -> _Hop:
         info = _parse_forwarded_element(raw)
-        if info[1] in (_UNTRUSTED, _TRUSTED):
+        if info[1] == _UNTRUSTED:  # an address, for this extractor to judge
             ip = ipaddress.ip_address(info[0])
             info = (info[0], _TRUSTED if self._trusts(ip) else _UNTRUSTED)
         if len(raw) <= _MAX_CACHED_ELEMENT_CHARS:
@@ -481,12 +481,12 @@ class DefaultKeyExtractor:
     # -- the protocol -----------------------------------------------------------
     def tier_for(self, request: Request) -> str:
         user = self.user_id(request)
-        key = self.api_key(request)
         if self._tier is not None:
-            return self._tier(request, user, key)
+            return self._tier(request, user, self.api_key(request))
         # An API key from a header is unverified here: any invented one would
-        # do. Only a user id (set by the app's authentication) lifts the tier;
-        # ``tier=`` maps keys the gateway has checked.
+        # do, so the default tier never reads it. Only a user id (set by the
+        # app's authentication) lifts the tier; ``tier=`` maps keys the
+        # gateway has checked.
         return AUTHENTICATED if user else ANONYMOUS
 
     def key_for(self, request: Request, scope: KeyScope) -> ClientKey:
@@ -691,12 +691,3 @@ def _parse_forwarded_node(node: str) -> _Hop:
     if ip is None or not isinstance(ip, ipaddress.IPv4Address):
         return _BAD_HOP
     return (ip.compressed, _UNTRUSTED)
-
-
-def headers_of(pairs: Iterable[tuple[str, str]]) -> Mapping[str, str]:
-    """Lower-cased header mapping; repeated headers are joined with ``,``."""
-    out: dict[str, str] = {}
-    for name, value in pairs:
-        name = name.lower()
-        out[name] = f"{out[name]},{value}" if name in out else value
-    return out

@@ -1,6 +1,6 @@
 """Rules: which limit applies to a request, and the registry that finds it.
 
-A :class:`RateLimitRule` is a frozen, self-validating value (SPEC §3, §6). A
+A :class:`RateLimitRule` is a frozen, self-validating value (docs/spec.md §3, §6). A
 :class:`RuleRegistry` answers ``rule_for(method, path)`` from an immutable
 :class:`RuleSet` snapshot that ``replace`` swaps in one reference assignment,
 so a hot reload is atomic: a request reads one snapshot, never half of two.
@@ -24,7 +24,7 @@ import enum
 import math
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -229,7 +229,7 @@ class RateLimitRule:
     request wait its ``delay`` instead of running at once.
 
     The rule's ``name`` is the limiter's state namespace: a reload that keeps
-    name and algorithm keeps every key's spent budget (SPEC §6).
+    name and algorithm keeps every key's spent budget (docs/spec.md §6).
     """
 
     name: str
@@ -304,14 +304,22 @@ class RateLimitRule:
         for fname in ("dry_run", "shape"):
             if not isinstance(getattr(self, fname), bool):
                 raise RuleValidationError(name, fname, f"must be a bool, got {getattr(self, fname)!r}")
-        try:
-            LimiterConfig.build(algorithm, self.limit, self.window_seconds, self.burst, name)
-        except ValidationError as exc:
-            text = str(exc)
-            fname = next((f for f in ("burst", "window_seconds", "limit") if text.startswith(f)), "")
-            if not fname:
-                fname = "burst" if "burst" in text else "limit"
-            raise RuleValidationError(name, fname, text) from None
+        # LimiterConfig checks the fields together (ranges, and what each
+        # algorithm can count). Built in stages, a fault is charged to the
+        # field whose addition made it fail: the limit alone (a one-second
+        # window and no burst fit every valid limit), then the window, then
+        # the burst.
+        stages: tuple[tuple[str, float, int | None], ...] = (
+            ("limit", 1.0, None),
+            ("window_seconds", self.window_seconds, None),
+        )
+        if self.burst is not None:
+            stages += (("burst", self.window_seconds, self.burst),)
+        for fname, window_, burst_ in stages:
+            try:
+                LimiterConfig.build(algorithm, self.limit, window_, burst_, name)
+            except ValidationError as exc:
+                raise RuleValidationError(name, fname, str(exc)) from None
         setter(
             self,
             "_hash",
@@ -391,7 +399,7 @@ class RateLimitRule:
 
     @property
     def capacity(self) -> int:
-        """What one request is measured against (SPEC §1)."""
+        """What one request is measured against (docs/spec.md §1)."""
         if self.burst is not None and self.algorithm in (Algorithm.TOKEN_BUCKET, Algorithm.GCRA):
             return self.burst
         return self.limit
@@ -415,7 +423,7 @@ class RateLimitRule:
         return prefix.endswith("/") or path[len(prefix)] == "/"
 
     def specificity(self) -> tuple[int, int]:
-        """SPEC §6: a longer prefix first; at equal length an exact method beats ``*``."""
+        """docs/spec.md §6: a longer prefix first; at equal length an exact method beats ``*``."""
         return (len(self.path_prefix), 0 if self.method == "*" else 1)
 
     def to_dict(self) -> dict[str, Any]:
@@ -698,7 +706,7 @@ class RuleRegistry:
     """The live ruleset of a gateway; ``replace`` swaps it atomically.
 
     In ``stacked`` mode every matching rule applies to a request (compound
-    limits); otherwise the most specific one does (SPEC §6).
+    limits); otherwise the most specific one does (docs/spec.md §6).
     """
 
     __slots__ = ("_cache_bytes", "_cache_size", "ruleset")
@@ -741,7 +749,7 @@ class RuleRegistry:
         return self.ruleset.rules
 
     def rule_for(self, method: str, path: str, tier: str | None = None) -> RateLimitRule:
-        """The most specific rule for the request (SPEC §6); the default when
+        """The most specific rule for the request (docs/spec.md §6); the default when
         none matches; :class:`RuleNotFoundError` when there is no default."""
         rule = self.ruleset.match(method, path, tier)
         if rule is None:
@@ -791,8 +799,3 @@ class RuleRegistry:
 
     def __repr__(self) -> str:
         return f"<RuleRegistry {self.ruleset!r}>"
-
-
-def specificity_sorted(rules: Sequence[RateLimitRule]) -> list[RateLimitRule]:
-    """Rules ordered best first, as the registry ranks them."""
-    return sorted(rules, key=_rank, reverse=True)
