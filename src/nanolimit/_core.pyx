@@ -73,16 +73,15 @@ from nanolimit._shared import (
     Storage,
     SystemClock,
     ValidationError,
-    check_bounds,
     check_cost,
     check_cutoff,
     check_key,
+    check_storage_options,
     check_now,
     compound_items,
     decide_async,
     render_headers,
     storage_key,
-    stripes_within,
 )
 
 cdef extern from "Python.h":
@@ -103,7 +102,6 @@ cdef double MAX_CLOCK_LEAD_C = MAX_CLOCK_LEAD
 cdef double MAX_HEADER_SECONDS = 4.611686018427388e18    # 2**62: ceil() of it fits int64
 cdef str REASON_NONE = ""
 cdef str REASON_STORAGE_FULL = "storage_full"
-cdef int MAX_STRIPES = 1 << 16
 
 cdef dict ALGORITHM_IDS = {
     Algorithm.TOKEN_BUCKET: ALG_TOKEN_BUCKET,

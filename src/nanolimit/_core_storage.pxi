@@ -44,15 +44,8 @@ cdef class InMemoryStorage:
                   evict_idle_after=None, _hash_mask=None):
         cdef uintptr_t address
         cdef uint32_t i
-        bounds = check_bounds(max_keys, on_full, evict_idle_after)
-        if isinstance(stripes, bool) or not isinstance(stripes, int) or not 1 <= stripes <= MAX_STRIPES \
-                or stripes & (stripes - 1):
-            raise ValidationError(f"stripes must be a power of two in [1, {MAX_STRIPES}], got {stripes!r}")
-        if isinstance(max_key_bytes, bool) or not isinstance(max_key_bytes, int) \
-                or not 1 <= max_key_bytes <= 1 << 20:
-            raise ValidationError(f"max_key_bytes must be an int in [1, 1048576], got {max_key_bytes!r}")
-        self.max_key_bytes = max_key_bytes
-        stripes = stripes_within(stripes, max_keys)
+        stripes, self.max_key_bytes, max_keys, on_full, evict_idle_after = check_storage_options(
+            stripes, max_key_bytes, max_keys, on_full, evict_idle_after)
         self.stripe_mask = stripes - 1
         # Test hook: a mask that forces collisions, to exercise long probe runs.
         self.hash_mask = 0xFFFFFFFFFFFFFFFF if _hash_mask is None else _hash_mask
@@ -66,7 +59,7 @@ cdef class InMemoryStorage:
             self.stripes[i].random = <uint32_t>(nl_mum(nl_namespace_seed(i), <uint64_t>i + 1) | 1)
             self.stripes[i].hash_mask = self.hash_mask
             self.stripes[i].readers = &self.readers
-        self.max_keys, self.on_full, self.evict_idle_after = bounds
+        self.max_keys, self.on_full, self.evict_idle_after = max_keys, on_full, evict_idle_after
         memset(&self.bounds, 0, sizeof(Bounds))
         self.bounds.chunks = <Params**>calloc(NAMESPACE_CHUNK, sizeof(Params*))
         if self.bounds.chunks == NULL:
