@@ -1,5 +1,5 @@
 """The six Lua kernels against the in-memory reference, on real Redis 7 and
-Valkey 9 servers: hypothesis equivalence with an injected clock, the SPEC §7
+Valkey 9 servers: hypothesis equivalence with an injected clock, the docs/spec.md §7
 scenarios, and 8 threads on one key."""
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_lua_kernels_equal_the_reference(
 
 
 # --------------------------------------------------------------------------
-# SPEC §7 scenarios on the server
+# docs/spec.md §7 scenarios on the server
 
 
 def test_token_bucket_seven_at_once(backend: types.SimpleNamespace, make_storage: Any) -> None:

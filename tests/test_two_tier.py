@@ -405,7 +405,7 @@ def test_units_pushed_counts_each_unit_once_across_a_partition(backend: Any, own
 
 
 def test_a_cost_above_the_even_share_passes_after_a_sync(backend: Any, redis_server: Any) -> None:
-    """SPEC §3: a cost the limit admits must not be denied forever. With
+    """docs/spec.md §3: a cost the limit admits must not be denied forever. With
     N = 2 and L = 10 the even lease is 5; a request of 8 asks the next sync
     for a lease that size, and the fleet still never passes the limit."""
     with synced(redis_server, "big-a", "big-b") as (a, b):
@@ -425,7 +425,7 @@ def test_a_cost_above_the_even_share_passes_after_a_sync(backend: Any, redis_ser
 
 
 def test_a_reload_keeps_the_units_spent(backend: Any, redis_server: Any) -> None:
-    """SPEC §6: a reload that keeps a rule's name and algorithm keeps the
+    """docs/spec.md §6: a reload that keeps a rule's name and algorithm keeps the
     budget spent under it. The new config's limiter writes the same hashes,
     so it takes over the key's counts instead of starting from zero."""
     with synced(redis_server, "reload") as (tier,):

@@ -584,7 +584,7 @@ class InMemoryStorage:
 
     def allow_all(self, requests: Sequence[tuple[Any, ...]]) -> CompoundDecision:
         """Decide a request bound by several limiters of this storage at once:
-        all-or-nothing (docs/spec.md §6 compound limits). Every involved stripe is
+        all-or-nothing (docs/spec.md §5, compound requests). Every involved stripe is
         locked, in index order, for the whole decision."""
         items = compound_items(requests)
         plan = []

@@ -274,7 +274,7 @@ class TwoTierStorage:
     storage used while Redis is unreachable (default: ``InMemoryStorage()`` of
     the native twin when built).
 
-    Algorithms: fixed window and sliding window counter exactly as SPEC §4
+    Algorithms: fixed window and sliding window counter exactly as docs/spec.md §4
     but with fleet-wide counts; the token bucket is enforced as a sliding
     window counter of ``capacity`` units over ``capacity / rate`` seconds (the
     same long-run rate and burst; a bucket's cap is not a sum of consumed
@@ -545,7 +545,7 @@ class TwoTierStorage:
             if earlier is not None:
                 # the same Redis hashes under another config (a hot reload that
                 # kept the rule's name and algorithm): one writer per hash field,
-                # and the units it counted stay spent (SPEC §6)
+                # and the units it counted stay spent (docs/spec.md §6)
                 self._pull(earlier)
                 self._drop((earlier.config, earlier.key))
                 if (earlier.window, earlier.sliding) == (window, sliding):
@@ -631,7 +631,7 @@ class TwoTierStorage:
         return verdict
 
     def _judge(self, track: _Track, cost: int, now: float, commit: bool) -> KernelVerdict:
-        now = max(now, track.last_now)  # per key, time never runs backwards (SPEC §4)
+        now = max(now, track.last_now)  # per key, time never runs backwards (docs/spec.md §4)
         if commit:
             track.last_now = now
             track.touched = time.monotonic()

@@ -1,7 +1,7 @@
-"""Redis (and Valkey) storage: the SPEC §4 kernels as Lua scripts, one atomic
+"""Redis (and Valkey) storage: the docs/spec.md §4 kernels as Lua scripts, one atomic
 ``EVALSHA`` per decision, shared by every gateway instance.
 
-Why a script: read, decide and write must be one atomic step per key (SPEC §5).
+Why a script: read, decide and write must be one atomic step per key (docs/spec.md §5).
 A script runs next to the data, alone on the server, so two gateway processes
 deciding the same key can never both spend its last unit. Each of the six
 scripts is the reference kernel (``nanolimit.reference``) transcribed line by
@@ -26,7 +26,7 @@ sliding log         list: ``u`` at index 0, then the timestamps,
                     oldest first (capped at the capacity)
 ==================  ==============================================
 
-``u`` (updated_at) is kept because SPEC §4 says per-key time never runs
+``u`` (updated_at) is kept because docs/spec.md §4 says per-key time never runs
 backwards: ``now = max(clock, u)``. Without it a clock stepping back would
 judge a key differently than the in-memory store does.
 
@@ -371,7 +371,7 @@ class RedisStorage(_RedisBase):
 
     # -- compound limits ------------------------------------------------------------
     def allow_all(self, requests: Sequence[tuple[Any, ...]]) -> CompoundDecision:
-        """All-or-nothing over several limiters of this storage (SPEC §6), in
+        """All-or-nothing over several limiters of this storage (docs/spec.md §5), in
         one script: every limit is decided without writing, and only if all
         allow is each one charged. Works with limiters of either twin.
 

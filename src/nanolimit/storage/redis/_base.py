@@ -624,7 +624,7 @@ class _RedisBase:
     def apply(self, key: str, now: float, mutate: Callable[[Any], tuple[Any, Any]]) -> Any:
         """Not supported: a Python closure cannot run atomically inside Redis
         (a WATCH/MULTI loop would retry under contention and could not keep
-        SPEC §5's one-step contract cheaply). Built-in algorithms never call it."""
+        docs/spec.md §5's one-step contract cheaply). Built-in algorithms never call it."""
         raise NotImplementedError(
             f"{type(self).__name__} runs the built-in algorithms only; "
             "a custom algorithm needs its own Lua script"

@@ -37,7 +37,7 @@ from ..._shared import MAX_CLOCK_LEAD, MAX_LIMIT, MAX_TIME, Algorithm, KernelVer
 # by its policy and nothing is written to it. A value of another type raises
 # the server's own ``WRONGTYPE`` at the first read.
 #
-# The clock-lead rule (SPEC §4, ``reference._decide``): a key whose stamp
+# The clock-lead rule (docs/spec.md §4, ``reference._decide``): a key whose stamp
 # ``u`` is more than MAX_CLOCK_LEAD ahead of the clock is moved back by the
 # lead with its debt kept (levels unchanged; GCRA's TAT and the window
 # indices by the same whole microseconds / windows; sliding-log stamps by the
