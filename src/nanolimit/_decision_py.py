@@ -250,6 +250,8 @@ KernelVerdict = (
 # Decision.reason when a failure policy answered for a store that could not
 # decide (docs/spec.md §2 degraded decisions).
 REASON_STORE_UNAVAILABLE = "store_unavailable"
+# ... and when a policy answered one key's error reply while the store is up.
+REASON_STORE_ERROR = "store_error"
 
 
 def decision_from_verdict(decision_type: Callable[..., Any], cfg: LimiterConfig, v: Sequence[Any]) -> Any:

@@ -28,6 +28,9 @@ from ._clocks import (
     check_now as check_now,
 )
 from ._decision_py import (
+    REASON_STORE_ERROR as REASON_STORE_ERROR,
+)
+from ._decision_py import (
     REASON_STORE_UNAVAILABLE as REASON_STORE_UNAVAILABLE,
 )
 from ._decision_py import (

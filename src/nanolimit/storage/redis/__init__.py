@@ -51,6 +51,7 @@ from typing import Any, ClassVar
 from ..._shared import (
     DUPLICATE_COMPOUND,
     MAX_CLOCK_LEAD,
+    REASON_STORE_ERROR,  # noqa: F401 (the name tests and callers import from here)
     REASON_STORE_UNAVAILABLE,
     CompoundDecision,
     KernelVerdict,
@@ -94,7 +95,6 @@ from ._connections import (
 from ._resilience import (
     _CLASS_CODES,  # noqa: F401
     _POLICIES,  # noqa: F401
-    REASON_STORE_ERROR,  # noqa: F401
     SERVER_ERROR_CODES,  # noqa: F401
     WRITE_REFUSED_CODES,  # noqa: F401
     CircuitOpenError,

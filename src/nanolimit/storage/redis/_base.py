@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from ..._shared import (
     MAX_KEY_BYTES,
+    REASON_STORE_ERROR,
     REASON_STORE_UNAVAILABLE,
     Algorithm,
     KernelVerdict,
@@ -46,7 +47,6 @@ from ._connections import (
 )
 from ._resilience import (
     _POLICIES,
-    REASON_STORE_ERROR,
     SERVER_ERROR_CODES,
     WRITE_REFUSED_CODES,
     CircuitOpenError,

@@ -47,9 +47,6 @@ class RedisKeyError(RedisUnavailableError):
         self.code = code
 
 
-# Decision.reason when the policy answered one key's error reply (the store is up).
-REASON_STORE_ERROR: Final = "store_error"
-
 # --------------------------------------------------------------------------
 # Error replies: which say the server cannot answer now (they feed the circuit
 # breaker) and which are about one call's key (answered by that key's policy).
