@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._shared import Algorithm, ValidationError
 from .factory import LimiterFactory
@@ -50,7 +50,7 @@ class Response:
         return json.loads(self.body)
 
 
-class Outcome:
+class Outcome(NamedTuple):
     """The pipeline's answer on one request, what every front end writes out.
 
     ``allowed``: let it through (always true for dry-run rules);
@@ -59,25 +59,17 @@ class Outcome:
     leaky-bucket rule wants the request to wait; ``rule``: the deciding (or
     denying) rule's name; ``retry_after``: whole seconds for the 429 body;
     ``decision``: the core's Decision or CompoundDecision.
+
+    A named tuple: an answer is a fact, and the hot path builds it with one
+    C call (``_outcome``), not a Python ``__init__``.
     """
 
-    __slots__ = ("allowed", "decision", "delay", "headers", "retry_after", "rule")
-
-    def __init__(
-        self,
-        allowed: bool,
-        headers: dict[str, str],
-        delay: float,
-        rule: str,
-        retry_after: int,
-        decision: Any,
-    ) -> None:
-        self.allowed = allowed
-        self.headers = headers
-        self.delay = delay
-        self.rule = rule
-        self.retry_after = retry_after
-        self.decision = decision
+    allowed: bool
+    headers: dict[str, str]
+    delay: float
+    rule: str
+    retry_after: int
+    decision: Any
 
     def body(self) -> bytes:
         """The 429 body (meaningful when not allowed)."""
@@ -85,6 +77,11 @@ class Outcome:
 
     def __repr__(self) -> str:
         return f"<Outcome allowed={self.allowed} rule={self.rule!r} delay={self.delay!r}>"
+
+
+# Outcome(...) without NamedTuple's generated Python __new__: about 40 % cheaper
+# per request, the same object.
+_outcome = tuple.__new__
 
 
 class _Binding:
@@ -304,7 +301,7 @@ class RateLimitMiddleware:
                 headers: dict[str, str] = {}
                 # counts it and writes the five headers in one call (C when built)
                 b.admitted.record(d, headers, b.limit_str, b.policy, b.r_prefix, b.near, self.wall_clock())
-                return Outcome(True, headers, 0.0, b.name, 0, d)
+                return _outcome(Outcome, (True, headers, 0.0, b.name, 0, d))
             return self._denied(b, d)
         if b is _UNLIMITED:
             return None
@@ -318,18 +315,22 @@ class RateLimitMiddleware:
         if d.allowed:
             if b.dry_run:
                 b.admitted.count(d, b.near)
-                return Outcome(True, {}, 0.0, b.name, 0, d)
+                return _outcome(Outcome, (True, {}, 0.0, b.name, 0, d))
             headers: dict[str, str] = {}
             b.admitted.record(d, headers, b.limit_str, b.policy, b.r_prefix, b.near, self.wall_clock())
-            return Outcome(True, headers, d.delay if b.shape else 0.0, b.name, 0, d)
+            return _outcome(Outcome, (True, headers, d.delay if b.shape else 0.0, b.name, 0, d))
         if b.dry_run:
             self._counts(self._shard(), b.name)[SHADOW_DENIED] += 1
-            return Outcome(True, {}, 0.0, b.name, 0, d)
+            return _outcome(Outcome, (True, {}, 0.0, b.name, 0, d))
         return self._denied(b, d)
 
     def _denied(self, b: _Binding, d: Any) -> Outcome:
         """Count and answer a denial by one enforced rule."""
-        self._counts(self._shard(), b.name)[DENIED] += 1
+        try:
+            shard = self._local.shard
+        except AttributeError:
+            shard = self._shard()
+        self._counts(shard, b.name)[DENIED] += 1
         return self._refusal(b, d, d.retry_after, d)
 
     def _refusal(self, b: _Binding, d: Any, retry_after: float, answer: Any) -> Outcome:
@@ -341,7 +342,7 @@ class RateLimitMiddleware:
         )
         retry = retry_seconds(retry_after)
         headers["Retry-After"] = str(retry)
-        return Outcome(False, headers, 0.0, b.name, retry, answer)
+        return _outcome(Outcome, (False, headers, 0.0, b.name, retry, answer))
 
     def _check_stacked(self, request: Request, bindings: tuple[_Binding, ...]) -> Outcome:
         """Several rules at once: shadow rules decide on their own; enforced
@@ -363,7 +364,7 @@ class RateLimitMiddleware:
             else:
                 counts[SHADOW_DENIED] += 1
         if not enforced:
-            return Outcome(True, {}, 0.0, bindings[0].name, 0, None)
+            return _outcome(Outcome, (True, {}, 0.0, bindings[0].name, 0, None))
         if len(enforced) == 1:
             b, key = enforced[0]
             d = b.allow(key)
@@ -408,7 +409,7 @@ class RateLimitMiddleware:
                 decision.reset_after,
                 self.wall_clock(),
             )
-            return Outcome(True, headers, delay, binding.name, 0, summary)
+            return _outcome(Outcome, (True, headers, delay, binding.name, 0, summary))
         return self._refusal(binding, decision, summary.retry_after, summary)
 
     # -- the pipeline stage -------------------------------------------------------
@@ -445,7 +446,7 @@ class RateLimitMiddleware:
         headers = outcome.headers
         if not outcome.allowed:
             headers["Content-Type"] = "application/json"
-            return Response(429, headers, outcome.body())
+            return Response(429, headers, deny_body(outcome.rule, outcome.retry_after))
         if outcome.delay > 0.0:
             self.sleep(outcome.delay)
         response = next_handler(request)

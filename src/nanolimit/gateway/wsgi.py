@@ -134,12 +134,11 @@ class RateLimitMiddleware:
             self.sleep(outcome.delay)
         if not headers:
             return self.app(environ, start_response)
-        extra = list(headers.items())
 
         def start_with_headers(
             status: str, response_headers: list[tuple[str, str]], exc_info: Any = None
         ) -> Any:
-            response_headers = [*response_headers, *extra]
+            response_headers = [*response_headers, *headers.items()]  # the outcome's headers, copied once
             if exc_info is not None:
                 return start_response(status, response_headers, exc_info)
             return start_response(status, response_headers)
