@@ -60,7 +60,7 @@ cdef class AdmittedRequests:
     def record(self, decision, headers, str limit_str not None, str policy not None, str r_prefix not None,
                double near, double wall_now):
         """Count an admitted request and set its five rate-limit headers
-        (docs/spec.md §2) on ``headers``, exactly as ``RateLimitMiddleware._headers``
+        (docs/spec.md §2) on ``headers``, exactly as ``nanolimit.gateway.headers.rate_headers``
         writes them."""
         cdef int64_t left
         cdef double reset
