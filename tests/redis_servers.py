@@ -407,3 +407,22 @@ def redis_cluster(server_kind: str) -> Cluster:
     client.script_flush()  # redis-py sends SCRIPT FLUSH to every node
     client.close()
     return cluster
+
+
+def timed(call: Any) -> tuple[Any, float]:
+    """``call()``'s result and how long it took, in seconds."""
+    start = time.monotonic()
+    result = call()
+    return result, time.monotonic() - start
+
+
+def until_healthy(limiter: Any, key: str, limit: float = 5.0) -> Any:
+    """The first decision a store makes itself again (not its policy), within
+    ``limit`` seconds: how the fault tests see a server back."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        d = limiter.allow(key)
+        if not d.degraded:
+            return d
+        time.sleep(0.05)
+    raise AssertionError("decisions did not resume")

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from _helpers import FIELDS
+from redis_servers import timed, until_healthy
 
 from nanolimit import reference
 from nanolimit.redis_storage import (
@@ -364,22 +365,6 @@ def _own_storage(server: Any, **kwargs: Any) -> RedisStorage:
     return RedisStorage(server.client(), **kwargs)
 
 
-def _timed(call: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.monotonic()
-    result = call()
-    return result, time.monotonic() - start
-
-
-def _until_healthy(limiter: Any, key: str, limit: float = 5.0) -> Any:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        d = limiter.allow(key)
-        if not d.degraded:
-            return d
-        time.sleep(0.05)
-    raise AssertionError("decisions did not resume")
-
-
 def test_out_of_memory_refuses_writes_per_call_and_reads_still_decide(
     backend: types.SimpleNamespace, own_server: Any
 ) -> None:
@@ -446,7 +431,7 @@ def test_a_busy_server_opens_the_breaker_and_recovers(
                 break
             time.sleep(0.02)
         for _ in range(5):
-            d, elapsed = _timed(lambda: limiter.allow("k"))
+            d, elapsed = timed(lambda: limiter.allow("k"))
             assert d.degraded and d.allowed and d.reason == "store_unavailable" and elapsed < BOUND
         m = storage.metrics()
         assert m["errors"] >= 3 and m["key_errors"] == 0 and m["breaker_opened"] >= 1
@@ -463,7 +448,7 @@ def test_a_busy_server_opens_the_breaker_and_recovers(
         hog.close()
     assert not thread.is_alive() and outcome
     time.sleep(0.25)  # the cooldown
-    assert not _until_healthy(limiter, "k").degraded
+    assert not until_healthy(limiter, "k").degraded
 
 
 def test_sigkill_answers_by_policy_and_restart_recovers(
@@ -477,13 +462,13 @@ def test_sigkill_answers_by_policy_and_restart_recovers(
     _exhaust(limiter, "k")
     own_server.kill()
     for _ in range(6):
-        d, elapsed = _timed(lambda: limiter.allow("other"))
+        d, elapsed = timed(lambda: limiter.allow("other"))
         assert d.degraded and not d.allowed and d.reason == "store_unavailable" and elapsed < BOUND
     m = storage.metrics()
     assert m["breaker_opened"] >= 1 and m["breaker_open_skips"] >= 1 and m["key_errors"] == 0
     own_server.start()
     time.sleep(0.25)
-    d = _until_healthy(limiter, "k")
+    d = until_healthy(limiter, "k")
     assert d.allowed and d.remaining == CAPACITY - 1  # a new server: the state is gone
 
 
@@ -503,14 +488,14 @@ def test_a_frozen_server_answers_by_policy_then_recovers(
     try:
         for _ in range(6):
             # another key: a request sent to the frozen server may still run after SIGCONT
-            d, elapsed = _timed(lambda: limiter.allow("during"))
+            d, elapsed = timed(lambda: limiter.allow("during"))
             assert d.allowed and d.degraded and d.reason == "store_unavailable" and elapsed < BOUND
         m = storage.metrics()
         assert m["timeouts"] >= 1 and m["breaker_opened"] >= 1 and m["breaker_open_skips"] >= 1
     finally:
         proc.send_signal(signal.SIGCONT)
     time.sleep(0.25)
-    d = _until_healthy(limiter, "victim")
+    d = until_healthy(limiter, "victim")
     assert not d.allowed and not d.degraded
     assert storage.metrics()["breaker_state"] == "closed"
 

@@ -11,6 +11,7 @@ import types
 from typing import Any
 
 import pytest
+from redis_servers import timed, until_healthy
 
 from nanolimit.redis_storage import (
     CircuitOpenError,
@@ -31,22 +32,6 @@ def _storage(server: Any, **kwargs: Any) -> RedisStorage:
     kwargs.setdefault("breaker_threshold", 3)
     kwargs.setdefault("breaker_cooldown", 0.2)
     return RedisStorage(server.client(), **kwargs)
-
-
-def _timed(call: Any) -> tuple[Any, float]:
-    start = time.monotonic()
-    result = call()
-    return result, time.monotonic() - start
-
-
-def _wait_until_healthy(limiter: Any, key: str, limit: float = 5.0) -> Any:
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        d = limiter.allow(key)
-        if not d.degraded:
-            return d
-        time.sleep(0.05)
-    raise AssertionError("decisions did not resume after the restart")
 
 
 def test_decision_client_is_short_and_never_retries(own_server: Any) -> None:
@@ -86,7 +71,7 @@ def test_kill_then_restart(backend: types.SimpleNamespace, own_server: Any, poli
                 limiter.allow("k")
             elapsed = time.monotonic() - start
         else:
-            d, elapsed = _timed(lambda: limiter.allow("k"))
+            d, elapsed = timed(lambda: limiter.allow("k"))
             assert d.degraded
             if policy == "allow":
                 assert d.allowed
@@ -103,7 +88,7 @@ def test_kill_then_restart(backend: types.SimpleNamespace, own_server: Any, poli
     assert m["degraded"] == (0 if policy == "raise" else 6)
     own_server.start()
     time.sleep(0.5)  # the cooldown: then one probe goes through
-    d = _wait_until_healthy(limiter, "k")
+    d = until_healthy(limiter, "k")
     assert d.allowed and d.remaining == 99  # a new server: fresh state
     assert storage.metrics()["breaker_state"] == "closed"
 
@@ -133,7 +118,7 @@ def test_per_rule_policy_and_batches_and_compounds(backend: types.SimpleNamespac
     d = search.allow("u")
     assert d.degraded and d.allowed and d.reason == "store_unavailable"
     assert login.peek("u").reason == "store_unavailable"
-    batch, elapsed = _timed(lambda: search.allow_many(["a", "b", "c"]))
+    batch, elapsed = timed(lambda: search.allow_many(["a", "b", "c"]))
     assert batch.degraded and batch.allowed_count == 3 and elapsed < BOUND
     assert [(d.degraded, d.reason) for d in batch] == [(True, "store_unavailable")] * 3
     batch = login.allow_many(["a", "b"])
@@ -175,13 +160,13 @@ def test_frozen_server_timeout_holds(backend: types.SimpleNamespace, own_server:
         time.sleep(0.01)  # until the server is really asleep
     try:
         for _ in range(3):
-            d, elapsed = _timed(lambda: limiter.allow("k"))
+            d, elapsed = timed(lambda: limiter.allow("k"))
             assert d.degraded and not d.allowed
             assert elapsed < BOUND
         assert storage.metrics()["timeouts"] >= 1
     finally:
         sleeper.join(timeout=10)
-    d = _wait_until_healthy(limiter, "k")
+    d = until_healthy(limiter, "k")
     assert d.allowed
 
 
@@ -192,7 +177,7 @@ def test_nothing_listening(backend: types.SimpleNamespace) -> None:
 
     storage = RedisStorage(redis.Redis(host="127.0.0.1", port=free_port()), timeout=TIMEOUT)
     limiter = backend.TokenBucket(5, 1.0, storage, rule="none")
-    d, elapsed = _timed(lambda: limiter.allow("k"))
+    d, elapsed = timed(lambda: limiter.allow("k"))
     assert d.allowed and d.degraded and elapsed < BOUND
 
 
@@ -211,7 +196,7 @@ def test_kill_and_restart_under_concurrent_load(backend: types.SimpleNamespace, 
     def work(slot: int) -> None:
         while not stop.is_set():
             try:
-                d, elapsed = _timed(lambda: limiter.allow(f"k{slot}"))
+                d, elapsed = timed(lambda: limiter.allow(f"k{slot}"))
             except Exception as exc:  # the point: nothing may escape
                 problems.append(repr(exc))
                 return
