@@ -749,3 +749,23 @@ def test_after_a_rebase_on_the_server_clock_the_expiry_follows_the_new_state(
     again = live.allow("k")
     # (a sliding counter's Retry-After is a lower bound: the previous window still weighs)
     assert again.allowed or (algorithm == "sliding_counter" and again.retry_after < window)
+
+
+class _LyingInt(int):
+    """Says 2 to comparisons, -5 to ``int()`` and ``__index__``."""
+
+    def __int__(self) -> int:
+        return -5
+
+    def __index__(self) -> int:
+        return -5
+
+
+def test_a_compound_charges_the_cost_it_checked(backend: types.SimpleNamespace, make_storage: Any) -> None:
+    """A cost is converted once and that value is charged, in the compound
+    script too: an int subclass that lies to ``int()`` is charged its value."""
+    storage = _storage(make_storage, on_error="raise")
+    clock = backend.FakeClock(T0)
+    limiter = backend.limiters["fixed_window"](5, 60.0, storage, clock, "lying")
+    assert storage.allow_all([(limiter, "k", _LyingInt(2))]).allowed
+    assert limiter.peek("k").remaining == 5 - 2 - 1

@@ -386,7 +386,7 @@ class RedisStorage(_RedisBase):
                 raise ValidationError("every limiter of a compound request must use this storage")
             cfg = limiter_config(limiter)
             check_key(key, self.max_key_bytes)
-            check_cost(cost, cfg.capacity)
+            cost = check_cost(cost, cfg.capacity)  # converted once: charge what was checked
             plan.append((cfg, key, cost, None))
             makers.append(decision_maker(limiter, cfg))
         keys = {(cfg.algorithm, cfg.rule, key) for cfg, key, _, _ in plan}
@@ -503,7 +503,7 @@ class AsyncRedisStorage(_RedisBase):
         Called directly (it is the async ``allow_many``), so it checks every
         key, cost and the clock first, as a limiter would, and sends nothing
         if one is bad."""
-        check_batch(keys, costs, config.capacity, self.max_key_bytes)
+        costs = check_batch(keys, costs, config.capacity, self.max_key_bytes)  # the converted costs
         if now is not None:
             check_now(now)
         run = self._batch_start(config, keys, costs, now)
