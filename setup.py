@@ -49,6 +49,8 @@ def _extensions() -> list:
         include_dirs=["src/nanolimit"],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
+        # shm_open is in librt before glibc 2.34 (the manylinux images)
+        libraries=["rt"] if sys.platform.startswith("linux") else [],
         depends=[
             *sorted(glob.glob("src/nanolimit/_core_*.pxi")),
             "src/nanolimit/_native.h",
@@ -56,6 +58,8 @@ def _extensions() -> list:
             "src/nanolimit/_types.pxd",
             "src/nanolimit/_kernels.pxd",
             "src/nanolimit/_table.pxd",
+            "src/nanolimit/_zone.pxd",
+            "src/nanolimit/_zone.h",
         ],
     )
     return cythonize(

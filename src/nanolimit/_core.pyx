@@ -18,6 +18,7 @@ one module, so calls across layers stay direct C calls and inline):
     _core_decision.pxi     Decision and its pool
     _core_table.pxi        table operations over one stripe (nogil)
     _core_storage.pxi      InMemoryStorage
+    _core_zone.pxi         SharedMemoryStorage (the table in shared memory, _zone.pxd)
     _core_gateway.pxi      EventCounter, AdmittedRequests
     _core_leases.pxi       LeaseGate, LeaseBook (two-tier leases)
     _core_limiters.pxi     _Limiter and the six limiters
@@ -38,6 +39,7 @@ from libc.string cimport memcmp, memcpy, memmove, memset
 from nanolimit._kernels cimport (
     add_clock_lead, clock_rebase, init_state, log_at, log_free, log_reserve, log_ring_size, run_kernel,
 )
+from nanolimit._zone cimport *  # the zone layout and its nogil table (_core_zone.pxi)
 from nanolimit._table cimport (
     NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
     stripe_could_make_room, stripe_make_room, stripe_sweep_idle,
@@ -54,8 +56,10 @@ from nanolimit._types cimport (
     nl_trylock, nl_unlock, nl_wall_now,
 )
 
+import errno as errno_module
 import os
 import threading
+import time as time_module
 import weakref
 
 from nanolimit import reference as _reference
@@ -144,6 +148,10 @@ include "_core_table.pxi"
 
 # ============================================================== storage
 include "_core_storage.pxi"
+
+
+# ============================================================== shared-memory zone
+include "_core_zone.pxi"
 
 
 # ============================================================== gateway

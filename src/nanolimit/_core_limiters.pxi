@@ -8,6 +8,7 @@ cdef class _Limiter:
 
     cdef Params p
     cdef InMemoryStorage store          # None when the storage is not native
+    cdef SharedMemoryStorage zone       # a shared-memory zone, else None
     cdef object _storage
     cdef object _clock
     cdef object _config
@@ -51,6 +52,11 @@ cdef class _Limiter:
             self.ns = self.store.namespace(algorithm, self._rule, &self.p, self)
             self.seed = nl_namespace_seed(self.ns)
             self.max_key_bytes = self.store.max_key_bytes
+        elif isinstance(storage, SharedMemoryStorage):
+            self.zone = <SharedMemoryStorage>storage
+            self.ns = self.zone.namespace(algorithm, self._rule, &self.p)
+            self.seed = self.zone.seed_of(self.ns)
+            self.max_key_bytes = self.zone.max_key_bytes
         else:
             # Any other storage (Redis runs the kernels in Lua; a user's runs
             # them through apply): the reference limiter is the glue.
@@ -147,6 +153,8 @@ cdef class _Limiter:
         cdef Py_ssize_t klen
         cdef int64_t units
         cdef double now
+        if self.zone is not None:
+            return self.decide_zone(key, cost, commit)
         if self.kernel_run is None:
             return self.foreign(key, cost, commit)
         key_bytes(key, self.max_key_bytes, &klen)
@@ -158,6 +166,23 @@ cdef class _Limiter:
             return self.from_verdict(self.kernel_run(self._config, key, units, now, commit))
         return self.from_verdict(self.kernel_run(
             self._config, key, units, None if self.system_clock else self.read_clock(), commit))
+
+    cdef Decision decide_zone(self, object key, object cost, bint commit):
+        """``decide`` on a shared-memory zone: the same checks, in C."""
+        cdef Verdict v
+        cdef Py_ssize_t klen
+        cdef const char* data
+        cdef int64_t units
+        cdef double now = 0.0
+        if self.system_clock:
+            now = nl_wall_now()
+        data = key_bytes(key, self.max_key_bytes, &klen)
+        units = cost_value(cost, self.p.capacity)
+        if not self.system_clock:
+            now = clock_value(self._clock.now())
+        if self.zone.decide(self.ns, self.seed, data, klen, now, units, &self.p, commit, &v) != NL_OK:
+            raise_status(NL_NOMEM)
+        return make_decision(&v, self.p.capacity, self._rule, self.p.window)
 
     cdef Decision foreign(self, object key, object cost, bint commit):
         d = self._fallback.allow(key, cost) if commit else self._fallback.peek(key, cost)
@@ -244,7 +269,7 @@ cdef class _Limiter:
         cdef array allowed, remaining, retry, reset, delay
         cdef double now
         cdef int status
-        if self.store is None:
+        if self.store is None and self.zone is None:
             r = self._fallback.allow_many(key_list, costs, times=times)
             return BatchResult(Decision, r.limit, r.rule, r.window, r.allowed, r.remaining,
                                r.retry_after, r.reset_after, r.delay, r.degraded, r.reasons)
@@ -292,11 +317,19 @@ cdef class _Limiter:
             retry = clone(_F64, n, False)
             reset = clone(_F64, n, False)
             delay = clone(_F64, n, False)
-            with nogil:
-                status = self.store.decide_batch(
-                    self.ns, self.seed, n, data, sizes, units, hashes, now, stamps, &self.p,
-                    allowed.data.as_uchars, <int64_t*>remaining.data.as_longlongs, retry.data.as_doubles,
-                    reset.data.as_doubles, delay.data.as_doubles, storage_full, &done, &refused)
+            if self.zone is not None:
+                self.zone.check_open()
+                with nogil:
+                    status = self.zone.decide_batch(
+                        self.ns, self.seed, n, data, sizes, units, hashes, now, stamps, &self.p,
+                        allowed.data.as_uchars, <int64_t*>remaining.data.as_longlongs, retry.data.as_doubles,
+                        reset.data.as_doubles, delay.data.as_doubles, storage_full, &done, &refused)
+            else:
+                with nogil:
+                    status = self.store.decide_batch(
+                        self.ns, self.seed, n, data, sizes, units, hashes, now, stamps, &self.p,
+                        allowed.data.as_uchars, <int64_t*>remaining.data.as_longlongs, retry.data.as_doubles,
+                        reset.data.as_doubles, delay.data.as_doubles, storage_full, &done, &refused)
             if status == NL_OK and refused > 0:
                 # which requests a bounded storage refused (no room for a new key)
                 reasons = {i: REASON_STORAGE_FULL for i in range(n) if storage_full[i]}
@@ -313,6 +346,10 @@ cdef class _Limiter:
         """Forget ``key``: its next request sees a full budget."""
         cdef Py_ssize_t klen
         cdef const char* data
+        if self.zone is not None:
+            data = key_bytes(key, self.max_key_bytes, &klen)
+            self.zone.forget(self.ns, self.seed, data, klen)
+            return
         if self.store is None:
             self._fallback.reset(key)
             return
@@ -323,6 +360,9 @@ cdef class _Limiter:
         """A snapshot of ``key``'s state, or ``None`` if the storage holds none."""
         cdef Py_ssize_t klen
         cdef const char* data
+        if self.zone is not None:
+            data = key_bytes(key, self.max_key_bytes, &klen)
+            return self.zone.snapshot(self.ns, self.seed, data, klen, type(self).algorithm)
         if self.store is None:
             return self._fallback.state(key)
         data = key_bytes(key, self.max_key_bytes, &klen)

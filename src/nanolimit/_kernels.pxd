@@ -137,6 +137,8 @@ cdef inline int log_reserve(LogState* lg, int64_t needed, int64_t capacity) noex
     cdef int64_t size = log_ring_size(lg)
     cdef double* block
     cdef uint32_t i
+    if needed > capacity:
+        needed = capacity       # a full ring of ``capacity`` always has room after the expiry
     if needed <= size:
         return NL_OK
     size = 8 if size == 0 else size * 2

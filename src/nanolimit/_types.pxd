@@ -10,6 +10,7 @@ cdef extern from "_native.h" nogil:
     void nl_set_secrets(uint64_t k0, uint64_t s1, uint64_t s2)
     uint64_t nl_namespace_seed(uint32_t ns)
     uint64_t nl_hash_seeded(uint64_t seed, const char* key, size_t n)
+    uint64_t nl_hash(uint64_t seed, uint64_t s1, uint64_t s2, const char* key, size_t n)
     bint nl_trylock(uint8_t* lock)
     void nl_lock_spin(uint8_t* lock)
     void nl_unlock(uint8_t* lock)
@@ -69,6 +70,11 @@ ctypedef struct LogState:           # sliding log: ring buffer, oldest at head
     uint32_t head
     uint32_t length
 
+ctypedef struct ZoneLog:            # LogState in a shared-memory zone: the ring as an arena offset
+    uint64_t ring
+    uint32_t head
+    uint32_t length
+
 ctypedef struct ApplyState:         # apply(): ``obj`` is KeyState.obj
     void* obj
     uint32_t busy                   # its mutate is running: evict_idle leaves it
@@ -78,6 +84,7 @@ ctypedef union KeyState:
     WindowState window
     GcraState gcra
     LogState log
+    ZoneLog zone_log                # the same log, in a shared-memory zone (_zone.pxd)
     void* obj                       # ALG_APPLY: an owned PyObject*
     ApplyState apply                # ALG_APPLY: the same object and its busy flag
 

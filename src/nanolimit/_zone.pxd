@@ -1,0 +1,704 @@
+# cython: language_level=3, cdivision=True
+# The shared-memory zone's layout and its table operations (docs/shared_memory.md).
+#
+# One segment, no pointers in it (every process maps it at its own address):
+#
+#   ZoneHeader | ZoneNamespace[ZONE_NAMESPACES] | ZoneStripe[stripes]
+#   | Entry[stripes * stripe_entries] | uint32 index[stripes * index_slots]
+#   | ZoneArena header + blocks (sliding-log rings)
+#
+# Capacity is fixed at creation, so a stripe's entry array and index never
+# move or grow: a batch may read an index slot without the lock (to pick
+# what to prefetch) and only ever reads a slot of the same array. An entry
+# is the in-memory table's 48-byte Entry; what the in-memory entry keeps
+# behind pointers is kept here by value or as an offset:
+#
+#   - a key of at most 16 bytes is stored inline; a longer one as its
+#     SipHash-2-4-128 digest under the zone's secret (key_len says which);
+#   - a sliding log's ring is an arena block, its offset from the segment
+#     base in the place of the ring pointer (``ZoneLog``).
+#
+# Every function here runs under the stripe's lock and neither raises nor
+# touches a Python object.
+
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memset
+
+from nanolimit._kernels cimport clock_rebase, init_state, log_ring_size, run_kernel
+from nanolimit._table cimport (
+    EVICTION_SAMPLE, EVICTION_SCAN, NS_ALGORITHM_MASK, SLOT_POSITION_MASK, SWEEP_STEP,
+    entry_at_rest, entry_given_back, home_slot, slot_value, xorshift32,
+)
+from nanolimit._types cimport (
+    ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK, Entry, Params, Verdict, ZoneLog, nl_hash, nl_key_equal,
+    nl_mum, nl_prefetch, nl_load_u32_relaxed,
+)
+
+
+cdef extern from "_zone.h" nogil:
+    bint nlz_supported()
+    int nlz_open(const char* name, int create, uint64_t size, void** base, uint64_t* mapped)
+    int nlz_unmap(void* base, uint64_t size)
+    int nlz_unlink(const char* name)
+    uint64_t nlz_self_token()
+    void nlz_refresh_identity()
+    bint nlz_token_alive(uint64_t token)
+    uint32_t nlz_pid()
+    bint nlz_trylock(uint64_t* lock)
+    int nlz_lock(uint64_t* lock)
+    int nlz_lock_slow(uint64_t* lock)
+    void nlz_unlock(uint64_t* lock)
+    uint64_t nlz_lock_owner(const uint64_t* lock)
+    void nlz_store_u32_release(uint32_t* p, uint32_t v)
+    void nlz_store_u64_release(uint64_t* p, uint64_t v)
+    uint64_t nlz_load_u64_acquire(const uint64_t* p)
+    void nlz_compiler_barrier()
+    void nlz_siphash128(uint64_t k0, uint64_t k1, const char* data, size_t len, char* out)
+
+
+cdef enum:
+    ZONE_LAYOUT_VERSION = 1
+    ZONE_HEADER_BYTES = 4096
+    ZONE_NAMESPACES = 1024          # (algorithm, rule) pairs a zone can hold
+    ZONE_RULE_BYTES = 184           # a rule name's UTF-8 bytes, at most
+    ZONE_NAME_BYTES = 200           # the zone's own name
+    ZONE_PROCESSES = 128            # attached processes remembered (stale detection)
+    ARENA_CLASSES = 48              # block sizes 2**6 .. 2**47 bytes
+    ARENA_MIN_CLASS = 6
+    ARENA_HEADER_BYTES = 512
+    ZONE_COMPOUND_MAX = 16          # limits in one allow_all (and each stripe's slack for them)
+    ON_FULL_EVICT = 0
+    ON_FULL_DENY_NEW = 1
+
+
+ctypedef struct ZoneHeader:
+    uint64_t magic                  # published last, with a release store
+    uint32_t layout_version
+    uint32_t header_bytes
+    uint64_t creator_token          # written first: a creator that died mid-setup is told apart
+    double created_at
+    uint64_t total_bytes
+    uint64_t max_keys
+    uint32_t stripes
+    uint32_t stripe_entries         # entries per stripe array (the largest stripe cap)
+    uint32_t index_slots            # index slots per stripe (a power of two)
+    uint32_t max_key_bytes
+    uint32_t on_full
+    uint32_t namespace_count
+    double idle_after               # evict_idle_after; 0: off
+    uint64_t arena_bytes
+    uint64_t k0                     # the zone's hash secrets (every process hashes alike)
+    uint64_t s1
+    uint64_t s2
+    uint64_t sip0                   # SipHash key for long keys
+    uint64_t sip1
+    uint64_t namespaces_offset
+    uint64_t stripes_offset
+    uint64_t entries_offset
+    uint64_t index_offset
+    uint64_t arena_offset
+    uint64_t registry_lock          # namespaces and processes
+    uint64_t lock_recoveries        # locks taken over from dead owners (all kinds)
+    uint32_t name_len
+    uint32_t _pad0
+    char name[200]
+    uint64_t processes[128]         # tokens of attached processes; 0: free
+
+
+ctypedef struct ZoneNamespace:      # 256 bytes
+    uint32_t used                   # published last
+    uint32_t algorithm
+    uint32_t name_len
+    uint32_t _pad
+    Params p                        # the latest parameters of the rule (for "at rest")
+    char name[184]
+
+
+ctypedef struct ZoneStripe:         # 128 bytes: stripes never share a cache line
+    uint64_t lock                   # 0, or the owner's token (_zone.h)
+    uint32_t count                  # live entries, dense in entries[0:count]
+    uint32_t cap                    # most entries this stripe may hold
+    uint32_t sweep                  # idle-sweep and eviction cursor
+    uint32_t random                 # xorshift state for eviction sampling
+    uint32_t undo_valid             # 1 while ``undo`` holds the entry being decided
+    uint32_t undo_position
+    uint64_t evicted_at_rest
+    uint64_t evicted_active
+    uint64_t evicted_idle
+    uint64_t denied_new
+    uint64_t denied_arena           # refused: no arena block for a sliding log's ring
+    uint64_t recoveries             # taken over from a dead owner and repaired
+    Entry undo                      # the entry as it was before the decision in flight
+
+
+ctypedef struct ZoneArena:          # ARENA_HEADER_BYTES, then the blocks
+    uint64_t lock
+    uint64_t top                    # next unused byte, an offset from the segment base
+    uint64_t end                    # one past the arena's last byte (offset)
+    uint64_t used                   # bytes in live blocks
+    uint64_t failures               # allocations refused
+    uint64_t free_heads[48]         # per class: offset of the first free block, 0: none
+
+
+ctypedef struct Zone:               # one process's view: addresses of the parts
+    char* base
+    ZoneHeader* header
+    ZoneNamespace* namespaces
+    ZoneStripe* stripes
+    Entry* entries
+    uint32_t* index
+    ZoneArena* arena
+    uint32_t stripe_mask
+    uint32_t stripe_entries
+    uint32_t index_mask
+    uint32_t max_key_bytes
+    uint64_t k0
+    uint64_t s1
+    uint64_t s2
+    uint64_t sip0
+    uint64_t sip1
+    bint evict_active
+    bint reserve_on_peek            # compound phase 1: make room before committing
+    bint compound_commit            # compound phase 2: room was made, never refuse
+    double idle_after
+
+
+# ---------------------------------------------------------------- keys and hashes
+
+cdef inline uint64_t zone_seed(const Zone* z, uint32_t ns) noexcept nogil:
+    return nl_mum(z.k0 ^ <uint64_t>ns, z.s1 ^ 0x9E3779B97F4A7C15ULL)
+
+
+cdef inline const char* zone_key(const Zone* z, const char* key, uint32_t klen, char* digest) noexcept nogil:
+    """The bytes stored for a key: itself up to 16 bytes, else its digest."""
+    if klen <= INLINE_KEY_BYTES:
+        return key
+    nlz_siphash128(z.sip0, z.sip1, key, klen, digest)
+    return digest
+
+
+cdef inline uint32_t stored_len(uint32_t klen) noexcept nogil:
+    return klen if klen <= INLINE_KEY_BYTES else INLINE_KEY_BYTES
+
+
+cdef inline uint64_t zone_hash(const Zone* z, uint64_t seed, const char* stored, uint32_t klen) noexcept nogil:
+    return nl_hash(seed, z.s1, z.s2, stored, stored_len(klen))
+
+
+cdef inline uint64_t zone_entry_hash(const Zone* z, const Entry* e) noexcept nogil:
+    return zone_hash(z, zone_seed(z, e.ns), e.key.short_key, e.key_len)
+
+
+cdef inline uint32_t zone_stripe_of(const Zone* z, uint64_t h) noexcept nogil:
+    return <uint32_t>((h >> 40) & z.stripe_mask)
+
+
+cdef inline Entry* stripe_entries(const Zone* z, uint32_t si) noexcept nogil:
+    return z.entries + <size_t>si * z.stripe_entries
+
+
+cdef inline uint32_t* stripe_index(const Zone* z, uint32_t si) noexcept nogil:
+    return z.index + <size_t>si * (<size_t>z.index_mask + 1)
+
+
+cdef inline const Params* zone_params(const Zone* z, uint32_t ns) noexcept nogil:
+    cdef uint32_t ident = ns >> 3
+    cdef const ZoneNamespace* record
+    if ident == 0 or ident > <uint32_t>ZONE_NAMESPACES:
+        return NULL
+    record = &z.namespaces[ident - 1]
+    if not record.used or record.algorithm != (ns & NS_ALGORITHM_MASK):
+        return NULL
+    return &record.p
+
+
+# ---------------------------------------------------------------- probing
+
+cdef inline Py_ssize_t zone_find(const Zone* z, uint32_t si, uint64_t h, uint32_t ns,
+                                 const char* stored, uint32_t klen, uint32_t* slot_out) noexcept nogil:
+    """Position of the key's entry in its stripe, or -1; ``slot_out`` gets
+    the key's index slot, or the empty slot that ended the probe."""
+    cdef uint32_t mask = z.index_mask
+    cdef const uint32_t* index = stripe_index(z, si)
+    cdef const Entry* entries = stripe_entries(z, si)
+    cdef uint32_t fingerprint = <uint32_t>(h >> 32) & 0xFF
+    cdef uint32_t i = home_slot(h, mask)
+    cdef uint32_t v, n = stored_len(klen)
+    cdef const Entry* e
+    while True:
+        v = index[i]
+        if v == 0:
+            slot_out[0] = i
+            return -1
+        if (v >> 24) == fingerprint:
+            e = &entries[(v & SLOT_POSITION_MASK) - 1]
+            if e.ns == ns and e.key_len == klen and nl_key_equal(e.key.short_key, stored, n):
+                slot_out[0] = i
+                return (v & SLOT_POSITION_MASK) - 1
+        i = (i + 1) & mask
+
+
+cdef inline void zone_prefetch_slot(const Zone* z, uint64_t h) noexcept nogil:
+    nl_prefetch(&stripe_index(z, zone_stripe_of(z, h))[home_slot(h, z.index_mask)])
+
+
+cdef inline void zone_prefetch_entry(const Zone* z, uint64_t h) noexcept nogil:
+    """Start loading the entry the key's home slot names (an unlocked read of
+    a slot that never moves; a stale position is only prefetched)."""
+    cdef uint32_t si = zone_stripe_of(z, h)
+    cdef uint32_t v = nl_load_u32_relaxed(&stripe_index(z, si)[home_slot(h, z.index_mask)])
+    cdef uint32_t position
+    cdef const Entry* e
+    if v == 0:
+        return
+    position = (v & SLOT_POSITION_MASK) - 1
+    if position < z.stripe_entries:
+        e = &stripe_entries(z, si)[position]
+        nl_prefetch(e)
+        nl_prefetch(<const char*>(e + 1) - 1)
+
+
+cdef inline void zone_remove_slot(const Zone* z, uint32_t si, uint32_t hole) noexcept nogil:
+    """Backward-shift deletion (as the in-memory table's index_remove_slot)."""
+    cdef uint32_t mask = z.index_mask
+    cdef uint32_t* index = stripe_index(z, si)
+    cdef const Entry* entries = stripe_entries(z, si)
+    cdef uint32_t j = hole
+    cdef uint32_t v, home
+    while True:
+        j = (j + 1) & mask
+        v = index[j]
+        if v == 0:
+            break
+        home = home_slot(zone_entry_hash(z, &entries[(v & SLOT_POSITION_MASK) - 1]), mask)
+        if (j > hole and (home <= hole or home > j)) or (j < hole and home <= hole and home > j):
+            index[hole] = v
+            hole = j
+    index[hole] = 0
+
+
+# ---------------------------------------------------------------- the arena
+
+cdef inline uint32_t arena_class(uint64_t nbytes) noexcept nogil:
+    cdef uint32_t k = ARENA_MIN_CLASS
+    while (<uint64_t>1 << k) < nbytes:
+        k += 1
+    return k
+
+
+cdef inline double* zone_ring(const Zone* z, uint64_t offset) noexcept nogil:
+    """The ring of an arena block: the slots after its size word."""
+    if offset == 0:
+        return NULL
+    return <double*>(z.base + offset) + 1
+
+
+cdef inline uint64_t arena_alloc(Zone* z, uint64_t slots) noexcept nogil:
+    """A ring block of at least ``slots`` slots (offset; 0 when the arena is
+    out of room). Under the arena lock, taken inside a stripe lock (never the
+    other order). A holder killed here loses at most this block: each step
+    is one store that leaves the free list whole."""
+    cdef ZoneArena* a = z.arena
+    cdef uint32_t k = arena_class((slots + 1) * 8)
+    cdef uint64_t offset = 0, size
+    cdef uint64_t room
+    if k >= <uint32_t>ARENA_CLASSES:
+        return 0
+    size = <uint64_t>1 << k
+    if nlz_lock(&a.lock):
+        nl_add_u64_plain(&z.header.lock_recoveries, 1)
+    if a.free_heads[k] != 0:
+        offset = a.free_heads[k]
+        a.free_heads[k] = (<uint64_t*>(z.base + offset))[0]
+    elif a.end - a.top >= size:
+        offset = a.top
+        a.top = a.top + size
+    if offset != 0:
+        a.used += size
+    else:
+        a.failures += 1
+    nlz_unlock(&a.lock)
+    if offset != 0:
+        room = size // 8 - 1
+        if room > 0xFFFFFFFFU:
+            room = 0xFFFFFFFFU
+        (<uint32_t*>(z.base + offset))[0] = <uint32_t>room
+        (<uint32_t*>(z.base + offset))[1] = k
+    return offset
+
+
+cdef inline void arena_free(Zone* z, uint64_t offset) noexcept nogil:
+    cdef ZoneArena* a = z.arena
+    cdef uint32_t k
+    if offset == 0:
+        return
+    k = (<uint32_t*>(z.base + offset))[1]
+    if k < <uint32_t>ARENA_MIN_CLASS or k >= <uint32_t>ARENA_CLASSES:
+        return                      # not a block header: never put it on a list
+    if nlz_lock(&a.lock):
+        nl_add_u64_plain(&z.header.lock_recoveries, 1)
+    (<uint64_t*>(z.base + offset))[0] = a.free_heads[k]
+    a.free_heads[k] = offset
+    a.used -= <uint64_t>1 << k
+    nlz_unlock(&a.lock)
+
+
+cdef inline bint arena_block_valid(const Zone* z, uint64_t offset) noexcept nogil:
+    """Whether an entry's ring offset names a block of the arena (repair)."""
+    cdef uint32_t k
+    if offset == 0:
+        return True
+    if offset < <uint64_t>(<char*>z.arena - z.base) + ARENA_HEADER_BYTES or offset + 64 > z.arena.end:
+        return False
+    if offset % 64 != 0:
+        return False
+    k = (<const uint32_t*>(z.base + offset))[1]
+    return ARENA_MIN_CLASS <= k < ARENA_CLASSES and offset + (<uint64_t>1 << k) <= z.arena.end
+
+
+cdef inline void nl_add_u64_plain(uint64_t* p, uint64_t v) noexcept nogil:
+    p[0] = p[0] + v
+
+
+# ---------------------------------------------------------------- views
+
+cdef inline ZoneLog* zone_log(Entry* e) noexcept nogil:
+    return &e.state.zone_log
+
+
+cdef inline void zone_view(const Zone* z, const Entry* e, Entry* out) noexcept nogil:
+    """A copy of the entry the kernels can run on: a sliding log's ring
+    offset turned into this process's address of the ring."""
+    out[0] = e[0]
+    if (e.ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
+        out.state.log.ring = zone_ring(z, e.state.zone_log.ring)
+
+
+cdef inline void zone_store_view(Entry* e, const Entry* view) noexcept nogil:
+    """Write back what a kernel changed on a view: the ring stays where it is."""
+    cdef uint64_t ring
+    if (e.ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
+        ring = zone_log(e).ring
+        e.state = view.state
+        zone_log(e).ring = ring
+    else:
+        e.state = view.state
+    e.updated_at = view.updated_at
+
+
+cdef inline bint zone_at_rest(const Zone* z, const Entry* e, const Params* p, double now) noexcept nogil:
+    cdef Entry view
+    zone_view(z, e, &view)
+    return entry_at_rest(&view, p, now)
+
+
+# ---------------------------------------------------------------- entries
+
+cdef inline void zone_delete(Zone* z, uint32_t si, uint32_t slot, uint32_t position) noexcept nogil:
+    """Remove an entry: the last entry moves into its place, then the count
+    drops, then its ring goes back to the arena. A holder killed part-way
+    leaves at worst a duplicate of the moved entry (repair drops it) or a
+    leaked ring, never a ring used twice."""
+    cdef ZoneStripe* s = &z.stripes[si]
+    cdef Entry* entries = stripe_entries(z, si)
+    cdef uint32_t* index = stripe_index(z, si)
+    cdef uint32_t last = s.count - 1
+    cdef uint32_t mask = z.index_mask
+    cdef uint32_t i
+    cdef uint64_t h, ring = 0
+    if (entries[position].ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
+        ring = zone_log(&entries[position]).ring
+    zone_remove_slot(z, si, slot)
+    if position != last:
+        entries[position] = entries[last]
+        h = zone_entry_hash(z, &entries[position])
+        i = home_slot(h, mask)
+        while (index[i] & SLOT_POSITION_MASK) != last + 1:
+            i = (i + 1) & mask
+        index[i] = slot_value(h, position)
+    nlz_compiler_barrier()
+    s.count = last
+    nlz_compiler_barrier()
+    arena_free(z, ring)
+
+
+cdef inline uint32_t zone_slot_of(const Zone* z, uint32_t si, uint32_t position) noexcept nogil:
+    cdef uint32_t mask = z.index_mask
+    cdef const uint32_t* index = stripe_index(z, si)
+    cdef uint32_t i = home_slot(zone_entry_hash(z, &stripe_entries(z, si)[position]), mask)
+    while (index[i] & SLOT_POSITION_MASK) != position + 1:
+        i = (i + 1) & mask
+    return i
+
+
+cdef inline void zone_remove_position(Zone* z, uint32_t si, uint32_t position) noexcept nogil:
+    zone_delete(z, si, zone_slot_of(z, si, position), position)
+
+
+cdef inline Entry* zone_insert(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* stored,
+                               uint32_t klen, uint32_t slot, const Entry* state) noexcept nogil:
+    """Append a key known to be absent (``slot``: where its probe ended),
+    with ``state``'s state; NULL when the stripe's array is full. The entry
+    is whole before the index names it and before the count takes it in."""
+    cdef ZoneStripe* s = &z.stripes[si]
+    cdef uint32_t position = s.count
+    cdef Entry* e
+    if position >= z.stripe_entries:
+        return NULL
+    e = &stripe_entries(z, si)[position]
+    memset(e, 0, sizeof(Entry))
+    e.ns = ns
+    e.key_len = klen
+    memcpy(e.key.short_key, stored, stored_len(klen))
+    e.state = state.state
+    e.updated_at = state.updated_at
+    nlz_compiler_barrier()
+    stripe_index(z, si)[slot] = slot_value(h, position)
+    nlz_compiler_barrier()
+    s.count = position + 1
+    return e
+
+
+cdef inline void zone_forget_keeping(Zone* z, uint32_t si, uint32_t position, uint32_t* keep) noexcept nogil:
+    """Remove the entry at ``position``; ``keep`` follows the entry it names
+    when that one is the last and moves into the hole."""
+    if keep != NULL and keep[0] == z.stripes[si].count - 1:
+        keep[0] = position
+    zone_remove_position(z, si, position)
+
+
+cdef inline void zone_sweep_idle(Zone* z, uint32_t si, double cutoff) noexcept nogil:
+    cdef ZoneStripe* s = &z.stripes[si]
+    cdef Entry* entries = stripe_entries(z, si)
+    cdef int step
+    for step in range(SWEEP_STEP):
+        if s.count == 0:
+            return
+        if s.sweep >= s.count:
+            s.sweep = 0
+        if entries[s.sweep].updated_at < cutoff:
+            zone_remove_position(z, si, s.sweep)
+            s.evicted_idle += 1
+        else:
+            s.sweep += 1
+
+
+cdef inline uint32_t zone_random(ZoneStripe* s, uint32_t bound) noexcept nogil:
+    s.random = xorshift32(s.random)
+    return s.random % bound
+
+
+cdef inline bint zone_make_room(Zone* z, uint32_t si, double now, bint evict_active,
+                                uint32_t* keep) noexcept nogil:
+    """The in-memory table's eviction rule (``stripe_make_room``): an entry
+    at rest first; else, when allowed, of those looked at and not in debt,
+    the one whose forgetting hands back the fewest units. A key in debt is
+    never forgotten. ``keep`` (or NULL): a position never to pick, updated
+    when the entry there moves. Returns False when nothing was freed."""
+    cdef ZoneStripe* s = &z.stripes[si]
+    cdef Entry* entries = stripe_entries(z, si)
+    cdef uint32_t i, position, victim = 0
+    cdef double fewest = 0.0, oldest = 0.0, given
+    cdef bint have_victim = False, in_debt
+    cdef Entry view
+    cdef const Params* p
+    if s.count == 0:
+        return False
+    for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
+        if i < <uint32_t>EVICTION_SCAN:
+            if s.sweep >= s.count:
+                s.sweep = 0
+            position = s.sweep
+            s.sweep += 1
+        else:
+            position = zone_random(s, s.count)
+        if keep != NULL and position == keep[0]:
+            continue
+        zone_view(z, &entries[position], &view)
+        p = zone_params(z, view.ns)
+        if entry_at_rest(&view, p, now):
+            zone_forget_keeping(z, si, position, keep)
+            if s.sweep > position:
+                s.sweep = position
+            s.evicted_at_rest += 1
+            return True
+        if p == NULL:
+            continue
+        given = entry_given_back(&view, p, now, &in_debt)
+        if in_debt:
+            continue
+        if not have_victim or given < fewest or (given == fewest and view.updated_at < oldest):
+            victim = position
+            fewest = given
+            oldest = view.updated_at
+            have_victim = True
+    if evict_active and have_victim:
+        zone_forget_keeping(z, si, victim, keep)
+        s.evicted_active += 1
+        return True
+    return False
+
+
+cdef inline bint zone_could_make_room(const Zone* z, uint32_t si, double now) noexcept nogil:
+    """``zone_make_room`` for ``peek`` on a full ``deny_new`` stripe: the same
+    answer, changing nothing (``stripe_could_make_room``)."""
+    cdef const ZoneStripe* s = &z.stripes[si]
+    cdef const Entry* entries = stripe_entries(z, si)
+    cdef uint32_t i, position, cursor = s.sweep, x = s.random
+    if s.count == 0:
+        return True
+    if z.idle_after > 0.0:
+        for i in range(<uint32_t>SWEEP_STEP):
+            if cursor >= s.count:
+                cursor = 0
+            if entries[cursor].updated_at < now - z.idle_after:
+                return True
+            cursor += 1
+    for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
+        if i < <uint32_t>EVICTION_SCAN:
+            if cursor >= s.count:
+                cursor = 0
+            position = cursor
+            cursor += 1
+        else:
+            x = xorshift32(x)
+            position = x % s.count
+        if zone_at_rest(z, &entries[position], zone_params(z, entries[position].ns), now):
+            return True
+    return False
+
+
+cdef inline bint zone_room_for_new_key(Zone* z, uint32_t si, double now) noexcept nogil:
+    cdef ZoneStripe* s = &z.stripes[si]
+    if z.idle_after > 0.0:
+        zone_sweep_idle(z, si, now - z.idle_after)
+    while s.count >= s.cap:
+        if not zone_make_room(z, si, now, z.evict_active, NULL):
+            s.denied_new += 1
+            return False
+    return True
+
+
+cdef inline Entry* zone_ring_for(Zone* z, uint32_t si, Entry* e, uint32_t* keep, int64_t needed,
+                                 int64_t capacity, double now) noexcept nogil:
+    """Make a sliding log's ring hold ``min(needed, capacity)`` stamps before
+    its kernel runs, so the kernel never allocates (its rings are C heap;
+    these are the arena's). Grows by doubling, as the in-memory log does.
+    When the arena is out of room, an ``evict`` zone forgets one other entry
+    of the stripe and tries once more. ``keep`` is the position of ``e`` in
+    the stripe (NULL for a scratch entry): eviction never picks it, and
+    moves it if the entry it frees was the last. Returns ``e`` where it now
+    is, or NULL when there is no room (the caller refuses the request)."""
+    cdef ZoneLog* lg = zone_log(e)
+    cdef uint32_t size = 0, i, j
+    cdef int64_t want
+    cdef uint64_t block, old
+    cdef double* old_ring
+    cdef double* new_ring
+    if needed > capacity:
+        needed = capacity
+    if lg.ring != 0:
+        size = (<uint32_t*>(z.base + lg.ring))[0]
+    if needed <= <int64_t>size:
+        return e
+    want = 8 if size == 0 else <int64_t>size * 2
+    if want < needed:
+        want = needed
+    if want > capacity:
+        want = capacity
+    block = arena_alloc(z, <uint64_t>want)
+    if block == 0 and z.evict_active and zone_make_room(z, si, now, True, keep):
+        if keep != NULL:
+            e = &stripe_entries(z, si)[keep[0]]
+            lg = zone_log(e)
+        block = arena_alloc(z, <uint64_t>want)
+    if block == 0:
+        z.stripes[si].denied_arena += 1
+        return NULL
+    old = lg.ring
+    old_ring = zone_ring(z, old)
+    new_ring = zone_ring(z, block)
+    j = lg.head
+    for i in range(lg.length):
+        new_ring[i] = old_ring[j]
+        j += 1
+        if j == size:
+            j = 0
+    nlz_compiler_barrier()
+    lg.ring = block             # the entry names the new ring before the old one is freed:
+    lg.head = 0                 # a holder killed between leaks a block, never shares one
+    nlz_compiler_barrier()
+    arena_free(z, old)
+    return e
+
+
+cdef inline void zone_undo_begin(ZoneStripe* s, uint32_t position, const Entry* e) noexcept nogil:
+    """Keep the entry as it is before changing it: a holder killed while it
+    decides is rolled back by whoever takes its lock over."""
+    s.undo = e[0]
+    s.undo_position = position
+    nlz_store_u32_release(&s.undo_valid, 1)
+    nlz_compiler_barrier()
+
+
+cdef inline void zone_undo_end(ZoneStripe* s) noexcept nogil:
+    nlz_compiler_barrier()
+    nlz_store_u32_release(&s.undo_valid, 0)
+
+
+# ---------------------------------------------------------------- repair
+
+cdef inline bint zone_entry_valid(const Zone* z, Entry* e) noexcept nogil:
+    """Whether an entry left by a dead lock holder can be trusted: its
+    namespace registered, its key length possible, its ring a real block."""
+    cdef ZoneLog* lg
+    cdef uint32_t size
+    if zone_params(z, e.ns) == NULL or e.key_len == 0 or e.key_len > z.max_key_bytes:
+        return False
+    if (e.ns & NS_ALGORITHM_MASK) != ALG_SLIDING_LOG:
+        return True
+    lg = zone_log(e)
+    if not arena_block_valid(z, lg.ring):
+        return False
+    if lg.ring == 0:
+        return lg.length == 0
+    size = (<const uint32_t*>(z.base + lg.ring))[0]
+    return lg.length <= size and lg.head < size
+
+
+cdef inline void zone_repair_stripe(Zone* z, uint32_t si) noexcept nogil:
+    """Make a stripe whole again after its lock was taken over from a dead
+    holder: roll back the decision it had in flight (its undo copy), drop
+    entries that cannot be trusted and duplicates a half-done move left,
+    and rebuild the index from the entries. The holder's request was never
+    answered, so rolling it back loses nothing that was promised."""
+    cdef ZoneStripe* s = &z.stripes[si]
+    cdef Entry* entries = stripe_entries(z, si)
+    cdef uint32_t* index = stripe_index(z, si)
+    cdef uint32_t j, slot
+    cdef uint64_t h
+    if s.count > z.stripe_entries:
+        s.count = z.stripe_entries
+    if s.undo_valid and s.undo_position < s.count:
+        entries[s.undo_position] = s.undo
+    s.undo_valid = 0
+    j = 0
+    while j < s.count:
+        if not zone_entry_valid(z, &entries[j]):
+            entries[j] = entries[s.count - 1]
+            s.count -= 1
+        else:
+            j += 1
+    memset(index, 0, (<size_t>z.index_mask + 1) * sizeof(uint32_t))
+    j = 0
+    while j < s.count:
+        h = zone_entry_hash(z, &entries[j])
+        if zone_find(z, si, h, entries[j].ns, entries[j].key.short_key, entries[j].key_len, &slot) >= 0:
+            entries[j] = entries[s.count - 1]     # a copy of a kept entry: its ring is the kept one's
+            s.count -= 1
+        else:
+            index[slot] = slot_value(h, j)
+            j += 1
+    if s.sweep > s.count:
+        s.sweep = 0
+    s.recoveries += 1
