@@ -5,6 +5,13 @@ One session fixture, ``backend``, parametrized over the native core
 every other fixture derives from it, and tests never import a twin directly
 (``test_equivalence`` and ``test_import`` are the deliberate exceptions).
 
+A third parameter, ``zone``, runs the native twin with every
+``backend.InMemoryStorage(...)`` made a ``SharedMemoryStorage`` (the
+shared-memory zone, same API): it is collected only in modules that set
+``ZONE_SUITE = True`` (the SPEC scenarios, validation, bounded-store and
+compound suites), and a test there marked ``not_on_zone`` (the ``apply``
+seam, which a zone refuses) is deselected for it.
+
 The native parameter is skipped only when asked to: ``--no-c-extensions`` or
 ``NANOLIMIT_NO_EXTENSIONS`` set. Otherwise a failing ``import nanolimit._core``
 is an *error* of every native test, so CI can never silently test the Python
@@ -79,6 +86,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "native: the test needs the compiled twin, nanolimit._core"
     )
+    config.addinivalue_line(
+        "markers", "not_on_zone: a ZONE_SUITE test of what only InMemoryStorage has (apply)"
+    )
     if config.getoption("--no-c-extensions"):
         # Run the identical suite pure: `import nanolimit` must pick the reference too.
         os.environ[NO_EXTENSIONS_ENV] = "1"
@@ -98,12 +108,13 @@ def native_skip_reason(config: pytest.Config) -> str | None:
     params=[
         pytest.param("native", marks=pytest.mark.native, id="native"),
         pytest.param("reference", id="reference"),
+        pytest.param("zone", marks=pytest.mark.native, id="zone"),
     ],
 )
 def backend(request: pytest.FixtureRequest) -> types.SimpleNamespace:
     """All names of one twin, plus the shared pure classes, and ``name``."""
     name = request.param
-    if name == "native":
+    if name in ("native", "zone"):
         reason = native_skip_reason(request.config)
         if reason is not None:
             pytest.skip(reason)
@@ -118,7 +129,45 @@ def backend(request: pytest.FixtureRequest) -> types.SimpleNamespace:
     for attr in SHARED_NAMES:
         setattr(ns, attr, getattr(shared, attr))
     ns.limiters = {algo: getattr(module, cls) for algo, cls in ALGORITHM_CLASSES.items()}
+    if name == "zone":
+        ns.InMemoryStorage = zone_factory(module)
     return ns
+
+
+ZONE_TEST_KEYS = 65_536
+
+
+def zone_factory(module: types.ModuleType):
+    """``InMemoryStorage(...)`` made a fresh shared-memory zone. Its name is
+    unlinked at once: the zone lives while the object does, and a crashed
+    test run leaves nothing in /dev/shm."""
+    import uuid
+
+    def make(*, stripes: int = 64, max_key_bytes: int | None = None, max_keys: int | None = None,
+             on_full: str = "evict", evict_idle_after: float | None = None):
+        options = {} if max_key_bytes is None else {"max_key_bytes": max_key_bytes}
+        zone = module.SharedMemoryStorage(
+            f"nltest-{uuid.uuid4().hex[:16]}", max_keys=ZONE_TEST_KEYS if max_keys is None else max_keys,
+            stripes=stripes, on_full=on_full, evict_idle_after=evict_idle_after, **options)
+        zone.unlink()
+        return zone
+
+    return make
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep the ``zone`` backend only where a module asks for it."""
+    kept, dropped = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_zone = callspec is not None and callspec.params.get("backend") == "zone"
+        if on_zone and (not getattr(item.module, "ZONE_SUITE", False) or item.get_closest_marker("not_on_zone")):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture(params=ALGORITHMS, ids=ALGORITHMS)

@@ -7,6 +7,9 @@ from array import array
 
 import pytest
 
+# The shared-memory zone runs this suite too (conftest.py, the zone backend).
+ZONE_SUITE = True
+
 
 def test_times_match_sequential_allows(backend, limiter_cls) -> None:
     rng = random.Random(5)

@@ -7,6 +7,9 @@ import types
 
 import pytest
 
+# The shared-memory zone runs this suite too (conftest.py, the zone backend).
+ZONE_SUITE = True
+
 
 def test_flood_stays_within_the_bound_and_active_keys_keep_their_debt(backend) -> None:
     clock = backend.FakeClock(1000.0)

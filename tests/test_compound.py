@@ -8,6 +8,9 @@ import threading
 import types
 
 import pytest
+
+# The shared-memory zone runs this suite too (conftest.py, the zone backend).
+ZONE_SUITE = True
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -31,7 +31,7 @@ MOVED = {
 }
 CORE_MODULES = {
     "_clocks", "_core", "_decision_py", "_errors", "_kernels", "_limiter_config", "_protocols", "_select",
-    "_shared", "_table", "_types", "_validation", "_version", "reference",
+    "_shared", "_table", "_types", "_validation", "_version", "_zone", "reference",
 }  # fmt: skip
 
 

@@ -10,6 +10,9 @@ import math
 from typing import Any
 
 import pytest
+
+# The shared-memory zone runs this suite too (conftest.py, the zone backend).
+ZONE_SUITE = True
 from _helpers import FIELDS, DictStorage, batch_fields, fields
 from conftest import BURST_ALGORITHMS
 
@@ -532,6 +535,7 @@ def test_evict_idle_uses_monotonic_key_time(limiter_cls, backend, storage):
     assert storage.evict_idle(100.5) == 1
 
 
+@pytest.mark.not_on_zone
 def test_apply_runs_a_user_algorithm(backend, storage):
     seen = []
 
@@ -562,6 +566,7 @@ def test_apply_runs_a_user_algorithm(backend, storage):
     assert storage.apply("hits", 6.0, incr) == 1
 
 
+@pytest.mark.not_on_zone
 def test_apply_keys_are_apart_from_limiter_keys(backend, storage):
     limiter = backend.TokenBucket(5, 60.0, storage, backend.FakeClock(10.0))
     limiter.allow("hits")
@@ -569,6 +574,7 @@ def test_apply_keys_are_apart_from_limiter_keys(backend, storage):
     assert limiter.peek("hits").remaining == 3
 
 
+@pytest.mark.not_on_zone
 def test_apply_eviction_and_backward_time(backend, storage):
     storage.apply("k", 10.0, lambda s: (1, None))
     storage.apply("k", 5.0, lambda s: (2, None))  # stamp stays at 10
@@ -663,6 +669,7 @@ def test_limiter_properties(limiter_cls, algorithm, backend, storage, clock):
     assert (d.limit, d.rule, d.window) == (7, "api", 30.0)
 
 
+@pytest.mark.not_on_zone
 def test_limiter_defaults(limiter_cls, backend):
     limiter = limiter_cls(5, 60)
     assert isinstance(limiter.clock, backend.SystemClock)

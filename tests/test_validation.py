@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
+
+# The shared-memory zone runs this suite too (conftest.py, the zone backend).
+ZONE_SUITE = True
 from _helpers import SettableClock, fields
 from conftest import BURST_ALGORITHMS
 
@@ -128,6 +131,7 @@ def test_bad_key_allow_many(backend, primed, key):
     assert_rejected(backend, primed, lambda: primed.allow_many([key]), "key")
 
 
+@pytest.mark.not_on_zone
 @pytest.mark.parametrize("key", BAD_KEYS)
 def test_bad_key_apply(backend, key):
     storage = backend.InMemoryStorage()
@@ -303,6 +307,7 @@ def test_bad_clock(backend, primed, now, op):
     assert_rejected(backend, primed, call, "clock")
 
 
+@pytest.mark.not_on_zone
 @pytest.mark.parametrize("now", [math.nan, math.inf, -math.inf, "1000.0", None])
 def test_bad_now_in_storage_apply(backend, now):
     storage = backend.InMemoryStorage()
@@ -313,6 +318,7 @@ def test_bad_now_in_storage_apply(backend, now):
     assert storage.apply("k", T0, lambda s: (s, s)) == 1
 
 
+@pytest.mark.not_on_zone
 @pytest.mark.parametrize("cutoff", [math.nan, "1000.0", None])
 def test_bad_eviction_cutoff(backend, cutoff):
     storage = backend.InMemoryStorage()
@@ -322,6 +328,7 @@ def test_bad_eviction_cutoff(backend, cutoff):
     assert len(storage) == 1
 
 
+@pytest.mark.not_on_zone
 def test_infinite_eviction_cutoffs(backend):
     # Not a clock reading: -inf forgets nothing and inf forgets every key.
     storage = backend.InMemoryStorage()

@@ -74,6 +74,7 @@ _LAZY = {
     "CircuitOpenError": "storage.redis",
     "RedisStorage": "storage.redis",
     "RedisUnavailableError": "storage.redis",
+    "SharedMemoryStorage": "storage.shared_memory",
     "StorageUnavailableError": "storage.redis",
     "TwoTierStorage": "storage.two_tier",
     "ConfigError": "gateway.config",
@@ -90,6 +91,7 @@ if TYPE_CHECKING:
         RedisUnavailableError,
         StorageUnavailableError,
     )
+    from .storage.shared_memory import SharedMemoryStorage
     from .storage.two_tier import TwoTierStorage
 
 
@@ -144,6 +146,7 @@ __all__ = [
     "RuleNotFoundError",
     "RuleRegistry",
     "RuleValidationError",
+    "SharedMemoryStorage",
     "SlidingWindowCounter",
     "SlidingWindowLog",
     "Storage",

@@ -1,3 +1,4 @@
 """The storage layer beyond the in-memory core: Redis and Valkey
-(``storage.redis``) and the two-tier store (``storage.two_tier``). It sits
+(``storage.redis``), the two-tier store (``storage.two_tier``) and the
+shared-memory zone (``storage.shared_memory``). It sits
 above the core and below the gateway (docs/architecture.md)."""
