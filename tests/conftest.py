@@ -161,7 +161,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         callspec = getattr(item, "callspec", None)
         on_zone = callspec is not None and callspec.params.get("backend") == "zone"
-        if on_zone and (not getattr(item.module, "ZONE_SUITE", False) or item.get_closest_marker("not_on_zone")):
+        opted_in = getattr(item.module, "ZONE_SUITE", False) and not item.get_closest_marker("not_on_zone")
+        if on_zone and not opted_in:
             dropped.append(item)
         else:
             kept.append(item)

@@ -796,6 +796,40 @@ cdef class SharedMemoryStorage:
         """Bytes of the segment: the whole table is reserved at creation."""
         return self.mapped_bytes
 
+    def _simulate_dead_holder(self, limiter, key, pid, what="decision"):
+        """Test hook: leave ``key``'s stripe as a holder that died would,
+        locked by ``pid`` (a process that has exited). ``"decision"``: part
+        of a decision written over the key's entry, its undo copy kept;
+        ``"move"``: a deletion of the key cut off after the last entry moved
+        into its place. The next caller that needs the stripe must take the
+        lock over and repair it."""
+        cdef _Limiter lim = <_Limiter?>limiter
+        cdef Py_ssize_t klen
+        cdef char digest[16]
+        cdef const char* data = key_bytes(key, self.max_key_bytes, &klen)
+        cdef const char* stored = zone_key(&self.z, data, <uint32_t>klen, digest)
+        cdef uint64_t h = zone_hash(&self.z, lim.seed, stored, <uint32_t>klen)
+        cdef uint32_t si = zone_stripe_of(&self.z, h), slot
+        cdef ZoneStripe* s = &self.z.stripes[si]
+        cdef Entry* entries = stripe_entries(&self.z, si)
+        cdef Py_ssize_t position
+        self.check_open()
+        if what not in ("decision", "move"):
+            raise ValidationError(f"what must be 'decision' or 'move', got {what!r}")
+        self.lock_stripe(si)
+        position = zone_find(&self.z, si, h, lim.ns, stored, <uint32_t>klen, &slot)
+        if position < 0 or (what == "move" and s.count < 2):
+            nlz_unlock(&s.lock)
+            raise ValidationError("the key must be held (and, for 'move', share its stripe with another)")
+        if what == "decision":
+            zone_undo_begin(s, <uint32_t>position, &entries[position])
+            memset(&entries[position].state, 0xAB, sizeof(entries[position].state))
+            entries[position].updated_at = -1.0
+        else:
+            entries[position] = entries[s.count - 1]
+        nlz_store_u64_release(&s.lock, (<uint64_t>pid << 32) | 0x80000000U)
+        return si
+
     # -- lifecycle -----------------------------------------------------------
     @property
     def created(self):
