@@ -18,6 +18,9 @@ def check_config(path: str) -> int:
         return 1
     mode = "stacked (every matching rule applies)" if loaded.stacked else "most specific rule wins"
     print(f"{path}: OK, {len(loaded.rules)} rule(s), {mode}")
+    if loaded.storage is not None:
+        options = " ".join(f"{key}={value!r}" for key, value in loaded.storage.options)
+        print(f"  storage: {loaded.storage.type} {options}".rstrip())
     rows = [*loaded.rules, *(() if loaded.default is None else (loaded.default,))]
     for rule in rows:
         extras = []

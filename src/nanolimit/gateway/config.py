@@ -25,6 +25,19 @@ File format (TOML; JSON has the same shape)::
     tier = "free"              # optional
     dry_run = false            # optional: shadow mode
     shape = true               # optional: leaky bucket waits its delay
+
+    [storage]                  # optional: where the limiters keep their state
+    type = "shared_memory"     # memory (the default) | shared_memory
+    name = "api-gateway"       # shared_memory: the zone every worker attaches to
+    max_keys = 100000          # the zone's fixed capacity (memory: its bound)
+    on_full = "evict"          # optional: evict | deny_new
+    evict_idle_after = 3600    # optional: seconds
+    arena_bytes = 8388608      # optional (shared_memory): room for sliding logs
+    stripes = 64               # optional
+
+The storage section is read when the gateway starts (``LoadedRules.factory``
+builds the limiters on it); a reload that changes it is refused, because a
+zone's capacity is fixed and its state lives on in other processes.
 """
 
 from __future__ import annotations
@@ -55,7 +68,15 @@ try:
 except ImportError:  # pragma: no cover - Python 3.10 without tomli
     tomllib = None
 
-__all__ = ["ConfigError", "ConfigWatcher", "LoadedRules", "Problem", "load_rules", "parse_rules"]
+__all__ = [
+    "ConfigError",
+    "ConfigWatcher",
+    "LoadedRules",
+    "Problem",
+    "StorageSection",
+    "load_rules",
+    "parse_rules",
+]
 
 log = logging.getLogger("nanolimit.config")
 
@@ -73,7 +94,27 @@ _RULE_FIELDS = {
     "dry_run",
     "shape",
 }
-_TOP_FIELDS = {"rules", "default", "stacked"}
+_TOP_FIELDS = {"rules", "default", "stacked", "storage"}
+
+# The storage section's fields, by type: (field, accepted types, description).
+_STORAGE_FIELDS: dict[str, dict[str, tuple[type | tuple[type, ...], str]]] = {
+    "memory": {
+        "max_keys": (int, "an int"),
+        "on_full": (str, "a string"),
+        "evict_idle_after": ((int, float), "a number of seconds"),
+        "stripes": (int, "an int"),
+    },
+    "shared_memory": {
+        "name": (str, "a string"),
+        "max_keys": (int, "an int"),
+        "on_full": (str, "a string"),
+        "evict_idle_after": ((int, float), "a number of seconds"),
+        "stripes": (int, "an int"),
+        "arena_bytes": (int, "an int"),
+        "if_stale": (str, "a string"),
+    },
+}
+_STORAGE_REQUIRED = {"memory": (), "shared_memory": ("name", "max_keys")}
 
 
 @dataclass(frozen=True)
@@ -107,15 +148,50 @@ class ConfigError(ValidationError):
 
 
 @dataclass(frozen=True)
+class StorageSection:
+    """A rules file's ``[storage]``: the type and its options, checked."""
+
+    type: str = "memory"
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def build(self) -> Any:
+        """The storage it describes: every worker that builds a
+        ``shared_memory`` section attaches to the one zone of that name."""
+        options = dict(self.options)
+        if self.type == "shared_memory":
+            from ..storage.shared_memory import SharedMemoryStorage
+
+            return SharedMemoryStorage(options.pop("name"), **options)
+        from .._select import twin
+        from .factory import DEFAULT_MAX_KEYS
+
+        options.setdefault("max_keys", DEFAULT_MAX_KEYS)
+        return twin.InMemoryStorage(**options)
+
+
+@dataclass(frozen=True)
 class LoadedRules:
-    """A validated rules file: what ``RuleRegistry`` needs."""
+    """A validated rules file: what ``RuleRegistry`` and ``LimiterFactory`` need."""
 
     rules: tuple[RateLimitRule, ...]
     default: RateLimitRule | None = None
     stacked: bool = False
+    storage: StorageSection | None = None
 
     def registry(self, *, cache_size: int = 4096) -> RuleRegistry:
         return RuleRegistry(self.rules, self.default, stacked=self.stacked, cache_size=cache_size)
+
+    def factory(self, clock: Any = None) -> LimiterFactory:
+        """A factory on the file's ``[storage]`` (the bounded in-memory
+        default without one); a storage that cannot be made is a
+        ``ConfigError`` naming the section."""
+        if self.storage is None:
+            return LimiterFactory(clock=clock)
+        try:
+            storage = self.storage.build()
+        except ValidationError as exc:
+            raise ConfigError("<rules>", [Problem("-", "storage", str(exc))]) from None
+        return LimiterFactory(storage, clock)
 
     def active(self) -> tuple[RateLimitRule, ...]:
         return self.rules if self.default is None else (*self.rules, self.default)
@@ -177,6 +253,35 @@ def _rule(table: Any, label: str, problems: list[Problem], defaults: dict[str, A
     return None
 
 
+def _storage(table: Any, problems: list[Problem]) -> StorageSection | None:
+    if not isinstance(table, dict):
+        problems.append(Problem("-", "storage", f"must be a table, got {type(table).__name__}"))
+        return None
+    kind = table.get("type", "memory")
+    if kind not in _STORAGE_FIELDS:
+        kinds = ", ".join(_STORAGE_FIELDS)
+        problems.append(Problem("storage", "type", f"must be one of {kinds}, got {kind!r}"))
+        return None
+    fields = _STORAGE_FIELDS[kind]
+    before = len(problems)
+    for key in sorted(set(table) - set(fields) - {"type"}):
+        problems.append(Problem("storage", _field_name(key), f"unknown field for type {kind!r}"))
+    for key in _STORAGE_REQUIRED[kind]:
+        if key not in table:
+            problems.append(Problem("storage", key, f"missing (type {kind!r} needs it)"))
+    options = []
+    for key, (types, what) in fields.items():
+        if key not in table:
+            continue
+        value = table[key]
+        if isinstance(value, bool) or not isinstance(value, types):
+            problems.append(Problem("storage", key, f"must be {what}, got {value!r}"))
+        options.append((key, value))
+    if len(problems) > before:
+        return None
+    return StorageSection(kind, tuple(options))
+
+
 def parse_rules(data: Any, source: str = "<rules>") -> LoadedRules:
     """Validate a parsed rules document (a dict, as TOML or JSON gives)."""
     problems: list[Problem] = []
@@ -215,12 +320,13 @@ def parse_rules(data: Any, source: str = "<rules>") -> LoadedRules:
         if default is not None and default.name in seen:
             problems.append(Problem(default.name, "name", "the default shares its name with a rule"))
             default = None
+    storage = _storage(data["storage"], problems) if "storage" in data else None
     if not problems and not rules and default is None:
         # an empty or truncated file would otherwise lift every limit at once
         problems.append(Problem("-", "-", "no rules and no default: nothing to enforce"))
     if problems:
         raise ConfigError(source, problems)
-    return LoadedRules(tuple(rules), default, stacked)
+    return LoadedRules(tuple(rules), default, stacked, storage)
 
 
 def _parse_bytes(raw: bytes, path: Path) -> Any:
@@ -259,6 +365,9 @@ def load_rules(path: str | os.PathLike[str]) -> LoadedRules:
     return _load_bytes(raw, p)
 
 
+_UNSET = object()  # no file installed yet: any storage section is the first
+
+
 class ConfigWatcher:
     """Keeps a registry in step with a rules file.
 
@@ -295,6 +404,7 @@ class ConfigWatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._storage: StorageSection | object | None = _UNSET
 
     def load(self) -> LoadedRules:
         """Load the file now and install it; raises on a bad file (the old rules stay)."""
@@ -313,6 +423,12 @@ class ConfigWatcher:
     def _install(self, raw: bytes) -> LoadedRules:
         digest = hashlib.blake2b(raw, digest_size=16).digest()
         loaded = _load_bytes(raw, self.path)
+        if self._storage is not _UNSET and loaded.storage != self._storage:
+            raise ConfigError(
+                str(self.path),
+                [Problem("-", "storage", "cannot change while running (restart the gateway to move it)")],
+            )
+        self._storage = loaded.storage
         self.registry.replace(loaded.rules, default=loaded.default, stacked=loaded.stacked)
         if self.factory is not None:
             self.factory.prune(loaded.active())

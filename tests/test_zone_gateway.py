@@ -1,0 +1,130 @@
+"""The shared-memory zone through the gateway: the factory, the pipeline,
+a rules file's ``[storage]`` section, its reload and ``check-config``.
+(Real servers with several workers: test_zone_servers.py.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nanolimit.config import ConfigError, ConfigWatcher, load_rules, parse_rules
+from nanolimit.factory import LimiterFactory
+from nanolimit.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.rules import RateLimitRule, RuleRegistry
+
+pytestmark = pytest.mark.native
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    zone_name = f"nltest-{uuid.uuid4().hex[:16]}"
+    yield zone_name
+    import nanolimit._core as c
+
+    c.SharedMemoryStorage.unlink_segment(zone_name)
+
+
+def rules_text(name: str, extra: str = "") -> str:
+    return (
+        '[[rules]]\nname = "api"\npath_prefix = "/api"\nrate = "3/minute"\nscope = "global"\n\n'
+        f'[storage]\ntype = "shared_memory"\nname = "{name}"\nmax_keys = 1000\n{extra}'
+    )
+
+
+def ok(request: Request) -> Response:
+    return Response(200)
+
+
+def test_two_pipelines_on_one_zone_share_the_budget(native, name):
+    registry = RuleRegistry([RateLimitRule("api", "*", "/api", "global", "fixed_window", 3, 60.0)])
+    first = RateLimitMiddleware(registry, LimiterFactory(native.SharedMemoryStorage(name, max_keys=100)))
+    second = RateLimitMiddleware(registry, LimiterFactory(native.SharedMemoryStorage(name, max_keys=100)))
+    request = Request("GET", "/api/x", client="10.0.0.1")
+    statuses = [mw(request, ok).status for _ in range(3) for mw in (first, second)]
+    assert statuses.count(200) == 3 and statuses.count(429) == 3
+    assert type(first.factory.for_rule(registry.rules()[0])).__module__ == "nanolimit._core"
+
+
+def test_a_rules_file_storage_section_builds_the_zone(native, name, tmp_path: Path):
+    path = tmp_path / "rules.toml"
+    path.write_text(rules_text(name, 'on_full = "deny_new"\narena_bytes = 65536\n'))
+    loaded = load_rules(path)
+    assert loaded.storage is not None and loaded.storage.type == "shared_memory"
+    one, two = loaded.factory(), loaded.factory()
+    assert one.storage.name == name and one.storage.on_full == "deny_new" and one.storage.arena_bytes == 65536
+    assert one.storage.created and not two.storage.created
+    a, b = (f.for_rule(loaded.rules[0]) for f in (one, two))
+    assert [a.allow("k").allowed, b.allow("k").allowed, a.allow("k").allowed, b.allow("k").allowed] == [
+        True, True, True, False,
+    ]  # fmt: skip
+
+
+def test_a_memory_section_and_no_section(native):
+    memory = parse_rules({"rules": [{"name": "r", "rate": "1/second"}], "storage": {"max_keys": 50}})
+    assert memory.storage is not None and memory.storage.type == "memory"
+    assert memory.factory().storage.max_keys == 50
+    plain = parse_rules({"rules": [{"name": "r", "rate": "1/second"}]})
+    assert plain.storage is None and plain.factory().storage.max_keys == 100_000
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "message"),
+    [
+        ({"type": "redis"}, "type", "must be one of memory, shared_memory"),
+        ({"type": "shared_memory", "max_keys": 10}, "name", "missing"),
+        ({"type": "shared_memory", "name": "z"}, "max_keys", "missing"),
+        ({"type": "shared_memory", "name": "z", "max_keys": "10"}, "max_keys", "must be an int"),
+        ({"type": "shared_memory", "name": "z", "max_keys": True}, "max_keys", "must be an int"),
+        ({"type": "shared_memory", "name": "z", "max_keys": 10, "size": 5}, "size", "unknown field"),
+        ({"type": "memory", "arena_bytes": 5}, "arena_bytes", "unknown field for type 'memory'"),
+        ("shared_memory", "storage", "must be a table"),
+    ],
+)
+def test_a_bad_storage_section_is_one_problem_each(section, field, message):
+    with pytest.raises(ConfigError) as caught:
+        parse_rules({"rules": [{"name": "r", "rate": "1/second"}], "storage": section})
+    assert any(p.field == field and message in p.message for p in caught.value.problems), caught.value
+
+
+def test_a_zone_that_cannot_be_made_is_a_config_error(native):
+    loaded = parse_rules(
+        {"rules": [{"name": "r", "rate": "1/second"}], "storage": {"type": "shared_memory", "name": "a/b",
+                                                                    "max_keys": 10}}
+    )
+    with pytest.raises(ConfigError, match=r"storage.*name"):
+        loaded.factory()
+
+
+def test_a_reload_may_change_rules_but_not_the_storage(native, name, tmp_path: Path):
+    path = tmp_path / "rules.toml"
+    path.write_text(rules_text(name))
+    loaded = load_rules(path)
+    factory = loaded.factory()
+    registry = loaded.registry()
+    watcher = ConfigWatcher(path, registry, factory)
+    watcher.load()
+    path.write_text(rules_text(name).replace("3/minute", "4/minute"))
+    assert watcher.check()
+    assert registry.rules()[0].limit == 4
+    path.write_text(rules_text(name).replace("max_keys = 1000", "max_keys = 2000"))
+    assert not watcher.check()
+    assert "storage" in str(watcher.last_error) and registry.rules()[0].limit == 4
+    factory.storage.unlink()
+
+
+def test_check_config_shows_the_storage(name, tmp_path: Path):
+    path = tmp_path / "rules.toml"
+    path.write_text(rules_text(name))
+    out = subprocess.run(
+        [sys.executable, "-m", "nanolimit", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"storage: shared_memory name='{name}' max_keys=1000" in out.stdout
