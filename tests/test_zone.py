@@ -376,3 +376,29 @@ def test_system_clock_is_wall_time_so_processes_agree(core, name):
     before = time.time()
     limiter.allow("k")
     assert before <= limiter.state("k").updated_at <= time.time()
+
+
+def test_a_zone_from_another_pid_namespace_is_refused(core, name):
+    """Lock owners are pids: across PID namespaces (containers sharing
+    /dev/shm) a live holder could be taken for a dead one. Unshared, a
+    process sees another namespace: it must refuse the zone, not attach."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("needs Linux and the right to unshare a PID namespace")
+    core.SharedMemoryStorage(name, max_keys=10)
+    script = (
+        "import nanolimit._core as c\n"
+        "from nanolimit._shared import ValidationError\n"
+        "try:\n"
+        f"    c.SharedMemoryStorage({name!r}, max_keys=10)\n"
+        "except ValidationError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script],
+                             env=env, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) here")
+    if out.returncode != 0 and "Operation not permitted" in out.stderr:
+        pytest.skip("unshare is not permitted in this sandbox")
+    assert "refused:" in out.stdout and "PID namespace" in out.stdout, (out.stdout, out.stderr)

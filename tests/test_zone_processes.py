@@ -13,8 +13,8 @@ worker processes attach to; these tests start real processes (``fork`` and
    in-flight decision is rolled back or completed, never doubled;
 3b. the same made certain: the victim is SIGSTOPped until the segment shows
    it holding a stripe lock (white-box, layout 1), then SIGKILLed; the
-   in-flight decision must be rolled back exactly. A strict xfail records
-   the known bug that a dead holder not yet reaped (a zombie) stalls waiters;
+   in-flight decision must be rolled back exactly; and a dead holder not yet
+   reaped (a zombie) is dead to the waiters: they take its lock over at once;
 4. lifecycle: attach/close from a child, a mismatched attach, unlink while
    attached, a stale segment left by a killed creator (reuse / reset), a
    multiprocessing Pool given the zone object, gunicorn-style
@@ -503,13 +503,6 @@ def test_sigkill_with_a_decision_in_flight_is_rolled_back(zone_cls, zone_name, c
 REAP_AFTER_S = 1.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a lock holder that is dead but not yet reaped (a zombie) counts as alive: "
-    "nlz_token_alive() relies on kill(pid, 0) and /proc/<pid>/stat's start time, both of which "
-    "still answer for a zombie, so every waiter stalls until the parent reaps the dead worker "
-    "(forever, when the parent itself is the one waiting). Drop this mark once fixed.",
-)
 def test_a_dead_holder_not_yet_reaped_does_not_stall_the_others(zone_cls, zone_name, children):
     ctx = mp.get_context("spawn")
     cap = 10**9

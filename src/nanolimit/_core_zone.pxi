@@ -8,7 +8,8 @@
 cdef uint64_t ZONE_MAGIC = 0x314E4F5A4C4E414EULL        # "NANLZON1"
 cdef uint64_t ZONE_RETIRED = 0x444552495445524EULL      # unlinked or reset: attach again
 cdef Py_ssize_t ZONE_MAX_KEYS = 1 << 30
-cdef double ZONE_ATTACH_SECONDS = 5.0
+cdef double ZONE_ATTACH_SECONDS = 5.0     # for a creator that died before it wrote its token
+cdef double ZONE_SETUP_SECONDS = 120.0    # for a live creator to reserve and set up the segment
 cdef dict ZONE_ALGORITHMS = {number: algorithm for algorithm, number in ALGORITHM_IDS.items()}
 cdef str ZONE_NAME_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-"
 
@@ -154,7 +155,7 @@ cdef class SharedMemoryStorage:
         per_stripe, slots, namespaces, stripes_at, entries_at, index_at, arena_at, total = self.layout(stripes)
         deadline = time_module.monotonic() + ZONE_ATTACH_SECONDS
         while True:
-            err = nlz_open(segment, 1, total, &base, &mapped)
+            err = nlz_open(segment, 1, total, nlz_self_token(), &base, &mapped)
             if err == 0:
                 self.is_created = True
                 self.mapped_bytes = mapped
@@ -163,7 +164,7 @@ cdef class SharedMemoryStorage:
                 return
             if err != errno_module.EEXIST:
                 raise _zone_error(err, self.segment_name, total)
-            err = nlz_open(segment, 0, 0, &base, &mapped)
+            err = nlz_open(segment, 0, 0, 0, &base, &mapped)
             if err == errno_module.ENOENT:
                 continue                                # unlinked meanwhile: create it
             if err == errno_module.EAGAIN:              # its creator has not sized it yet
@@ -182,14 +183,20 @@ cdef class SharedMemoryStorage:
                     "left untouched; remove it or choose another name")
             magic = nlz_load_u64_acquire(&header.magic)
             if magic == 0:
-                # being set up: wait for its creator, or start over if it died
+                # Being set up: wait for a live creator (reserving a large
+                # zone takes a while), start over when it died, or when none
+                # wrote its token within the bound (it died just after creating).
                 creator = nlz_load_u64_acquire(&header.creator_token)
-                if (creator != 0 and not nlz_token_alive(creator)) or time_module.monotonic() > deadline:
-                    nlz_unmap(base, mapped)
+                nlz_unmap(base, mapped)
+                if creator != 0 and nlz_token_alive(creator):
+                    if time_module.monotonic() > deadline + ZONE_SETUP_SECONDS:
+                        raise ValidationError(
+                            f"shared-memory zone {self.name!r}: its creator (pid {creator >> 32}) has not "
+                            f"finished setting it up in {ZONE_SETUP_SECONDS:g} s")
+                elif creator != 0 or time_module.monotonic() > deadline:
                     nlz_unlink(segment)
                     deadline = time_module.monotonic() + ZONE_ATTACH_SECONDS
                     continue
-                nlz_unmap(base, mapped)
                 time_module.sleep(0.001)
                 continue
             if magic == ZONE_RETIRED:
@@ -250,6 +257,7 @@ cdef class SharedMemoryStorage:
         h.arena_offset = arena_at
         h.name_len = <uint32_t>len(name)
         memcpy(h.name, <const char*>name, len(name))
+        h.pid_namespace = nlz_pid_namespace()
         self.bind(base)
         for i in range(stripes):
             s = &self.z.stripes[i]
@@ -303,6 +311,12 @@ cdef class SharedMemoryStorage:
                 problems.append(f"max_key_bytes={h.max_key_bytes} (asked {self.max_key_bytes})")
             if h.arena_bytes != self.arena_bytes:
                 problems.append(f"arena_bytes={h.arena_bytes} (asked {self.arena_bytes})")
+            if h.pid_namespace != nlz_pid_namespace():
+                problems.append(
+                    f"it was created in another PID namespace (pid:[{h.pid_namespace}], this process is in "
+                    f"pid:[{nlz_pid_namespace()}]): its locks name pids this process cannot see, so a dead "
+                    "holder could not be told from a live one; share the PID namespace between the "
+                    "containers (shareProcessNamespace, --pid=container:...) or use RedisStorage")
             if not problems and (h.total_bytes != total or self.mapped_bytes < total):
                 problems.append(f"its segment is {self.mapped_bytes} bytes, not {total}")
         return "; ".join(problems)

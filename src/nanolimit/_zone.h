@@ -32,8 +32,10 @@
 
 #ifdef _WIN32
 static inline int nlz_supported(void) { return 0; }
-static inline int nlz_open(const char *name, int create, uint64_t size, void **base, uint64_t *mapped)
-{ (void)name; (void)create; (void)size; *base = NULL; *mapped = 0; return ENOSYS; }
+static inline int nlz_open(const char *name, int create, uint64_t size, uint64_t token,
+                           void **base, uint64_t *mapped)
+{ (void)name; (void)create; (void)size; (void)token; *base = NULL; *mapped = 0; return ENOSYS; }
+static inline uint64_t nlz_pid_namespace(void) { return 0; }
 static inline int nlz_unmap(void *base, uint64_t size) { (void)base; (void)size; return ENOSYS; }
 static inline int nlz_unlink(const char *name) { (void)name; return ENOSYS; }
 static inline uint64_t nlz_self_token(void) { return 1; }
@@ -44,7 +46,8 @@ static inline uint32_t nlz_pid(void) { return 1; }
 #else
 static inline int nlz_supported(void) { return 1; }
 
-static inline int nlz_open(const char *name, int create, uint64_t size, void **base, uint64_t *mapped)
+static inline int nlz_open(const char *name, int create, uint64_t size, uint64_t token,
+                           void **base, uint64_t *mapped)
 {
     int fd, err = 0;
     struct stat st;
@@ -58,6 +61,12 @@ static inline int nlz_open(const char *name, int create, uint64_t size, void **b
     if (create) {
         if (ftruncate(fd, (off_t)size) != 0) {
             err = errno;
+        }
+        /* the creator's token (ZoneHeader.creator_token) before the long
+           reservation: an attacher waits for a live creator, however big
+           the zone, and starts over only when it is dead */
+        if (err == 0 && pwrite(fd, &token, sizeof token, 16) != (ssize_t)sizeof token) {
+            err = errno ? errno : EIO;
         }
 #if defined(__linux__)
         if (err == 0) {
@@ -114,7 +123,10 @@ static inline int nlz_unlink(const char *name)
 static uint64_t nlz_token = 0;
 static uint32_t nlz_my_pid = 0;
 
-static inline uint64_t nlz_start_time(uint32_t pid)
+/* A process's start time (clock ticks since boot) from /proc/<pid>/stat,
+ * and whether it is a zombie (exited, not yet reaped: still answering
+ * kill(pid, 0), but it will never release a lock). 0: unknown. */
+static inline uint64_t nlz_proc_start(uint32_t pid, int *zombie)
 {
 #if defined(__linux__)
     char path[64], buf[1024];
@@ -123,6 +135,7 @@ static inline uint64_t nlz_start_time(uint32_t pid)
     char *p;
     int field;
     unsigned long long start = 0;
+    *zombie = 0;
     snprintf(path, sizeof path, "/proc/%u/stat", pid);
     f = fopen(path, "r");
     if (f == NULL) {
@@ -132,9 +145,10 @@ static inline uint64_t nlz_start_time(uint32_t pid)
     fclose(f);
     buf[n] = 0;
     p = strrchr(buf, ')');      /* the command name may hold spaces */
-    if (p == NULL) {
+    if (p == NULL || p[1] != ' ') {
         return 0;
     }
+    *zombie = p[2] == 'Z' || p[2] == 'X';
     /* after ") " come fields 3..; starttime is field 22 */
     for (field = 2; field < 22 && *p; p++) {
         if (*p == ' ') {
@@ -147,8 +161,29 @@ static inline uint64_t nlz_start_time(uint32_t pid)
     return (uint64_t)start;
 #else
     (void)pid;
+    *zombie = 0;
     return 0;                   /* no portable start time: the pid alone */
 #endif
+}
+
+static inline uint64_t nlz_start_time(uint32_t pid)
+{
+    int zombie;
+    return nlz_proc_start(pid, &zombie);
+}
+
+/* The PID namespace this process lives in (Linux: the inode of
+ * /proc/self/ns/pid), 0 where there is none to read. Tokens name pids of
+ * one namespace: the zone refuses processes of another. */
+static inline uint64_t nlz_pid_namespace(void)
+{
+#if defined(__linux__)
+    struct stat st;
+    if (stat("/proc/self/ns/pid", &st) == 0) {
+        return (uint64_t)st.st_ino;
+    }
+#endif
+    return 0;
 }
 
 static inline uint64_t nlz_token_of(uint32_t pid, uint64_t start)
@@ -185,7 +220,11 @@ static inline int nlz_token_alive(uint64_t token)
     }
 #if defined(__linux__)
     {
-        uint64_t start = nlz_start_time(pid);
+        int zombie;
+        uint64_t start = nlz_proc_start(pid, &zombie);
+        if (zombie) {
+            return 0;           /* killed, not yet reaped */
+        }
         if (start != 0 && nlz_token_of(pid, start) != token) {
             return 0;           /* the pid was reused by a younger process */
         }

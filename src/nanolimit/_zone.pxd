@@ -37,7 +37,8 @@ from nanolimit._types cimport (
 
 cdef extern from "_zone.h" nogil:
     bint nlz_supported()
-    int nlz_open(const char* name, int create, uint64_t size, void** base, uint64_t* mapped)
+    int nlz_open(const char* name, int create, uint64_t size, uint64_t token, void** base, uint64_t* mapped)
+    uint64_t nlz_pid_namespace()
     int nlz_unmap(void* base, uint64_t size)
     int nlz_unlink(const char* name)
     uint64_t nlz_self_token()
@@ -103,6 +104,7 @@ ctypedef struct ZoneHeader:
     uint32_t _pad0
     char name[200]
     uint64_t processes[128]         # tokens of attached processes; 0: free
+    uint64_t pid_namespace          # the creator's PID namespace (Linux); 0: none to compare
 
 
 ctypedef struct ZoneNamespace:      # 256 bytes
