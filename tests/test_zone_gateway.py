@@ -128,3 +128,29 @@ def test_check_config_shows_the_storage(name, tmp_path: Path):
     )
     assert out.returncode == 0, out.stderr
     assert f"storage: shared_memory name='{name}' max_keys=1000" in out.stdout
+
+
+def doc_blocks(path: Path, language: str) -> list[str]:
+    import re
+
+    return re.findall(rf"```{language}\n(.*?)```", path.read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("doc", ["docs/shared_memory.md", "README.md"])
+def test_the_zone_snippets_in_the_docs_run(native, doc: str, name: str, tmp_path: Path):
+    root = Path(__file__).resolve().parents[1]
+    blocks = [b for b in doc_blocks(root / doc, "python") if "SharedMemoryStorage" in b]
+    assert blocks, f"{doc} shows the zone"
+    for block in blocks:
+        namespace: dict[str, object] = {}
+        exec(compile(block.replace('"api-gateway"', repr(name)), doc, "exec"), namespace)
+        zones = [v for v in namespace.values() if isinstance(v, native.SharedMemoryStorage)]
+        zone = zones[0] if zones else namespace["factory"].storage  # type: ignore[attr-defined]
+        assert zone.name == name and zone.max_keys == 100_000
+        zone.unlink()
+    for i, block in enumerate(doc_blocks(root / doc, "toml")):
+        if "shared_memory" in block:
+            path = tmp_path / f"rules{i}.toml"
+            path.write_text(block + '\n[[rules]]\nname = "r"\nrate = "1/second"\n')
+            loaded = load_rules(path)
+            assert loaded.storage is not None and dict(loaded.storage.options)["max_keys"] == 100_000
