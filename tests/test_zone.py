@@ -402,3 +402,13 @@ def test_a_zone_from_another_pid_namespace_is_refused(core, name):
     if out.returncode != 0 and "Operation not permitted" in out.stderr:
         pytest.skip("unshare is not permitted in this sandbox")
     assert "refused:" in out.stdout and "PID namespace" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_the_segment_is_readable_by_its_user_only(core, name):
+    """Another user of the host must not read or write the zone: it holds
+    the hash secrets (with them, colliding keys could be chosen)."""
+    core.SharedMemoryStorage(name, max_keys=10)
+    path = Path("/dev/shm") / core._zone_segment_name(name).lstrip("/")
+    if not path.exists():
+        pytest.skip("this system keeps POSIX segments elsewhere than /dev/shm")
+    assert path.stat().st_mode & 0o777 == 0o600
