@@ -412,3 +412,42 @@ def test_the_segment_is_readable_by_its_user_only(core, name):
     if not path.exists():
         pytest.skip("this system keeps POSIX segments elsewhere than /dev/shm")
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_compound_that_cannot_get_a_ring_charges_nothing(core, name):
+    zone = core.SharedMemoryStorage(name, max_keys=100, arena_bytes=4096, on_full="deny_new")
+    clock = FakeClock(T0)
+    bucket = core.TokenBucket(5, 60.0, zone, clock, rule="bucket")
+    log = core.SlidingWindowLog(100, 60.0, zone, clock, rule="log")
+    while log.allow(f"hog{len(zone)}", 100).allowed:  # 1 KiB rings until the arena is spent
+        pass
+    decision = zone.allow_all([(bucket, "user"), (log, "user", 50)])
+    assert not decision.allowed
+    assert [d.reason for d in decision.decisions] == ["", "storage_full"]
+    assert bucket.state("user") is None and log.state("user") is None  # no entry left behind
+    assert bucket.allow("user", 5).allowed  # the bucket's budget untouched
+
+
+def test_compounds_on_one_thread_do_not_change_decisions_on_another(core, name):
+    """allow_all's phases are its own: a thread deciding meanwhile on a
+    full deny_new zone is refused as always, never let past the cap."""
+    zone = core.SharedMemoryStorage(name, max_keys=64, stripes=1, on_full="deny_new")
+    clock = FakeClock(T0)
+    a = core.FixedWindowCounter(1000, 60.0, zone, clock, rule="a")
+    b = core.FixedWindowCounter(1000, 60.0, zone, clock, rule="b")
+    stop = threading.Event()
+    assert zone.allow_all([(a, "shared"), (b, "shared")]).allowed  # its two keys are in
+
+    def compounds() -> None:
+        while not stop.is_set():
+            zone.allow_all([(a, "shared"), (b, "shared")])
+
+    worker = threading.Thread(target=compounds)
+    worker.start()
+    try:
+        admitted_new = sum(a.allow(f"new{i}").allowed for i in range(5000))
+    finally:
+        stop.set()
+        worker.join(timeout=30)
+    assert len(zone) <= 64
+    assert admitted_new == 64 - 2

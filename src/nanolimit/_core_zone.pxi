@@ -285,7 +285,6 @@ cdef class SharedMemoryStorage:
         self.z.k0, self.z.s1, self.z.s2, self.z.sip0, self.z.sip1 = h.k0, h.s1, h.s2, h.sip0, h.sip1
         self.z.evict_active = h.on_full == ON_FULL_EVICT
         self.z.idle_after = h.idle_after
-        self.z.reserve_on_peek = False
 
     cdef str mismatch(self, uint32_t stripes, uint64_t total):
         """What differs between the zone there and what this process asks for."""
@@ -477,7 +476,7 @@ cdef class SharedMemoryStorage:
         h = zone_hash(&self.z, seed, stored, <uint32_t>klen)
         si = zone_stripe_of(&self.z, h)
         self.lock_stripe(si)
-        status = zone_decide(&self.z, si, h, ns, stored, <uint32_t>klen, now, cost, p, commit, v)
+        status = zone_decide(&self.z, si, h, ns, stored, <uint32_t>klen, now, cost, p, commit, DECIDE_PLAIN, v)
         nlz_unlock(&self.z.stripes[si].lock)
         return status
 
@@ -526,7 +525,7 @@ cdef class SharedMemoryStorage:
             run += 1
             stored = keys[i] if sizes[i] <= INLINE_KEY_BYTES else digests + 16 * i
             status = zone_decide(z, si, hashes[i], ns, stored, <uint32_t>sizes[i],
-                                 now if times == NULL else times[i], costs[i], p, True, &v)
+                                 now if times == NULL else times[i], costs[i], p, True, DECIDE_PLAIN, &v)
             if status != NL_OK:
                 break
             allowed[i] = v.allowed
@@ -929,7 +928,8 @@ cdef object entry_snapshot(const Entry* copy, uint32_t ns, object algorithm, dou
 # ---------------------------------------------------------------- nogil decisions
 
 cdef int zone_decide(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* stored, uint32_t klen,
-                     double clock_now, int64_t cost, const Params* p, bint commit, Verdict* v) noexcept nogil:
+                     double clock_now, int64_t cost, const Params* p, bint commit, int mode,
+                     Verdict* v) noexcept nogil:
     """``table_decide`` on the zone: find or create the key, bring it to
     ``now`` (never backwards), decide, stamp. A committed change to a
     present key is bracketed by the stripe's undo copy."""
@@ -942,7 +942,7 @@ cdef int zone_decide(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* 
     cdef ZoneStripe* s = &z.stripes[si]
     v.storage_full = False
     if found < 0:
-        return zone_decide_new(z, si, h, ns, stored, klen, slot, clock_now, cost, p, commit, v)
+        return zone_decide_new(z, si, h, ns, stored, klen, slot, clock_now, cost, p, commit, mode, v)
     position = <uint32_t>found
     e = &stripe_entries(z, si)[position]
     if e.updated_at - clock_now > MAX_CLOCK_LEAD_C:
@@ -974,7 +974,7 @@ cdef int zone_decide(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* 
 
 cdef int zone_decide_new(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* stored, uint32_t klen,
                          uint32_t slot, double clock_now, int64_t cost, const Params* p, bint commit,
-                         Verdict* v) noexcept nogil:
+                         int mode, Verdict* v) noexcept nogil:
     """``zone_decide`` for a key not in the zone: decided on a scratch entry,
     which goes in only once its charge succeeded."""
     cdef Entry scratch
@@ -982,7 +982,7 @@ cdef int zone_decide_new(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const ch
     cdef int status
     cdef ZoneStripe* s = &z.stripes[si]
     if not commit:
-        if z.reserve_on_peek:
+        if mode == DECIDE_RESERVE:
             if not zone_room_for_new_key(z, si, clock_now):
                 refuse_new_key(v)
                 return NL_OK
@@ -991,7 +991,7 @@ cdef int zone_decide_new(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const ch
             return NL_OK
         init_state(&scratch, clock_now, p)
         return run_kernel(&scratch, clock_now, cost, p, False, v)
-    if not z.compound_commit and not zone_room_for_new_key(z, si, clock_now):
+    if not zone_room_for_new_key(z, si, clock_now):
         refuse_new_key(v)
         return NL_OK
     zone_find(z, si, h, ns, stored, klen, &slot)     # eviction may have moved the probe run
@@ -1051,36 +1051,49 @@ cdef int zone_after_clock_fault(Zone* z, uint32_t si, uint32_t position, double 
 cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint32_t* namespaces,
                        const char** data, const Py_ssize_t* sizes, const double* nows, const int64_t* units,
                        const Params** params, Verdict* verdicts) noexcept nogil:
-    """Phase 1 decides every limit without spending (making room for new
-    keys, so phase 2 never refuses); if all allow, phase 2 charges each.
-    A sliding log's ring is made big enough in phase 1, so the charge
-    cannot fail part-way for want of arena."""
+    """Phase 1 decides every limit without spending, making room for new
+    keys. If all allow, what charging needs is made next, as the in-memory
+    ``prepare_compound`` does: every new key's entry, and every sliding
+    log's ring. If a ring cannot be had, the new entries go again and the
+    request is refused (``storage_full``), nothing charged. Phase 2 then
+    charges each limit, which can no longer fail. Several new keys of one
+    stripe may take it over its cap: each stripe's array has
+    ZONE_COMPOUND_MAX entries of slack for that (the in-memory table lets a
+    compound overshoot ``max_keys`` by its own few keys alike)."""
     cdef Py_ssize_t i
     cdef uint32_t si, slot, position
     cdef Py_ssize_t found
     cdef bint all_allowed = True
     cdef int status = NL_OK
     cdef Entry* e
+    cdef Entry fresh
     cdef Verdict settled
-    z.reserve_on_peek = True
+    cdef uint8_t created[16]        # ZONE_COMPOUND_MAX
     for i in range(n):
+        created[i] = 0
         si = zone_stripe_of(z, hashes[i])
         status = zone_decide(z, si, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], nows[i], units[i],
-                             params[i], False, &verdicts[i])
+                             params[i], False, DECIDE_RESERVE, &verdicts[i])
         if status != NL_OK:
-            break
+            return status
         all_allowed = all_allowed and verdicts[i].allowed
-    z.reserve_on_peek = False
-    if status != NL_OK:
-        return status
     if all_allowed:
         for i in range(n):
-            if (namespaces[i] & NS_ALGORITHM_MASK) != ALG_SLIDING_LOG:
-                continue
             si = zone_stripe_of(z, hashes[i])
             found = zone_find(z, si, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], &slot)
             if found < 0:
-                continue            # a new key: its ring is made as it goes in (below)
+                memset(&fresh, 0, sizeof(Entry))
+                fresh.ns = namespaces[i]
+                init_state(&fresh, nows[i], params[i])
+                e = zone_insert(z, si, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], slot, &fresh)
+                if e == NULL:           # cannot happen within the slack; refuse rather than overrun
+                    refuse_new_key(&verdicts[i])
+                    all_allowed = False
+                    break
+                created[i] = 1
+                found = z.stripes[si].count - 1
+            if (namespaces[i] & NS_ALGORITHM_MASK) != ALG_SLIDING_LOG:
+                continue
             position = <uint32_t>found
             e = &stripe_entries(z, si)[position]
             if zone_ring_for(z, si, e, &position, <int64_t>e.state.log.length + units[i],
@@ -1088,6 +1101,13 @@ cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint
                 refuse_new_key(&verdicts[i])
                 all_allowed = False
                 break
+        if not all_allowed:
+            for i in range(n):
+                if created[i]:
+                    si = zone_stripe_of(z, hashes[i])
+                    found = zone_find(z, si, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], &slot)
+                    if found >= 0:
+                        zone_delete(z, si, slot, <uint32_t>found)
     if not all_allowed:
         for i in range(n):          # a key found stamped ahead is stored moved back (settle_clock_fault)
             si = zone_stripe_of(z, hashes[i])
@@ -1095,16 +1115,10 @@ cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint
             if found >= 0 and stripe_entries(z, si)[found].updated_at - nows[i] > MAX_CLOCK_LEAD_C:
                 zone_after_clock_fault(z, si, <uint32_t>found, nows[i], 0, params[i], True, &settled)
         return NL_OK
-    # Phase 1 made room for every new key; phase 2 never refuses one. Several
-    # new keys of one stripe may take it over its cap: each stripe's array
-    # has ZONE_COMPOUND_MAX entries of slack for that (as the in-memory
-    # table lets a compound overshoot max_keys by its own few keys).
-    z.compound_commit = True
     for i in range(n):
         si = zone_stripe_of(z, hashes[i])
         status = zone_decide(z, si, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], nows[i], units[i],
-                             params[i], True, &verdicts[i])
+                             params[i], True, DECIDE_PLAIN, &verdicts[i])
         if status != NL_OK:
             break
-    z.compound_commit = False
     return status

@@ -68,6 +68,8 @@ cdef enum:
     ARENA_MIN_CLASS = 6
     ARENA_HEADER_BYTES = 512
     ZONE_COMPOUND_MAX = 16          # limits in one allow_all (and each stripe's slack for them)
+    DECIDE_PLAIN = 0                # zone_decide's modes (a call's own, never the zone's:
+    DECIDE_RESERVE = 1              # threads of a process share the Zone): compound phase 1
     ON_FULL_EVICT = 0
     ON_FULL_DENY_NEW = 1
 
@@ -160,8 +162,6 @@ ctypedef struct Zone:               # one process's view: addresses of the parts
     uint64_t sip0
     uint64_t sip1
     bint evict_active
-    bint reserve_on_peek            # compound phase 1: make room before committing
-    bint compound_commit            # compound phase 2: room was made, never refuse
     double idle_after
 
 

@@ -34,6 +34,7 @@ import json
 import platform
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .bench_cells import (
@@ -94,6 +95,9 @@ from .bench_cells import (
     SCENARIOS as SCENARIOS,
 )
 from .bench_cells import (
+    ZONE as ZONE,
+)
+from .bench_cells import (
     Budget as Budget,
 )
 from .bench_cells import (
@@ -144,8 +148,14 @@ from .bench_cells import (
 from .bench_cells import (
     sample as sample,
 )
+from .bench_cells import (
+    zone_available as zone_available,
+)
+from .bench_cells import (
+    zone_makers as zone_makers,
+)
 from .bench_peers import (
-    DEFAULT_LIBRARIES as DEFAULT_LIBRARIES,
+    DEFAULT_LIBRARIES as PEER_DEFAULT_LIBRARIES,
 )
 from .bench_peers import (
     LIBRARIES as LIBRARIES,
@@ -182,6 +192,7 @@ __all__ = [
     "ALGORITHMS",
     "LIBRARIES",
     "SCENARIOS",
+    "ZONE",
     "Cell",
     "Library",
     "Results",
@@ -192,6 +203,42 @@ __all__ = [
     "plot",
     "run",
 ]
+
+
+@dataclass(frozen=True)
+class _ZoneLibrary(Library):
+    """The zone is there when the native extension has the class, not merely
+    when ``nanolimit._core`` imports (on a platform without POSIX shared
+    memory its cells report the error the constructor raises)."""
+
+    def available(self) -> bool:
+        return zone_available()
+
+
+def _with_zone(libraries: dict[str, Library]) -> None:
+    """Put the shared-memory zone right after in-memory nanolimit in
+    ``libraries`` (in place: the report orders its rows and columns by it)."""
+    if ZONE in libraries:
+        return
+    entries = list(libraries.items())
+    libraries.clear()
+    for name, lib in entries:
+        libraries[name] = lib
+        if name == OURS:
+            libraries[ZONE] = _ZoneLibrary(
+                ZONE,
+                "nanolimit._core",
+                zone_makers,
+                ALGORITHMS,
+                "the native limiters on a SharedMemoryStorage, one state for every process of the host",
+            )
+
+
+_with_zone(LIBRARIES)
+#: the in-memory table and the zone, then every peer
+DEFAULT_LIBRARIES = tuple(
+    name for lib in PEER_DEFAULT_LIBRARIES for name in ((lib, ZONE) if lib == OURS else (lib,))
+)
 
 
 def _meta(quick: bool) -> dict[str, Any]:
@@ -347,6 +394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="nanolimit bench",
         description="nanolimit and its peers side by side: ns per decision, measured in this process.",
+        epilog="libraries: "
+        + "; ".join(f"{lib.name}: {lib.note}" if lib.note else lib.name for lib in LIBRARIES.values())
+        + f". Default: {', '.join(DEFAULT_LIBRARIES)}. The {ZONE} rows' ratio is their time over the "
+        "in-memory nanolimit's (above 1: the zone is slower).",
     )
     parser.add_argument("--full", action="store_true", help="longer runs, and the 1,000,000-key scenario")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")

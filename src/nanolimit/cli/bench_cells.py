@@ -10,6 +10,11 @@ maker into a :class:`Prepared` cell; the timing (:func:`sample`, a
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import importlib
+import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +67,19 @@ KEYS_1M = 1_000_000
 HOT_KEY = "user:42"
 
 OURS = "nanolimit"
+#: nanolimit on a :class:`~nanolimit._core.SharedMemoryStorage`: the same
+#: limiters, their state in a named shared-memory segment (a row next to
+#: the in-memory one; its ratio is its time over the in-memory time)
+ZONE = "nanolimit-zone"
+#: a zone's capacity is fixed at creation and split evenly over its stripes,
+#: so it is made this much larger than the keys a cell stores: a stripe that
+#: hashing fills a little above its share must not evict (the fill of a zone
+#: with ``max_keys`` equal to its keys leaves ~0.3-1 % of them out)
+ZONE_HEADROOM = 1.25
+#: the sliding log's rings live in the zone's arena: a hot key at 16M per
+#: second logs every request of a run (a ``--full`` ``cost_5`` cell ~10M
+#: entries), which the default arena (1 MiB) would refuse
+ZONE_LOG_ARENA = 256 << 20
 
 
 def _nothing() -> None:
@@ -91,6 +109,13 @@ class Subject:
 
 #: (limit, window_seconds) -> Subject
 Maker = Callable[[int, float], Subject]
+
+
+def _sized(make: Maker, keys: int) -> Maker:
+    """The maker for a store of ``keys`` keys: a maker with a fixed capacity
+    (the zone) offers ``make.for_keys(keys)``; any other is its own answer."""
+    for_keys = getattr(make, "for_keys", None)
+    return make if for_keys is None else for_keys(keys)
 
 
 def key_list(n: int, start: int = 0) -> list[str]:
@@ -207,7 +232,7 @@ class Shared:
     def subject(self, make: Maker) -> Subject:
         if self._owner is not make or self._subject is None:
             self.close()
-            subject = make(HIGH_LIMIT, HIGH_WINDOW)
+            subject = _sized(make, KEYS_100K)(HIGH_LIMIT, HIGH_WINDOW)
             _prefill(subject, self.keys)
             self._owner, self._subject = make, subject
         return self._subject
@@ -239,9 +264,13 @@ def prepare(name: str, make: Maker, shared: Shared) -> Prepared:
         return _hot_cell(name, make, BATCH)
     if name == "keys_1m":
         keys = key_list(KEYS_1M)
-        s = make(HIGH_LIMIT, HIGH_WINDOW)
-        _prefill(s, keys)
-        return _round_robin(s, keys, s.close)
+        s = _sized(make, KEYS_1M)(HIGH_LIMIT, HIGH_WINDOW)
+        try:
+            _prefill(s, keys)
+            return _round_robin(s, keys, s.close)
+        except BaseException:
+            s.close()
+            raise
     if name == "keys_100k":
         return _round_robin(shared.subject(make), shared.keys, _nothing)
     if name == "fresh_key":
@@ -262,20 +291,38 @@ def prepare(name: str, make: Maker, shared: Shared) -> Prepared:
 
 
 def _hot_cell(name: str, make: Maker, batch: int) -> Prepared:
-    """The one-key scenarios: ``batch`` calls on ``HOT_KEY`` per timed repeat."""
+    """The one-key scenarios: ``batch`` calls on ``HOT_KEY`` per timed repeat.
+    A subject whose first answers are wrong is closed before the error
+    leaves (a zone's segment must not outlive its cell)."""
     if name == "hot_denied":
         s = make(DENIED_LIMIT, DENIED_WINDOW)
-        _expect(s.allowed(s.allow(HOT_KEY)), "the first request was denied")
-        _expect(not s.allowed(s.allow(HOT_KEY)), "the second request passed")
-        body, setup = _hot(s.allow, batch)
-        return Prepared(
-            body,
-            setup,
-            batch,
-            lambda: _expect(not s.allowed(s.allow(HOT_KEY)), "a spent key passed"),
-            s.close,
-        )
+        try:
+            return _denied_cell(s, batch)
+        except BaseException:
+            s.close()
+            raise
     s = make(HIGH_LIMIT, HIGH_WINDOW)
+    try:
+        return _allowed_cell(name, s, batch)
+    except BaseException:
+        s.close()
+        raise
+
+
+def _denied_cell(s: Subject, batch: int) -> Prepared:
+    _expect(s.allowed(s.allow(HOT_KEY)), "the first request was denied")
+    _expect(not s.allowed(s.allow(HOT_KEY)), "the second request passed")
+    body, setup = _hot(s.allow, batch)
+    return Prepared(
+        body,
+        setup,
+        batch,
+        lambda: _expect(not s.allowed(s.allow(HOT_KEY)), "a spent key passed"),
+        s.close,
+    )
+
+
+def _allowed_cell(name: str, s: Subject, batch: int) -> Prepared:
     if name == "hot_allowed":
         body, setup = _hot(s.allow, batch)
         return Prepared(
@@ -296,13 +343,94 @@ def _hot_cell(name: str, make: Maker, batch: int) -> Prepared:
         )
     peek, peek_allowed = s.peek, s.peek_allowed
     if name != "peek" or peek is None or peek_allowed is None:
-        s.close()
         if name != "peek":
             raise ValueError(f"unknown scenario {name!r}")
         raise NotImplementedError("no peek")
     s.allow(HOT_KEY)
     body, setup = _hot(peek, batch)
     return Prepared(body, setup, batch, lambda: _expect(peek_allowed(peek(HOT_KEY)), "peek said no"), s.close)
+
+
+# ---------------------------------------------------------------------------
+# The shared-memory zone
+# ---------------------------------------------------------------------------
+
+_zone_serial = itertools.count()
+#: segments this process made and has not unlinked yet; whatever a crash
+#: between a cell's start and its close leaves is unlinked at exit
+_zone_names: set[str] = set()
+
+
+def zone_available() -> bool:
+    """Whether this build has :class:`~nanolimit._core.SharedMemoryStorage`
+    (the native extension of a version that has it)."""
+    try:
+        core = importlib.import_module("nanolimit._core")
+    except ImportError:
+        return False
+    return hasattr(core, "SharedMemoryStorage")
+
+
+def _unlink_zone(name: str) -> None:
+    core = importlib.import_module("nanolimit._core")
+    with contextlib.suppress(Exception):  # gone already, or never made: nothing left to remove
+        core.SharedMemoryStorage.unlink_segment(name)
+    _zone_names.discard(name)
+
+
+@atexit.register
+def _unlink_leftover_zones() -> None:
+    for name in sorted(_zone_names):
+        _unlink_zone(name)
+
+
+def zone_makers(keys: int = KEYS_100K) -> dict[str, Maker]:
+    """One maker per algorithm: nanolimit's native limiter on a zone of its
+    own (a fresh segment ``nlbench-<pid>-<n>``, unlinked when the subject
+    closes), sized for ``keys`` keys; ``make.for_keys(n)`` is the maker of a
+    zone sized for ``n``."""
+    from .._shared import LIMITER_CLASS_NAMES
+
+    core = importlib.import_module("nanolimit._core")
+    clock_type = importlib.import_module("nanolimit").SystemClock
+
+    def maker(alg: str, capacity: int) -> Maker:
+        cls = getattr(core, LIMITER_CLASS_NAMES[alg])
+        arena = ZONE_LOG_ARENA if alg == "sliding_log" else None
+
+        def make(limit: int, window: float) -> Subject:
+            name = f"nlbench-{os.getpid()}-{next(_zone_serial)}"
+            zone = core.SharedMemoryStorage(name, max_keys=int(capacity * ZONE_HEADROOM), arena_bytes=arena)
+            _zone_names.add(name)
+            try:
+                limiter = cls(limit, window, storage=zone, rule="bench", clock=clock_type())
+            except BaseException:
+                zone.close()
+                _unlink_zone(name)
+                raise
+
+            def close() -> None:
+                zone.close()
+                _unlink_zone(name)
+
+            return Subject(
+                allow=limiter.allow,
+                allow_cost=limiter.allow,
+                allowed=_allowed_attr,
+                peek=limiter.peek,
+                peek_allowed=_allowed_attr,
+                allow_many=limiter.allow_many,
+                close=close,
+            )
+
+        make.for_keys = lambda n: maker(alg, n)  # type: ignore[attr-defined]
+        return make
+
+    return {alg: maker(alg, keys) for alg in ALGORITHMS}
+
+
+def _allowed_attr(decision: Any) -> bool:
+    return bool(decision.allowed)
 
 
 # ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .bench_cells import ALGORITHMS, BATCH, REDIS_BATCH, SCENARIOS, Results
+from .bench_cells import ALGORITHMS, BATCH, REDIS_BATCH, SCENARIOS, ZONE, Cell, Results
 from .bench_peers import LIBRARIES
 
 # ---------------------------------------------------------------------------
@@ -18,6 +18,17 @@ def _ns(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _verdict(results: Results, c: Cell) -> str:
+    """The last column: how many times faster nanolimit is than a peer; for
+    the zone, its time over the in-memory table's (above 1: slower)."""
+    ratio = results.ratio(c)
+    if ratio is None:
+        return ""
+    if c.library == ZONE:
+        return f"{ratio:.2f}x the in-memory time"
+    return f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x SLOWER"
 
 
 def format_table(results: Results) -> str:
@@ -52,11 +63,8 @@ def format_table(results: Results) -> str:
         if c.error:
             lines.append(f"{scen:<{w}} {alg:<16} {c.library:<20} error: {c.error}")
             continue
-        ratio = results.ratio(c)
         spread = f"{_ns(c.min_ns)}-{_ns(c.max_ns)}"
-        verdict = ""
-        if ratio is not None:
-            verdict = f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x SLOWER"
+        verdict = _verdict(results, c)
         lines.append(f"{scen:<{w}} {alg:<16} {c.library:<20} {_ns(c.median_ns):>9} {spread:>19}  {verdict}")
     if meta.get("missing"):
         lines += ["", "not installed: " + ", ".join(meta["missing"]) + " (pip install 'nanolimit[bench]')"]
@@ -73,7 +81,8 @@ def format_markdown(results: Results) -> str:
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
         "",
         f"ns per decision, median of repeats of {BATCH} calls ({REDIS_BATCH} on Redis) "
-        f"(loop included: {meta['loop_overhead_ns']} ns); in brackets, how many times faster nanolimit is.",
+        f"(loop included: {meta['loop_overhead_ns']} ns); in brackets, how many times faster nanolimit is"
+        + (f" ({ZONE}: its time over in-memory nanolimit's, above 1 slower)." if ZONE in libs else "."),
     ]
     for scen, title in SCENARIOS.items():
         rows = [
@@ -93,7 +102,8 @@ def format_markdown(results: Results) -> str:
                     cells.append("error")
                 else:
                     ratio = results.ratio(c)
-                    cells.append(_ns(c.median_ns) + (f" ({ratio:.1f}x)" if ratio is not None else ""))
+                    digits = 2 if lib == ZONE else 1
+                    cells.append(_ns(c.median_ns) + (f" ({ratio:.{digits}f}x)" if ratio is not None else ""))
             out.append(f"| {alg} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
