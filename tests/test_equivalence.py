@@ -306,11 +306,9 @@ def batch_scenarios(draw):
     return Scenario(algorithm, limit, window, burst, rule, start, ()), batches
 
 
-@EQUIVALENCE
-@given(case=batch_scenarios())
-def test_batches_agree(native, case) -> None:
+def check_batches(native, case, native_storage=None) -> None:
     scenario, batches = case
-    nat, nat_clock = build(native, scenario)
+    nat, nat_clock = build(native, scenario, native_storage)
     ref, ref_clock = build(reference, scenario)
     t = scenario.start
     for i, (move, items) in enumerate(batches):
@@ -332,6 +330,12 @@ def test_batches_agree(native, case) -> None:
         for j in range(len(items)):
             assert_same_decision(n[j], r[j], f"{where} item {j}")
         assert_same_states(nat, ref, where)
+
+
+@EQUIVALENCE
+@given(case=batch_scenarios())
+def test_batches_agree(native, case) -> None:
+    check_batches(native, case)
 
 
 @EQUIVALENCE
@@ -366,18 +370,4 @@ def test_traces_agree_on_a_zone(native, scenario: Scenario) -> None:
 @EQUIVALENCE
 @given(case=batch_scenarios())
 def test_batches_agree_on_a_zone(native, case) -> None:
-    scenario, batches = case
-    nat, nat_clock = build(native, scenario, fresh_zone(native))
-    ref, ref_clock = build(reference, scenario)
-    t = scenario.start
-    for i, (move, items) in enumerate(batches):
-        t = move_clock(t, move, scenario.window)
-        nat_clock.set(t)
-        ref_clock.set(t)
-        keys = [k for k, _ in items]
-        costs = [c for _, c in items]
-        n = nat.allow_many(keys, costs)
-        r = ref.allow_many(keys, costs)
-        for j in range(len(items)):
-            assert_same_decision(n[j], r[j], f"batch {i} item {j}")
-        assert_same_states(nat, ref, f"batch {i}")
+    check_batches(native, case, fresh_zone(native))
