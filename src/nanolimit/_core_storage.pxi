@@ -329,22 +329,7 @@ cdef class InMemoryStorage:
             raise_status(status)
         if position < 0:
             return None
-        alg = ns & NS_ALGORITHM_MASK
-        if alg == ALG_TOKEN_BUCKET or alg == ALG_LEAKY_BUCKET:
-            return LimiterState(algorithm, copy.updated_at, level=copy.state.bucket.level)
-        if alg == ALG_GCRA:
-            return LimiterState(algorithm, copy.updated_at, tat=copy.state.gcra.tat)
-        if alg == ALG_FIXED_WINDOW:
-            return LimiterState(algorithm, copy.updated_at, window_index=copy.state.window.index,
-                                count=copy.state.window.count)
-        if alg == ALG_SLIDING_COUNTER:
-            return LimiterState(algorithm, copy.updated_at, window_index=copy.state.window.index,
-                                count=copy.state.window.count, previous=copy.state.window.previous)
-        try:
-            entries = tuple([log[i] for i in range(copy.state.log.length)])
-        finally:
-            free(log)
-        return LimiterState(algorithm, copy.updated_at, log=entries)
+        return entry_snapshot(&copy, ns, algorithm, log)
 
     # -- compound limits ------------------------------------------------------
     cdef int prepare_compound(self, Py_ssize_t n, const uint64_t* hashes, const uint32_t* namespaces,

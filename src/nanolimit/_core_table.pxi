@@ -183,3 +183,25 @@ cdef inline void release_objects(ObjectList* objects):
     objects.items = NULL
     objects.count = 0
     objects.capacity = 0
+
+
+cdef object entry_snapshot(const Entry* copy, uint32_t ns, object algorithm, double* log):
+    """A LimiterState of an entry copied out of a table (``log``: its
+    stamps, oldest first, freed here)."""
+    cdef uint32_t i
+    alg = ns & NS_ALGORITHM_MASK
+    if alg == ALG_TOKEN_BUCKET or alg == ALG_LEAKY_BUCKET:
+        return LimiterState(algorithm, copy.updated_at, level=copy.state.bucket.level)
+    if alg == ALG_GCRA:
+        return LimiterState(algorithm, copy.updated_at, tat=copy.state.gcra.tat)
+    if alg == ALG_FIXED_WINDOW:
+        return LimiterState(algorithm, copy.updated_at, window_index=copy.state.window.index,
+                            count=copy.state.window.count)
+    if alg == ALG_SLIDING_COUNTER:
+        return LimiterState(algorithm, copy.updated_at, window_index=copy.state.window.index,
+                            count=copy.state.window.count, previous=copy.state.window.previous)
+    try:
+        entries = tuple([log[i] for i in range(copy.state.log.length)])
+    finally:
+        free(log)
+    return LimiterState(algorithm, copy.updated_at, log=entries)
