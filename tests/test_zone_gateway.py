@@ -4,6 +4,7 @@ a rules file's ``[storage]`` section, its reload and ``check-config``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from nanolimit._errors import ValidationError
 from nanolimit.config import ConfigError, ConfigWatcher, load_rules, parse_rules
 from nanolimit.factory import LimiterFactory
 from nanolimit.middleware import RateLimitMiddleware, Request, Response
@@ -154,3 +156,40 @@ def test_the_zone_snippets_in_the_docs_run(native, doc: str, name: str, tmp_path
             path.write_text(block + '\n[[rules]]\nname = "r"\nrate = "1/second"\n')
             loaded = load_rules(path)
             assert loaded.storage is not None and dict(loaded.storage.options)["max_keys"] == 100_000
+
+
+def test_attach_takes_the_zone_s_own_parameters_and_never_creates(native, name):
+    with pytest.raises(ValidationError, match="no shared-memory zone"):
+        native.SharedMemoryStorage.attach(name)
+    assert not native.SharedMemoryStorage.unlink_segment(name)  # attach made nothing
+    made = native.SharedMemoryStorage(name, max_keys=777, on_full="deny_new", evict_idle_after=30.0,
+                                      arena_bytes=1 << 16, stripes=16)
+    seen = native.SharedMemoryStorage.attach(name)
+    assert not seen.created
+    assert (seen.max_keys, seen.on_full, seen.evict_idle_after, seen.arena_bytes, seen.stripes) == (
+        777, "deny_new", 30.0, 1 << 16, 16,
+    )  # fmt: skip
+    native.TokenBucket(3, 60.0, made, rule="r").allow("k")
+    assert seen.keys() == made.keys()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "nanolimit", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_the_zone_command_reports_and_unlinks(native, name):
+    import json
+
+    zone = native.SharedMemoryStorage(name, max_keys=500)
+    native.FixedWindowCounter(5, 60.0, zone, rule="api").allow("user:1")
+    out = run_cli("zone", name, "--keys", "5")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["keys"] == 1 and report["max_keys"] == 500 and report["keys_sample"] == zone.keys()
+    assert os.getpid() in report["attached_pids"]
+    out = run_cli("zone", name, "--unlink")
+    assert out.returncode == 0 and "unlinked" in out.stderr
+    assert not native.SharedMemoryStorage.unlink_segment(name)
+    missing = run_cli("zone", name)
+    assert missing.returncode == 1 and "no shared-memory zone" in missing.stderr

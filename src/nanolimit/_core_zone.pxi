@@ -93,7 +93,7 @@ cdef class SharedMemoryStorage:
     cdef object __weakref__
 
     def __cinit__(self, name, *, max_keys, stripes=64, on_full="evict", evict_idle_after=None,
-                  max_key_bytes=MAX_KEY_BYTES, arena_bytes=None, if_stale="reuse"):
+                  max_key_bytes=MAX_KEY_BYTES, arena_bytes=None, if_stale="reuse", _attach_only=False):
         self.name = _check_zone_name(name)
         if isinstance(max_keys, bool) or not isinstance(max_keys, int) or not 1 <= max_keys <= ZONE_MAX_KEYS:
             raise ValidationError(
@@ -119,7 +119,7 @@ cdef class SharedMemoryStorage:
             raise ValidationError(
                 "SharedMemoryStorage needs POSIX shared memory (Linux, macOS, the BSDs); this platform "
                 "has none: use RedisStorage to share limits between processes here")
-        self.open_zone(stripes, if_stale == "reset")
+        self.open_zone(stripes, if_stale == "reset", _attach_only)
         _ZONES.add(self)
 
     def __dealloc__(self):
@@ -143,10 +143,11 @@ cdef class SharedMemoryStorage:
         total = arena_at + ARENA_HEADER_BYTES + (self.arena_bytes + 63) // 64 * 64
         return per_stripe, slots, namespaces, stripes_at, entries_at, index_at, arena_at, total
 
-    cdef void open_zone(self, uint32_t stripes, bint reset_stale) except *:
+    cdef void open_zone(self, uint32_t stripes, bint reset_stale, bint attach_only) except *:
         """Create the segment, or attach to the one there; a half-made one
         whose creator died, and with ``reset_stale`` one no live process is
-        attached to, are removed and made again."""
+        attached to, are removed and made again. ``attach_only``: never
+        create (``attach``)."""
         cdef void* base = NULL
         cdef uint64_t mapped = 0
         cdef int err
@@ -155,7 +156,8 @@ cdef class SharedMemoryStorage:
         per_stripe, slots, namespaces, stripes_at, entries_at, index_at, arena_at, total = self.layout(stripes)
         deadline = time_module.monotonic() + ZONE_ATTACH_SECONDS
         while True:
-            err = nlz_open(segment, 1, total, nlz_self_token(), &base, &mapped)
+            err = errno_module.EEXIST if attach_only else nlz_open(segment, 1, total, nlz_self_token(),
+                                                                    &base, &mapped)
             if err == 0:
                 self.is_created = True
                 self.mapped_bytes = mapped
@@ -165,6 +167,8 @@ cdef class SharedMemoryStorage:
             if err != errno_module.EEXIST:
                 raise _zone_error(err, self.segment_name, total)
             err = nlz_open(segment, 0, 0, 0, &base, &mapped)
+            if err == errno_module.ENOENT and attach_only:
+                raise ValidationError(f"there is no shared-memory zone called {self.name!r}")
             if err == errno_module.ENOENT:
                 continue                                # unlinked meanwhile: create it
             if err == errno_module.EAGAIN:              # its creator has not sized it yet
@@ -882,6 +886,37 @@ cdef class SharedMemoryStorage:
             nlz_store_u64_release(&self.z.header.magic, ZONE_RETIRED)
             nlz_unlock(&self.z.header.registry_lock)
         return nlz_unlink(self.segment_name.encode()) == 0
+
+    @staticmethod
+    def attach(name):
+        """Attach to the zone called ``name`` with the parameters it was
+        created with (a tool that inspects a running gateway's zone does not
+        know them); never creates one."""
+        cdef void* base = NULL
+        cdef uint64_t mapped = 0
+        cdef ZoneHeader* h
+        segment = _zone_segment_name(_check_zone_name(name))
+        deadline = time_module.monotonic() + ZONE_ATTACH_SECONDS
+        while True:
+            err = nlz_open(segment.encode(), 0, 0, 0, &base, &mapped)
+            if err == errno_module.ENOENT:
+                raise ValidationError(f"there is no shared-memory zone called {name!r}")
+            if err != 0 and err != errno_module.EAGAIN:
+                raise _zone_error(err, segment, 0)
+            if err == 0 and mapped >= ZONE_HEADER_BYTES:
+                h = <ZoneHeader*>base
+                if nlz_load_u64_acquire(&h.magic) == ZONE_MAGIC and h.layout_version == ZONE_LAYOUT_VERSION:
+                    options = {"max_keys": h.max_keys, "stripes": h.stripes,
+                               "on_full": "evict" if h.on_full == ON_FULL_EVICT else "deny_new",
+                               "evict_idle_after": None if h.idle_after == 0.0 else h.idle_after,
+                               "max_key_bytes": h.max_key_bytes, "arena_bytes": h.arena_bytes}
+                    nlz_unmap(base, mapped)
+                    return SharedMemoryStorage(name, _attach_only=True, **options)
+            if err == 0:
+                nlz_unmap(base, mapped)
+            if time_module.monotonic() > deadline:
+                raise ValidationError(f"{segment} is not a finished nanolimit shared-memory zone")
+            time_module.sleep(0.001)
 
     @staticmethod
     def unlink_segment(name):

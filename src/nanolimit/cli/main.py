@@ -23,6 +23,7 @@ from ..gateway.rules import KeyScope
 from . import check_config as check_config_command
 from . import demo as demo_command
 from . import replay as replay_command
+from . import zone as zone_command
 from ._help import FORMATTER, first_paragraph, plain
 from .check_config import check_config
 from .demo import ALGORITHM_ORDER, WALL, demo
@@ -67,6 +68,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="nanolimit and its peers side by side (nanolimit bench --help)",
         description="nanolimit and its peers side by side; 'nanolimit bench --help' lists its options.",
     )
+    zone_parser = commands.add_parser(
+        "zone",
+        help="show a shared-memory zone's keys, evictions and processes",
+        description=plain(zone_command.__doc__),
+        formatter_class=FORMATTER,
+    )
+    zone_parser.add_argument("name", help="the zone's name, as given to SharedMemoryStorage")
+    zone_parser.add_argument("--keys", type=int, default=0, metavar="N", help="list up to N of its keys")
+    zone_parser.add_argument("--unlink", action="store_true", help="then remove the zone's name")
     check = commands.add_parser(
         "check-config",
         help="validate a rules file (TOML or JSON)",
@@ -113,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "check-config":
         return check_config(args.path)
+    if args.command == "zone":
+        if args.keys < 0:
+            parser.error("--keys must be >= 0")
+        return zone_command.zone(args.name, keys=args.keys, unlink=args.unlink)
     if args.command == "replay":
         if args.batch < 1:
             parser.error("--batch must be >= 1")

@@ -36,5 +36,9 @@ else:
             )
 
         @staticmethod
+        def attach(name: str) -> Any:
+            raise ValidationError("SharedMemoryStorage needs nanolimit's native extension")
+
+        @staticmethod
         def unlink_segment(name: str) -> bool:
             raise ValidationError("SharedMemoryStorage needs nanolimit's native extension")

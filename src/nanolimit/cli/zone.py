@@ -1,0 +1,33 @@
+"""``nanolimit zone NAME``: what a running gateway's shared-memory zone
+holds (its size, keys, evictions, arena, lock recoveries and attached
+processes), read by attaching with the zone's own parameters; ``--keys``
+lists keys, ``--unlink`` removes the zone's name when the gateway is gone."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .._errors import ValidationError
+from ..storage.shared_memory import SharedMemoryStorage
+
+
+def zone(name: str, *, keys: int = 0, unlink: bool = False) -> int:
+    try:
+        storage = SharedMemoryStorage.attach(name)
+    except ValidationError as exc:
+        print(f"nanolimit zone: {exc}", file=sys.stderr)
+        return 1
+    try:
+        report = {"name": storage.name, "segment": storage.segment_name, **storage.metrics(),
+                  "attached_pids": storage.attached_pids()}
+        if keys:
+            report["keys_sample"] = storage.keys()[:keys]
+        print(json.dumps(report, indent=2))
+        if unlink:
+            storage.unlink()
+            kept = "processes attached keep it until they close"
+            print(f"unlinked {storage.segment_name}: {kept}", file=sys.stderr)
+    finally:
+        storage.close()
+    return 0
