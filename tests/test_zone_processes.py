@@ -429,7 +429,7 @@ class StripeLocks:
         for i in range(self.stripes):
             at = self.offset + STRIPE_BYTES * i
             if struct.unpack_from("<Q", self.map, at)[0] >> 32 == pid:
-                held.append((i, struct.unpack_from("<I", self.map, at + 24)[0]))
+                held.append((i, struct.unpack_from("<I", self.map, at + 8)[0]))  # ZoneStripe.undo_valid
         return held
 
     def close(self) -> None:

@@ -118,21 +118,24 @@ ctypedef struct ZoneNamespace:      # 256 bytes
     char name[184]
 
 
-ctypedef struct ZoneStripe:         # 128 bytes: stripes never share a cache line
+ctypedef struct ZoneStripe:         # 128 bytes, two cache lines: stripes never share one
+    # the first line is all a decision on a present key writes: processes
+    # deciding distinct keys of one stripe pass one line between them, not two
     uint64_t lock                   # 0, or the owner's token (_zone.h)
+    uint32_t undo_valid             # 1 while ``undo`` holds the entry being decided
+    uint32_t undo_position
+    Entry undo                      # the entry as it was before the decision in flight
+    # the second: what inserts, evictions and repairs write
     uint32_t count                  # live entries, dense in entries[0:count]
     uint32_t cap                    # most entries this stripe may hold
     uint32_t sweep                  # idle-sweep and eviction cursor
     uint32_t random                 # xorshift state for eviction sampling
-    uint32_t undo_valid             # 1 while ``undo`` holds the entry being decided
-    uint32_t undo_position
     uint64_t evicted_at_rest
     uint64_t evicted_active
     uint64_t evicted_idle
     uint64_t denied_new
     uint64_t denied_arena           # refused: no arena block for a sliding log's ring
     uint64_t recoveries             # taken over from a dead owner and repaired
-    Entry undo                      # the entry as it was before the decision in flight
 
 
 ctypedef struct ZoneArena:          # ARENA_HEADER_BYTES, then the blocks
