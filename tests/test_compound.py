@@ -8,11 +8,11 @@ import threading
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 # The shared-memory zone runs this suite too (conftest.py, the zone backend).
 ZONE_SUITE = True
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 def _three(backend: types.SimpleNamespace, clock):

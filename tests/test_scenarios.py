@@ -10,11 +10,11 @@ import math
 from typing import Any
 
 import pytest
+from _helpers import FIELDS, DictStorage, batch_fields, fields
+from conftest import BURST_ALGORITHMS
 
 # The shared-memory zone runs this suite too (conftest.py, the zone backend).
 ZONE_SUITE = True
-from _helpers import FIELDS, DictStorage, batch_fields, fields
-from conftest import BURST_ALGORITHMS
 
 WALL = 1_700_000_000.0
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from _helpers import SettableClock, fields
+from conftest import BURST_ALGORITHMS
 
 # The shared-memory zone runs this suite too (conftest.py, the zone backend).
 ZONE_SUITE = True
-from _helpers import SettableClock, fields
-from conftest import BURST_ALGORITHMS
 
 T0 = 1000.0
 

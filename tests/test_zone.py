@@ -83,8 +83,15 @@ def test_close_detaches_and_later_calls_say_so(core, name):
     zone.close()
     zone.close()  # twice is fine
     assert zone.closed
-    for call in (lambda: limiter.allow("k"), lambda: limiter.allow_many(["k"]), lambda: len(zone),
-                 zone.keys, zone.stats, lambda: limiter.reset("k"), lambda: limiter.state("k")):
+    for call in (
+        lambda: limiter.allow("k"),
+        lambda: limiter.allow_many(["k"]),
+        lambda: len(zone),
+        zone.keys,
+        zone.stats,
+        lambda: limiter.reset("k"),
+        lambda: limiter.state("k"),
+    ):
         with pytest.raises(ValidationError, match="closed"):
             call()
     other = core.SharedMemoryStorage(name, max_keys=100)
@@ -395,8 +402,13 @@ def test_a_zone_from_another_pid_namespace_is_refused(core, name):
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     try:
-        out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script],
-                             env=env, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except FileNotFoundError:
         pytest.skip("no unshare(1) here")
     if out.returncode != 0 and "Operation not permitted" in out.stderr:

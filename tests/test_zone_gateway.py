@@ -95,8 +95,10 @@ def test_a_bad_storage_section_is_one_problem_each(section, field, message):
 
 def test_a_zone_that_cannot_be_made_is_a_config_error(native):
     loaded = parse_rules(
-        {"rules": [{"name": "r", "rate": "1/second"}], "storage": {"type": "shared_memory", "name": "a/b",
-                                                                    "max_keys": 10}}
+        {
+            "rules": [{"name": "r", "rate": "1/second"}],
+            "storage": {"type": "shared_memory", "name": "a/b", "max_keys": 10},
+        }
     )
     with pytest.raises(ConfigError, match=r"storage.*name"):
         loaded.factory()
@@ -162,8 +164,9 @@ def test_attach_takes_the_zone_s_own_parameters_and_never_creates(native, name):
     with pytest.raises(ValidationError, match="no shared-memory zone"):
         native.SharedMemoryStorage.attach(name)
     assert not native.SharedMemoryStorage.unlink_segment(name)  # attach made nothing
-    made = native.SharedMemoryStorage(name, max_keys=777, on_full="deny_new", evict_idle_after=30.0,
-                                      arena_bytes=1 << 16, stripes=16)
+    made = native.SharedMemoryStorage(
+        name, max_keys=777, on_full="deny_new", evict_idle_after=30.0, arena_bytes=1 << 16, stripes=16
+    )
     seen = native.SharedMemoryStorage.attach(name)
     assert not seen.created
     assert (seen.max_keys, seen.on_full, seen.evict_idle_after, seen.arena_bytes, seen.stripes) == (

@@ -19,8 +19,12 @@ def zone(name: str, *, keys: int = 0, unlink: bool = False) -> int:
         print(f"nanolimit zone: {exc}", file=sys.stderr)
         return 1
     try:
-        report = {"name": storage.name, "segment": storage.segment_name, **storage.metrics(),
-                  "attached_pids": storage.attached_pids()}
+        report = {
+            "name": storage.name,
+            "segment": storage.segment_name,
+            **storage.metrics(),
+            "attached_pids": storage.attached_pids(),
+        }
         if keys:
             report["keys_sample"] = storage.keys()[:keys]
         print(json.dumps(report, indent=2))
