@@ -62,13 +62,15 @@ static inline int nlz_open(const char *name, int create, uint64_t size, uint64_t
         if (ftruncate(fd, (off_t)size) != 0) {
             err = errno;
         }
+#if defined(__linux__)
         /* the creator's token (ZoneHeader.creator_token) before the long
            reservation: an attacher waits for a live creator, however big
-           the zone, and starts over only when it is dead */
+           the zone, and starts over only when it is dead (elsewhere there
+           is no reservation, and the token is stored through the mapping,
+           below: macOS cannot write a shared-memory object with pwrite) */
         if (err == 0 && pwrite(fd, &token, sizeof token, 16) != (ssize_t)sizeof token) {
             err = errno ? errno : EIO;
         }
-#if defined(__linux__)
         if (err == 0) {
             err = posix_fallocate(fd, 0, (off_t)size);
         }
@@ -99,6 +101,11 @@ static inline int nlz_open(const char *name, int create, uint64_t size, uint64_t
         }
         return err;
     }
+#if !defined(__linux__)
+    if (create) {
+        memcpy((char *)p + 16, &token, sizeof token);
+    }
+#endif
     *base = p;
     *mapped = size;
     return 0;
