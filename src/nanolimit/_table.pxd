@@ -581,9 +581,21 @@ cdef inline uint32_t xorshift32(uint32_t x) noexcept nogil:
     return x
 
 
-cdef inline uint32_t stripe_random(Stripe* s, uint32_t bound) noexcept nogil:
-    s.random = xorshift32(s.random)
-    return s.random % bound
+cdef inline uint32_t eviction_candidate(uint32_t i, uint32_t* cursor, uint32_t* random,
+                                        uint32_t count) noexcept nogil:
+    """The ``i``-th entry an eviction looks at (of ``EVICTION_SCAN +
+    EVICTION_SAMPLE``): along the cursor, then at random. One sequence for
+    both tables, and for ``peek``, which walks it on copies of the cursor
+    and the random state to answer as ``allow`` would."""
+    cdef uint32_t position
+    if i < <uint32_t>EVICTION_SCAN:
+        if cursor[0] >= count:
+            cursor[0] = 0
+        position = cursor[0]
+        cursor[0] += 1
+        return position
+    random[0] = xorshift32(random[0])
+    return random[0] % count
 
 
 cdef inline uint32_t slot_of(const Stripe* s, uint32_t position) noexcept nogil:
@@ -640,14 +652,7 @@ cdef inline bint stripe_could_make_room(const Stripe* s, Params** chunks, double
                 return True
             cursor += 1
     for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
-        if i < <uint32_t>EVICTION_SCAN:
-            if cursor >= s.count:
-                cursor = 0
-            position = cursor
-            cursor += 1
-        else:
-            x = xorshift32(x)      # stripe_random's sequence, not advanced
-            position = x % s.count
+        position = eviction_candidate(i, &cursor, &x, s.count)     # copies: nothing advances
         e = &s.entries[position]
         if e.ns != ALG_APPLY and entry_at_rest(e, params_for(chunks, e.ns), now):
             return True
@@ -669,13 +674,7 @@ cdef inline bint stripe_make_room(Stripe* s, Params** chunks, double now,
     cdef const Entry* e
     cdef const Params* p
     for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
-        if i < <uint32_t>EVICTION_SCAN:
-            if s.sweep >= s.count:
-                s.sweep = 0
-            position = s.sweep
-            s.sweep += 1
-        else:
-            position = stripe_random(s, s.count)
+        position = eviction_candidate(i, &s.sweep, &s.random, s.count)
         e = &s.entries[position]
         if e.ns == ALG_APPLY:
             continue

@@ -27,7 +27,7 @@ from libc.string cimport memcpy, memset
 from nanolimit._kernels cimport clock_rebase, init_state, log_ring_size, run_kernel
 from nanolimit._table cimport (
     EVICTION_SAMPLE, EVICTION_SCAN, NS_ALGORITHM_MASK, SLOT_POSITION_MASK, SWEEP_STEP,
-    entry_at_rest, entry_given_back, home_slot, slot_value, xorshift32,
+    entry_at_rest, entry_given_back, eviction_candidate, home_slot, slot_value,
 )
 from nanolimit._types cimport (
     ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK, Entry, Params, Verdict, ZoneLog, nl_hash, nl_key_equal,
@@ -488,11 +488,6 @@ cdef inline void zone_sweep_idle(Zone* z, uint32_t si, double cutoff) noexcept n
             s.sweep += 1
 
 
-cdef inline uint32_t zone_random(ZoneStripe* s, uint32_t bound) noexcept nogil:
-    s.random = xorshift32(s.random)
-    return s.random % bound
-
-
 cdef inline bint zone_make_room(Zone* z, uint32_t si, double now, bint evict_active,
                                 uint32_t* keep) noexcept nogil:
     """The in-memory table's eviction rule (``stripe_make_room``): an entry
@@ -510,13 +505,7 @@ cdef inline bint zone_make_room(Zone* z, uint32_t si, double now, bint evict_act
     if s.count == 0:
         return False
     for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
-        if i < <uint32_t>EVICTION_SCAN:
-            if s.sweep >= s.count:
-                s.sweep = 0
-            position = s.sweep
-            s.sweep += 1
-        else:
-            position = zone_random(s, s.count)
+        position = eviction_candidate(i, &s.sweep, &s.random, s.count)
         if keep != NULL and position == keep[0]:
             continue
         zone_view(z, &entries[position], &view)
@@ -560,14 +549,7 @@ cdef inline bint zone_could_make_room(const Zone* z, uint32_t si, double now) no
                 return True
             cursor += 1
     for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
-        if i < <uint32_t>EVICTION_SCAN:
-            if cursor >= s.count:
-                cursor = 0
-            position = cursor
-            cursor += 1
-        else:
-            x = xorshift32(x)
-            position = x % s.count
+        position = eviction_candidate(i, &cursor, &x, s.count)     # copies: nothing advances
         if zone_at_rest(z, &entries[position], zone_params(z, entries[position].ns), now):
             return True
     return False
