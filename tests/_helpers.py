@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
+
+import pytest
 
 FIELDS = (
     "allowed",
@@ -83,3 +86,10 @@ class SettableClock:
 
     def now(self) -> Any:
         return self.value
+
+
+# SharedMemoryStorage needs POSIX shared memory: on Windows it refuses to
+# start (test_zone.py checks the message), so its tests do not apply there.
+needs_shared_memory = pytest.mark.skipif(
+    sys.platform == "win32", reason="Windows has no POSIX shared memory: SharedMemoryStorage refuses to start"
+)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import types
 
 import pytest
@@ -118,6 +119,8 @@ def backend(request: pytest.FixtureRequest) -> types.SimpleNamespace:
         reason = native_skip_reason(request.config)
         if reason is not None:
             pytest.skip(reason)
+        if name == "zone" and sys.platform == "win32":
+            pytest.skip("Windows has no POSIX shared memory: SharedMemoryStorage refuses to start")
         # Deliberately unguarded: an ImportError here is a test ERROR, not a skip.
         module = importlib.import_module("nanolimit._core")
     else:

@@ -18,7 +18,7 @@ import os
 from typing import NamedTuple
 
 import pytest
-from _helpers import DictStorage
+from _helpers import DictStorage, needs_shared_memory
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -361,12 +361,14 @@ def fresh_zone(native):
 @example(scenario=Scenario("gcra", 100, 60.0, None, "", START, GCRA_FULL_BURST))
 @example(scenario=Scenario("sliding_log", 5, 1.0, None, "", START, BACKWARDS))
 @example(scenario=Scenario("sliding_counter", 5, 1.0, None, "", START, BACKWARDS))
+@needs_shared_memory
 def test_traces_agree_on_a_zone(native, scenario: Scenario) -> None:
     # The shared-memory zone decides with the same kernels on its own entries
     # (rings in its arena, long keys as digests): bit for bit the reference.
     check_scenario(native, scenario, fresh_zone(native), None)
 
 
+@needs_shared_memory
 @EQUIVALENCE
 @given(case=batch_scenarios())
 def test_batches_agree_on_a_zone(native, case) -> None:

@@ -297,3 +297,26 @@ def test_decision_surfaces_match(twins):
     assert method_parameters(core.Decision.headers) == method_parameters(reference.Decision.headers)
     (n_named, n_pos), (r_named, _) = assert_same_constructor(core.Decision, reference.Decision, DECISION_ARGS)
     assert n_named.headers(wall_now=0.0) == r_named.headers(wall_now=0.0) == n_pos.headers(wall_now=0.0)
+
+
+def test_the_zone_without_the_extension_says_why() -> None:
+    # The pure twin has no zone: the name imports, and making one says why.
+    script = (
+        "import nanolimit\n"
+        "try:\n"
+        "    nanolimit.SharedMemoryStorage('x', max_keys=10)\n"
+        "except nanolimit.ValidationError as exc:\n"
+        "    print(nanolimit.IMPLEMENTATION, exc)\n"
+    )
+    env = {**os.environ, "NANOLIMIT_NO_EXTENSIONS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("reference ") and "native extension" in out.stdout, out.stderr
+
+
+@pytest.mark.skipif(sys.platform != "win32", reason="the refusal is Windows's; elsewhere the zone works")
+def test_the_zone_refuses_windows_with_the_reason() -> None:
+    import nanolimit._core as core
+    from nanolimit._errors import ValidationError
+
+    with pytest.raises(ValidationError, match="POSIX shared memory"):
+        core.SharedMemoryStorage("x", max_keys=10)

@@ -20,10 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _helpers import needs_shared_memory
 
 from nanolimit._shared import Algorithm, FakeClock, ValidationError, storage_key
 
-pytestmark = pytest.mark.native
+pytestmark = [pytest.mark.native, needs_shared_memory]
 
 T0 = 1_000_000.0
 

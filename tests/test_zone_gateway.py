@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _helpers import needs_shared_memory
 
 from nanolimit._errors import ValidationError
 from nanolimit.config import ConfigError, ConfigWatcher, load_rules, parse_rules
@@ -19,7 +20,7 @@ from nanolimit.factory import LimiterFactory
 from nanolimit.middleware import RateLimitMiddleware, Request, Response
 from nanolimit.rules import RateLimitRule, RuleRegistry
 
-pytestmark = pytest.mark.native
+pytestmark = [pytest.mark.native, needs_shared_memory]
 
 
 @pytest.fixture

@@ -43,8 +43,9 @@ from typing import Any
 
 import pytest
 import zone_workers as zw
+from _helpers import needs_shared_memory
 
-pytestmark = pytest.mark.native
+pytestmark = [pytest.mark.native, needs_shared_memory]
 
 ALGORITHM_CLASSES = (
     "TokenBucket",

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+from _helpers import needs_shared_memory
 from adversarial_servers import SRC, TESTS, free_port, raw_request
 from zone_apps import ALGORITHM_ENV, LIMIT_ENV, MAX_KEYS, STORAGE_ENV, WINDOW, ZONE_ENV
 
@@ -368,6 +369,7 @@ def _zone_run(
 
 
 @pytest.mark.native
+@needs_shared_memory
 @pytest.mark.parametrize("server", list(SERVERS))
 def test_zone_admits_exactly_the_limit_across_workers(
     server: str, native: types.ModuleType, zone_name: str, tmp_path: Path
@@ -408,6 +410,7 @@ def test_zone_admits_exactly_the_limit_across_workers(
 
 
 @pytest.mark.native
+@needs_shared_memory
 def test_zone_token_bucket_across_gunicorn_workers(
     native: types.ModuleType, zone_name: str, tmp_path: Path
 ) -> None:
