@@ -66,6 +66,15 @@ def open_zone(name: str, opts: dict[str, Any]) -> Any:
     return SharedMemoryStorage(name, **opts)
 
 
+def spend(lim: Any, key: str, requests: int, batch: int) -> int:
+    """Ask ``requests`` times for ``key`` (in ``allow_many`` batches of
+    ``batch`` when it is positive); returns how many were admitted."""
+    if batch > 0:
+        keys = [key] * batch
+        return sum(lim.allow_many(keys).allowed_count for _ in range(requests // batch))
+    return sum(1 for _ in range(requests) if lim.allow(key).allowed)
+
+
 def limiter(class_name: str, limit: int, window: float, zone: Any, clock: Any, rule: str = "") -> Any:
     import nanolimit._core as core
 
@@ -98,16 +107,7 @@ def exact_worker(
         for class_name, limit, key in plan:
             lim = limiter(class_name, limit, 60.0, zone, clock)
             barrier.wait(timeout=WAIT_S)
-            got = 0
-            if batch > 0:
-                keys = [key] * batch
-                for _ in range(per_phase // batch):
-                    got += lim.allow_many(keys).allowed_count
-            else:
-                for _ in range(per_phase):
-                    if lim.allow(key).allowed:
-                        got += 1
-            admitted[key] = got
+            admitted[key] = spend(lim, key, per_phase, batch)
         info = {"created": zone.created, "pid": os.getpid()}
         zone.close()
         queue.put((slot, admitted, info))
@@ -143,16 +143,7 @@ def clock_worker(
             lim = limiter(class_name, limit, window, zone, clock)
             for _ in range(steps):
                 barrier.wait(timeout=WAIT_S)
-                got = 0
-                if batch > 0:
-                    keys = [key] * batch
-                    for _ in range(per_step // batch):
-                        got += lim.allow_many(keys).allowed_count
-                else:
-                    for _ in range(per_step):
-                        if lim.allow(key).allowed:
-                            got += 1
-                counts[slot] = got
+                counts[slot] = spend(lim, key, per_step, batch)
                 barrier.wait(timeout=WAIT_S)
         zone.close()
     except BaseException:
