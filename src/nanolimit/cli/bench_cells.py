@@ -413,15 +413,7 @@ def zone_makers(keys: int = KEYS_100K) -> dict[str, Maker]:
                 zone.close()
                 _unlink_zone(name)
 
-            return Subject(
-                allow=limiter.allow,
-                allow_cost=limiter.allow,
-                allowed=_allowed_attr,
-                peek=limiter.peek,
-                peek_allowed=_allowed_attr,
-                allow_many=limiter.allow_many,
-                close=close,
-            )
+            return nanolimit_subject(limiter, close)
 
         make.for_keys = lambda n: maker(alg, n)  # type: ignore[attr-defined]
         return make
@@ -429,7 +421,20 @@ def zone_makers(keys: int = KEYS_100K) -> dict[str, Maker]:
     return {alg: maker(alg, keys) for alg in ALGORITHMS}
 
 
-def _allowed_attr(decision: Any) -> bool:
+def nanolimit_subject(limiter: Any, close: Callable[[], None] = _nothing) -> Subject:
+    """A nanolimit limiter of either twin, on any storage: its own bound methods."""
+    return Subject(
+        allow=limiter.allow,
+        allow_cost=limiter.allow,
+        allowed=_decision_allowed,
+        peek=limiter.peek,
+        peek_allowed=_decision_allowed,
+        allow_many=limiter.allow_many,
+        close=close,
+    )
+
+
+def _decision_allowed(decision: Any) -> bool:
     return bool(decision.allowed)
 
 

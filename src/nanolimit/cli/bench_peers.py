@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any
 
 from .._shared import LIMITER_CLASS_NAMES
-from .bench_cells import ALGORITHMS, KEYS_1M, Maker, Subject, _nothing
+from .bench_cells import ALGORITHMS, KEYS_1M, Maker, Subject, _nothing, nanolimit_subject
 
 
 @dataclass(frozen=True)
@@ -59,30 +59,13 @@ def _nanolimit_makers(module_name: str) -> Callable[[], dict[str, Maker]]:
 
         def maker(cls_name: str) -> Maker:
             def make(limit: int, window: float) -> Subject:
-                return _nanolimit_subject(getattr(module, cls_name)(limit, window, clock=clock_type()))
+                return nanolimit_subject(getattr(module, cls_name)(limit, window, clock=clock_type()))
 
             return make
 
         return {alg: maker(cls) for alg, cls in names.items()}
 
     return makers
-
-
-def _nanolimit_subject(limiter: Any, close: Callable[[], None] = _nothing) -> Subject:
-    """A nanolimit limiter of either twin, on any storage: its own bound methods."""
-    return Subject(
-        allow=limiter.allow,
-        allow_cost=limiter.allow,
-        allowed=_decision_allowed,
-        peek=limiter.peek,
-        peek_allowed=_decision_allowed,
-        allow_many=limiter.allow_many,
-        close=close,
-    )
-
-
-def _decision_allowed(decision: Any) -> bool:
-    return bool(decision.allowed)
 
 
 def _limits_subject(
@@ -364,7 +347,7 @@ def _nanolimit_redis_makers(module_name: str) -> Callable[[RedisTarget], dict[st
                     storage.close()
                     client.close()
 
-                return _nanolimit_subject(limiter, close)
+                return nanolimit_subject(limiter, close)
 
             return make
 
