@@ -45,17 +45,11 @@ from typing import Any
 import pytest
 import zone_workers as zw
 from _helpers import needs_shared_memory
+from conftest import ALGORITHM_CLASSES as CLASS_OF_ALGORITHM
 
 pytestmark = [pytest.mark.native, needs_shared_memory]
 
-ALGORITHM_CLASSES = (
-    "TokenBucket",
-    "LeakyBucket",
-    "FixedWindowCounter",
-    "SlidingWindowLog",
-    "SlidingWindowCounter",
-    "GCRA",
-)
+ALGORITHM_CLASSES = tuple(CLASS_OF_ALGORITHM.values())  # the six limiter class names
 OPTS: dict[str, Any] = {"max_keys": 1024}
 JOIN_S = 30.0
 WATCHDOG_S = 480  # a native hang in this process dumps tracebacks and exits
