@@ -311,7 +311,7 @@ cdef inline uint64_t arena_alloc(Zone* z, uint64_t slots) noexcept nogil:
         return 0
     size = <uint64_t>1 << k
     if nlz_lock(&a.lock):
-        nl_add_u64_plain(&z.header.lock_recoveries, 1)
+        z.header.lock_recoveries += 1
     if a.free_heads[k] != 0:
         offset = a.free_heads[k]
         a.free_heads[k] = (<uint64_t*>(z.base + offset))[0]
@@ -341,7 +341,7 @@ cdef inline void arena_free(Zone* z, uint64_t offset) noexcept nogil:
     if k < <uint32_t>ARENA_MIN_CLASS or k >= <uint32_t>ARENA_CLASSES:
         return                      # not a block header: never put it on a list
     if nlz_lock(&a.lock):
-        nl_add_u64_plain(&z.header.lock_recoveries, 1)
+        z.header.lock_recoveries += 1
     (<uint64_t*>(z.base + offset))[0] = a.free_heads[k]
     a.free_heads[k] = offset
     a.used -= <uint64_t>1 << k
@@ -359,10 +359,6 @@ cdef inline bint arena_block_valid(const Zone* z, uint64_t offset) noexcept nogi
         return False
     k = (<const uint32_t*>(z.base + offset))[1]
     return ARENA_MIN_CLASS <= k < ARENA_CLASSES and offset + (<uint64_t>1 << k) <= z.arena.end
-
-
-cdef inline void nl_add_u64_plain(uint64_t* p, uint64_t v) noexcept nogil:
-    p[0] = p[0] + v
 
 
 # ---------------------------------------------------------------- views
