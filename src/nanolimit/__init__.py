@@ -57,6 +57,7 @@ from .gateway.factory import LimiterFactory
 from .gateway.keys import ClientKey, DefaultKeyExtractor, KeyExtractor
 from .gateway.metrics import Metrics
 from .gateway.middleware import Outcome, RateLimitMiddleware, Request, Response
+from .gateway.rates import parse_rates
 from .gateway.rules import (
     KeyScope,
     Rate,
@@ -159,4 +160,5 @@ __all__ = [
     "__version__",
     "load_rules",
     "parse_rate",
+    "parse_rates",
 ]
