@@ -257,9 +257,10 @@ def test_bad_storage_config(backend, kwargs, match):
 
 def test_unknown_algorithm(backend):
     assert issubclass(backend.UnknownAlgorithmError, backend.ValidationError)
-    with pytest.raises(backend.UnknownAlgorithmError, match="token-bucket") as info:
-        backend.Algorithm.parse("token-bucket")
+    with pytest.raises(backend.UnknownAlgorithmError, match="token-bucket-ish") as info:
+        backend.Algorithm.parse("token-bucket-ish")
     assert "token_bucket" in str(info.value)  # the message lists the known names
+    assert backend.Algorithm.parse("token-bucket") is backend.Algorithm.TOKEN_BUCKET  # a spelling, not a typo
     with pytest.raises(backend.UnknownAlgorithmError, match="nope"):
         backend.LimiterConfig.build("nope", 5, 60.0)
     assert backend.Algorithm.parse("gcra") is backend.Algorithm.GCRA

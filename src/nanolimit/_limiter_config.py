@@ -37,14 +37,55 @@ class Algorithm(str, enum.Enum):
 
     @classmethod
     def parse(cls, name: Algorithm | str) -> Algorithm:
-        """Accept an :class:`Algorithm` or its string name; anything else is an error."""
+        """Accept an :class:`Algorithm` or its name as people write it:
+        ``"token_bucket"``, ``"Token Bucket"``, ``"TOKEN-BUCKET"`` (case, and
+        ``-``, ``_`` or spaces between words, are not what users mean to
+        choose), and the ``limits`` library's names (``fixed-window``,
+        ``moving-window``, ``sliding-window-counter``), so a rule ported from
+        flask-limiter or slowapi keeps its algorithm. ``"sliding-window"``
+        alone is refused: it means either of two kernels that differ in
+        exactness and memory, and guessing would change what is enforced.
+        Every refusal lists what is accepted."""
         if isinstance(name, Algorithm):
             return name
         try:
             return cls(name)
         except ValueError:
-            known = ", ".join(a.value for a in cls)
-            raise UnknownAlgorithmError(f"unknown algorithm {name!r}; expected one of: {known}") from None
+            pass
+        if isinstance(name, str):
+            words = _words(name)
+            spelled = _ALIASES.get(words)
+            if spelled is not None:
+                return cls(spelled)
+            if words == "sliding window":
+                raise UnknownAlgorithmError(
+                    f"ambiguous algorithm {name!r}: say sliding_log (every admitted unit's timestamp "
+                    "over the trailing window: exact; limits' moving-window) or sliding_counter (this "
+                    "window's and the last window's counts, weighted: approximate, two counters; "
+                    f"limits' sliding-window-counter); {_ACCEPTED}"
+                )
+        raise UnknownAlgorithmError(f"unknown algorithm {name!r}; {_ACCEPTED}")
+
+
+def _words(name: str) -> str:
+    """A name with case, ``-``, ``_`` and runs of spaces taken out of it."""
+    return " ".join(name.lower().replace("-", " ").replace("_", " ").split())
+
+
+# Every spelling Algorithm.parse accepts, by its words: our names, and the
+# names the ``limits`` library (flask-limiter, slowapi) gives its strategies.
+_ALIASES: dict[str, str] = {_words(a.value): a.value for a in Algorithm}
+_ALIASES.update(
+    {
+        "moving window": Algorithm.SLIDING_LOG.value,  # limits' exact trailing window
+        "sliding window counter": Algorithm.SLIDING_COUNTER.value,  # limits' weighted two counters
+    }
+)
+_ACCEPTED = (
+    f"expected one of: {', '.join(a.value for a in Algorithm)} (any case; '-', '_' or ' ' between words), "
+    "or the limits library's fixed-window, moving-window (= sliding_log), "
+    "sliding-window-counter (= sliding_counter)"
+)
 
 
 # The limiter class of each algorithm, by name: both twins export these.
