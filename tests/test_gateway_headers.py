@@ -188,3 +188,160 @@ def test_compound_headers_are_the_compound_decisions_own(backend: types.SimpleNa
         assert outcome.rule == summary.rule and outcome.allowed == summary.allowed
         seen.add((outcome.allowed, outcome.rule))
     assert (True, "per-user") in seen and (False, "per-ip") in seen
+
+
+# -- a burst rule's policy: q is the capacity (the burst), w the rule's window ---------------
+
+# "100/minute burst 20": a request is measured against the burst, 20, so the
+# policy says q=20;w=60 (docs/spec.md §2), not q=100. The refill is still 100
+# a minute: one unit every 0.6 s, so after one request the key is full again
+# in 0.6 s (t=1, X-RateLimit-Reset = ceil(WALL + 0.6)).
+BURST_ADMITTED = {
+    "X-RateLimit-Limit": "20",
+    "X-RateLimit-Remaining": "19",
+    "X-RateLimit-Reset": str(int(WALL) + 1),
+    "RateLimit-Policy": '"api";q=20;w=60',
+    "RateLimit": '"api";r=19;t=1',
+}
+# The 21st request at the same instant: none left, one unit back in 0.6 s,
+# the bucket full again in 20 * 0.6 = 12 s.
+BURST_DENIED = {
+    "X-RateLimit-Limit": "20",
+    "X-RateLimit-Remaining": "0",
+    "X-RateLimit-Reset": str(int(WALL) + 12),
+    "RateLimit-Policy": '"api";q=20;w=60',
+    "RateLimit": '"api";r=0;t=12',
+    "Retry-After": "1",
+}
+
+
+def _burst_rule(algorithm: str) -> Any:
+    from nanolimit.rules import RateLimitRule
+
+    return RateLimitRule.from_rate("api", "100/minute burst 20", algorithm=algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra"])
+def test_a_burst_rule_s_policy_on_the_pipeline(backend: types.SimpleNamespace, algorithm: str) -> None:
+    mw = gateway(backend, [_burst_rule(algorithm)])
+    first = mw(get(), ok_handler)
+    assert first.status == 200
+    assert {k: first.headers[k] for k in FIVE} == BURST_ADMITTED
+    for _ in range(19):
+        assert mw(get(), ok_handler).status == 200
+    denied = mw(get(), ok_handler)
+    assert denied.status == 429
+    assert {k: denied.headers[k] for k in (*FIVE, "Retry-After")} == BURST_DENIED
+    assert denied.json() == {"error": "rate_limit_exceeded", "rule": "api", "retry_after": 1}
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra"])
+def test_a_burst_rule_s_policy_from_decision_headers(backend: types.SimpleNamespace, algorithm: str) -> None:
+    cls = backend.limiters[algorithm]
+    limiter = cls(100, 60.0, backend.InMemoryStorage(), rule="api", clock=backend.FakeClock(0.0), burst=20)
+    first = limiter.allow("k")
+    assert (first.limit, first.window) == (20, 60.0)
+    assert first.headers(wall_now=WALL) == BURST_ADMITTED
+    for _ in range(19):
+        assert limiter.allow("k").allowed
+    assert limiter.allow("k").headers(wall_now=WALL) == BURST_DENIED
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra"])
+def test_a_burst_rule_s_policy_under_asgi_and_wsgi(backend: types.SimpleNamespace, algorithm: str) -> None:
+    import asyncio
+
+    import httpx
+
+    from nanolimit.asgi import RateLimitMiddleware as ASGIMiddleware
+    from nanolimit.wsgi import RateLimitMiddleware as WSGIMiddleware
+
+    async def asgi_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+        )
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def over_asgi() -> list[httpx.Response]:
+        app = ASGIMiddleware(asgi_app, core=gateway(backend, [_burst_rule(algorithm)]))
+        transport = httpx.ASGITransport(app=app, client=("192.0.2.1", 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            return [await http.get("/") for _ in range(21)]
+
+    answers = asyncio.run(over_asgi())
+    assert [r.status_code for r in answers] == [200] * 20 + [429]
+    assert {k: answers[0].headers[k] for k in FIVE} == BURST_ADMITTED
+    assert {k: answers[20].headers[k] for k in (*FIVE, "Retry-After")} == BURST_DENIED
+
+    def wsgi_app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    wrapped = WSGIMiddleware(wsgi_app, core=gateway(backend, [_burst_rule(algorithm)]))
+    seen: list[tuple[str, dict[str, str]]] = []
+
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+        seen.append((status, dict(headers)))
+
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/", "REMOTE_ADDR": "192.0.2.1"}
+    for _ in range(21):
+        wrapped(dict(environ), start_response)
+    assert [s for s, _ in seen] == ["200 OK"] * 20 + ["429 Too Many Requests"]
+    assert {k: seen[0][1][k] for k in FIVE} == BURST_ADMITTED
+    assert {k: seen[20][1][k] for k in (*FIVE, "Retry-After")} == BURST_DENIED
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra"])
+def test_a_client_pacing_at_q_per_w_is_never_refused(backend: types.SimpleNamespace, algorithm: str) -> None:
+    """The policy under-promises with a burst: q=20;w=60 for a rule that
+    refills 100 a minute. A client that believes it (20 every 60 s, sent
+    all at once at the start of each window: the worst pacing the policy
+    allows) is never refused; nor is one that spreads them evenly."""
+    clock = backend.FakeClock(0.0)
+    mw = gateway(backend, [_burst_rule(algorithm)], clock)
+    for _ in range(10):
+        assert [mw(get(), ok_handler).status for _ in range(20)] == [200] * 20
+        clock.advance(60.0)
+    even = gateway(backend, [_burst_rule(algorithm)], backend.FakeClock(0.0))
+    clock = even.factory.clock
+    for _ in range(200):
+        assert even(get(), ok_handler).status == 200
+        clock.advance(3.0)
+
+
+@pytest.mark.parametrize("algorithm", ["token_bucket", "gcra"])
+def test_no_more_than_q_in_any_w_seconds_is_never_refused(
+    backend: types.SimpleNamespace, algorithm: str
+) -> None:
+    """The sliding reading of "q per w" as well: random times at which no 60 s
+    span holds more than 20 requests (bursts at a window's end and the next
+    one's start included) are all admitted."""
+    import random
+
+    rng = random.Random(20)
+    clock = backend.FakeClock(0.0)
+    mw = gateway(backend, [_burst_rule(algorithm)], clock)
+    sent: list[float] = []
+    now = 0.0
+    while len(sent) < 2_000:
+        now += rng.choice((0.0, 0.0, 0.001, 0.5, 3.0, 17.0))
+        if sum(1 for t in sent[-20:] if t > now - 60.0) == 20:
+            now = sent[-20] + 60.0  # the earliest time the 21st-last leaves the span
+        clock.advance(now - clock.now())
+        assert mw(get(), ok_handler).status == 200, (len(sent), now)
+        sent.append(now)
+
+
+def test_a_burst_above_the_limit_is_spent_once_not_per_window(backend: types.SimpleNamespace) -> None:
+    """The boundary of that promise, as docs/gateway.md says: "10/minute
+    burst 50" advertises q=50;w=60, a client can send 50 at once, but the
+    bucket refills 10 a minute, so 50 a minute is not sustained."""
+    from nanolimit.rules import RateLimitRule
+
+    clock = backend.FakeClock(0.0)
+    mw = gateway(backend, [RateLimitRule.from_rate("api", "10/minute burst 50")], clock)
+    first = [mw(get(), ok_handler) for _ in range(50)]
+    assert first[0].headers["RateLimit-Policy"] == '"api";q=50;w=60'
+    assert {r.status for r in first} == {200}
+    clock.advance(60.0)
+    assert [mw(get(), ok_handler).status for _ in range(50)] == [200] * 10 + [429] * 40
