@@ -21,21 +21,26 @@ writes the headers straight into the handler's response.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .._shared import Algorithm, ValidationError
 from .factory import LimiterFactory
-from .headers import deny_body, rate_headers, retry_seconds, rule_pieces
+from .headers import RATE_HEADERS, deny_body, rate_headers, retry_seconds, rule_pieces
 from .keys import DefaultKeyExtractor, KeyExtractor
 from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics
 from .request import Request
 from .rules import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RateLimitRule, RuleRegistry, RuleSet, key_bytes
 
-__all__ = ["Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
+__all__ = ["CostTooHigh", "Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
+
+# One record per denial, itself limited: a flood of 429s must not flood the log.
+denial_log = logging.getLogger("nanolimit.denials")
 
 
 @dataclass(slots=True)
@@ -58,7 +63,11 @@ class Outcome(NamedTuple):
     ``Retry-After``), rendered once; ``delay``: seconds a shaping
     leaky-bucket rule wants the request to wait; ``rule``: the deciding (or
     denying) rule's name; ``retry_after``: whole seconds for the 429 body;
-    ``decision``: the core's Decision or CompoundDecision.
+    ``decision``: the core's Decision or CompoundDecision (a
+    :class:`CostTooHigh` when the request's cost exceeds a rule's
+    capacity); ``charge``: what to give back if the response does not
+    count (rules with ``count_when``), else None — hand the response status
+    to :meth:`RateLimitMiddleware.settle`.
 
     A named tuple: an answer is a fact, and the hot path builds it with one
     C call (``_outcome``), not a Python ``__init__``.
@@ -70,9 +79,12 @@ class Outcome(NamedTuple):
     rule: str
     retry_after: int
     decision: Any
+    charge: Any = None
 
     def body(self) -> bytes:
         """The 429 body (meaningful when not allowed)."""
+        if type(self.decision) is CostTooHigh:
+            return self.decision.body(self.rule)
         return deny_body(self.rule, self.retry_after)
 
     def __repr__(self) -> str:
@@ -84,6 +96,49 @@ class Outcome(NamedTuple):
 _outcome = tuple.__new__
 
 
+class CostTooHigh(NamedTuple):
+    """A request costing more than a rule's capacity: no wait would let it
+    pass, so its 429 has no ``Retry-After`` and says why."""
+
+    cost: int
+    capacity: int
+
+    allowed = False
+
+    def body(self, rule: str) -> bytes:
+        return json.dumps(
+            {
+                "error": "rate_limit_exceeded",
+                "rule": rule,
+                "retry_after": None,
+                "reason": "cost_exceeds_limit",
+                "cost": self.cost,
+                "limit": self.capacity,
+            }
+        ).encode()
+
+
+class _Charge:
+    """What a request under ``count_when`` rules spent: each admitted
+    (binding, key, cost, decision), given back by :meth:`settle` when the
+    response does not count for that rule."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[tuple[_Binding, str, int, Any]]) -> None:
+        self.items = items
+
+    def settle(self, status: int) -> int:
+        """Refund what ``status`` does not count; returns the units given back."""
+        items, self.items = self.items, []  # once: a second settle refunds nothing
+        back = 0
+        for b, key, cost, d in items:
+            if not b.rule.counts(status):
+                b.limiter.refund(key, cost, at=d.at)
+                back += cost
+        return back
+
+
 class _Binding:
     """A rule bound to its limiter, with its constant header text rendered once.
 
@@ -93,6 +148,9 @@ class _Binding:
     __slots__ = (
         "admitted",
         "allow",
+        "capacity",
+        "cost",
+        "counted",
         "dry_run",
         "limit_str",
         "limiter",
@@ -116,8 +174,10 @@ class _Binding:
         self.scope = rule.scope
         self.dry_run = rule.dry_run
         self.shape = rule.shape and rule.algorithm is Algorithm.LEAKY_BUCKET
-        self.simple = not self.dry_run and not self.shape
-        capacity = limiter.capacity
+        self.cost = rule.cost
+        self.counted = rule.count_when is not None  # charged on entry, settled on the response
+        self.simple = not self.dry_run and not self.shape and self.cost == 1 and not self.counted
+        capacity = self.capacity = limiter.capacity
         self.near = capacity * near_ratio
         self.limit_str, self.policy, self.r_prefix = rule_pieces(rule.name, capacity, limiter.window_seconds)
 
@@ -147,6 +207,47 @@ _UNLIMITED = _NoRoute()  # cached: no rule applies
 _Route = _Binding | _Stack | _NoRoute
 
 
+class _DenialLog:
+    """At most one ``nanolimit.denials`` record per rule per ``interval``
+    seconds, each saying how many it stood for: a flood of 429s costs a few
+    lines. Client-written text (the path) is quoted and cut, so a request
+    cannot forge log lines."""
+
+    __slots__ = ("_lock", "_next", "_suppressed", "interval")
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._next: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, request: Request, outcome: Outcome) -> None:
+        now = time.monotonic()
+        rule = outcome.rule
+        with self._lock:
+            if now < self._next.get(rule, 0.0):
+                self._suppressed[rule] = self._suppressed.get(rule, 0) + 1
+                return
+            if len(self._next) > 4096:  # bounded: rule names are few, but be sure
+                self._next.clear()
+            self._next[rule] = now + self.interval
+            more = self._suppressed.pop(rule, 0)
+        path = request.path if len(request.path) <= 200 else request.path[:200] + "..."
+        denial_log.warning(
+            "rate limit exceeded: rule=%s method=%r path=%r retry_after=%s%s",
+            rule,
+            request.method[:32],
+            path,
+            "never (cost over the limit)" if type(outcome.decision) is CostTooHigh else outcome.retry_after,
+            f" (+{more} more since the last record)" if more else "",
+            extra={"rule": rule, "suppressed": more},
+        )
+
+
+_HOOK_NAMES = ("on_breach", "route_resolver")
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")  # an RFC 9110 header name
+
+
 class RateLimitMiddleware:
     """A pipeline stage ``(request, next_handler) -> Response``, and the
     decision every front end shares (:meth:`check`).
@@ -157,7 +258,33 @@ class RateLimitMiddleware:
     ``wall_clock`` gives the Unix time of ``X-RateLimit-Reset`` (read at
     most once per request); ``sleep`` is how a shaping leaky-bucket rule
     waits (the ASGI adapter awaits instead).
+
+    Denials the app controls: ``headers=False`` sends no rate-limit headers
+    (a 429 keeps ``Retry-After``); ``header_names`` renames them
+    (``{"X-RateLimit-Limit": "X-Limit"}``); ``on_breach(request, outcome)``
+    is called on every denial; ``log_denials`` seconds between
+    ``nanolimit.denials`` records per rule (None: no records).
+    ``route_resolver(request) -> template | None`` finds the matched route
+    of a request that does not carry one, on a route-cache miss only (the
+    framework adapters install it).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> RateLimitMiddleware:
+        # The ASGI and WSGI classes share this name: handed an app (as
+        # Starlette's Middleware(...) and app.add_middleware do), this is
+        # the wrong import, and must say so when the app is built, not as
+        # a TypeError on every request.
+        first = args[0] if args else kwargs.get("registry")
+        if (args and "registry" in kwargs) or (
+            first is not None and not isinstance(first, RuleRegistry) and callable(first)
+        ):
+            raise TypeError(
+                "nanolimit.RateLimitMiddleware is the framework-free pipeline and takes a RuleRegistry "
+                "first; it was handed an app. For Starlette, FastAPI or any ASGI app use "
+                "'from nanolimit.asgi import RateLimitMiddleware'; for Flask, Django or any WSGI app "
+                "'from nanolimit.wsgi import RateLimitMiddleware'."
+            )
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -168,15 +295,43 @@ class RateLimitMiddleware:
         *,
         wall_clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Any] = time.sleep,
+        headers: bool = True,
+        header_names: Mapping[str, str] | None = None,
+        on_breach: Callable[[Request, Outcome], Any] | None = None,
+        log_denials: float | None = 1.0,
+        route_resolver: Callable[[Request], str | None] | None = None,
     ) -> None:
         if not isinstance(registry, RuleRegistry):
             raise ValidationError(f"registry must be a RuleRegistry, got {type(registry).__name__}")
+        if not isinstance(headers, bool):
+            raise ValidationError(f"headers must be a bool, got {headers!r}")
+        renames = dict(header_names or {})
+        for old, new in renames.items():
+            if old not in (*RATE_HEADERS, "Retry-After"):
+                raise ValidationError(
+                    f"header_names: {old!r} is not a header nanolimit writes; "
+                    f"expected one of {', '.join((*RATE_HEADERS, 'Retry-After'))}"
+                )
+            if not isinstance(new, str) or not _TOKEN.match(new):
+                raise ValidationError(f"header_names: {new!r} is not a valid header name")
+        if log_denials is not None and (
+            isinstance(log_denials, bool) or not isinstance(log_denials, (int, float)) or not log_denials >= 0
+        ):
+            raise ValidationError(f"log_denials must be seconds >= 0 or None, got {log_denials!r}")
+        for hook_name, hook in zip(_HOOK_NAMES, (on_breach, route_resolver)):
+            if hook is not None and not callable(hook):
+                raise ValidationError(f"{hook_name} must be callable, got {hook!r}")
         self.registry = registry
         self.factory = factory if factory is not None else LimiterFactory()
         self.extractor: KeyExtractor = extractor if extractor is not None else DefaultKeyExtractor()
         self.metrics = metrics if metrics is not None else Metrics()
         self.wall_clock = wall_clock
         self.sleep = sleep
+        self.headers = headers
+        self.header_names = renames
+        self.on_breach = on_breach
+        self.route_resolver = route_resolver
+        self._log = None if log_denials is None else _DenialLog(float(log_denials))
         fast = getattr(self.extractor, "storage_key_for", None)
         if fast is None:
             extractor_ = self.extractor
@@ -194,7 +349,7 @@ class RateLimitMiddleware:
         # The route cache, the only one on the request path: (method, path,
         # tier) -> route, for one snapshot, keyed by the request's own method
         # and path, so a hit normalises nothing. A miss walks the ruleset
-        # uncached (RuleSet.lookup): the route is never cached twice.
+        # uncached (RuleSet.lookup_route): the route is never cached twice.
         # (Values are _Route; typed Any so that the hot paths read a value's
         # attributes after the one ``simple`` test, without a narrowing call.)
         self._routes: tuple[RuleSet | None, dict[tuple[str, str, str | None], Any]] = (None, {})
@@ -205,8 +360,11 @@ class RateLimitMiddleware:
         self._route_bytes = 0
         self._local = threading.local()  # this thread's metric shard, cached
         # __call__ inlines check(); a subclass that overrides check() gets it
-        # called for every request instead, as the adapters call it
-        self._inline = type(self).check is RateLimitMiddleware.check
+        # called for every request instead, as the adapters call it. The
+        # inline lane writes the five headers as they are: off or renamed
+        # headers take check().
+        self._inline = type(self).check is RateLimitMiddleware.check and headers and not renames
+        self._plain = headers and not renames
 
     # -- routes -----------------------------------------------------------------
     def _binding(self, rule: RateLimitRule, ruleset: RuleSet) -> _Binding:
@@ -217,6 +375,8 @@ class RateLimitMiddleware:
         binding = state[1].get(id(rule))
         if binding is None or binding.rule is not rule:
             binding = _Binding(rule, self.factory.for_rule(rule), self.metrics)
+            if not self._plain:
+                binding.simple = False  # headers off or renamed: check() shapes them
             # keyed by identity: the binding holds the rule, so the id stays unique
             state[1][id(rule)] = binding
         return binding
@@ -232,21 +392,21 @@ class RateLimitMiddleware:
 
     def _route(self, request: Request, ruleset: RuleSet, tier: str | None) -> _Route:
         """Resolve and remember the route of a (method, path, tier): a
-        binding, a stack of them (stacked mode), or ``_UNLIMITED``."""
+        binding, a stack of them (stacked mode, a rate list, a route's
+        declarations), or ``_UNLIMITED``."""
         method = request.method
         path = request.path
+        route_template = request.route
+        if route_template is None and self.route_resolver is not None:
+            route_template = self.route_resolver(request)
+        rules = ruleset.lookup_route(method, path, tier, route_template)
         route: _Route
-        if ruleset.stacked:
-            rules = ruleset.lookup_all(method, path, tier)
-            if not rules:
-                route = _UNLIMITED
-            elif len(rules) == 1:
-                route = self._binding(rules[0], ruleset)
-            else:
-                route = self._stack(rules, ruleset)
+        if not rules:
+            route = _UNLIMITED
+        elif len(rules) == 1:
+            route = self._binding(rules[0], ruleset)
         else:
-            rule = ruleset.lookup(method, path, tier)
-            route = _UNLIMITED if rule is None else self._binding(rule, ruleset)
+            route = self._stack(rules, ruleset)
         size = key_bytes(method, path, tier)
         if size > MAX_CACHED_KEY_BYTES:
             return route  # a hostile long path or method: decided, never kept
@@ -263,6 +423,16 @@ class RateLimitMiddleware:
         self._route_bytes += size
         return route
 
+    def rules_for(self, request: Request) -> tuple[RateLimitRule, ...]:
+        """The rules that decide ``request`` (for tools and tests: the
+        request path reads its route cache instead)."""
+        ruleset = self.registry.ruleset
+        tier = self.extractor.tier_for(request) if ruleset.has_tiers else None
+        route_template = request.route
+        if route_template is None and self.route_resolver is not None:
+            route_template = self.route_resolver(request)
+        return ruleset.lookup_route(request.method, request.path, tier, route_template)
+
     def _shard(self) -> dict[str, list[int]]:
         try:
             return self._local.shard  # type: ignore[no-any-return]
@@ -277,6 +447,22 @@ class RateLimitMiddleware:
             counts = shard[name] = [0, 0, 0, 0]
         return counts
 
+    @staticmethod
+    def _cost(b: _Binding, request: Request) -> int:
+        """What ``request`` spends under ``b``: the rule's cost (or its
+        ``cost(request)``) times the request's own."""
+        cost = b.cost
+        if type(cost) is not int:
+            cost = cost(request)
+            if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
+                raise ValidationError(f"rule {b.name!r}: cost(request) must return an int >= 1, got {cost!r}")
+        n = request.cost
+        if n != 1:
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ValidationError(f"Request.cost must be an int >= 1, got {n!r}")
+            cost *= n
+        return cost
+
     # -- the decision -----------------------------------------------------------
     def check(self, request: Request) -> Outcome | None:
         """Decide ``request``: the pipeline's public decision, for any front end.
@@ -284,7 +470,8 @@ class RateLimitMiddleware:
         None when no rule applies (pass it through unlimited); otherwise the
         :class:`Outcome`, counted in the metrics, with the headers to send.
         Nothing is sent or slept here: a front end writes the outcome out
-        (and sleeps or awaits ``delay``) in its own I/O."""
+        (and sleeps or awaits ``delay``) in its own I/O, and hands the
+        response status to :meth:`settle` when the outcome has a charge."""
         ruleset = self.registry.ruleset
         tier = self.extractor.tier_for(request) if ruleset.has_tiers else None
         routes = self._routes
@@ -295,14 +482,14 @@ class RateLimitMiddleware:
         )
         if b is _MISSING:
             b = self._route(request, ruleset, tier)
-        if b.simple:
+        if b.simple and request.cost == 1:
             d = b.allow(self._key(request, b.scope))
             if d.allowed:
                 headers: dict[str, str] = {}
                 # counts it and writes the five headers in one call (C when built)
                 b.admitted.record(d, headers, b.limit_str, b.policy, b.r_prefix, b.near, self.wall_clock())
-                return _outcome(Outcome, (True, headers, 0.0, b.name, 0, d))
-            return self._denied(b, d)
+                return _outcome(Outcome, (True, headers, 0.0, b.name, 0, d, None))
+            return self._denied(request, b, d)
         if b is _UNLIMITED:
             return None
         if type(b) is _Stack:
@@ -310,64 +497,114 @@ class RateLimitMiddleware:
         return self._check_one(request, b)
 
     def _check_one(self, request: Request, b: _Binding) -> Outcome:
-        """One rule that shadows (dry run) or shapes (a leaky bucket's delay)."""
-        d = b.allow(self._key(request, b.scope))
+        """One rule that costs more than 1, shadows (dry run), shapes (a
+        leaky bucket's delay), counts by response, or writes its headers
+        off or renamed."""
+        cost = self._cost(b, request)
+        if cost > b.capacity:
+            return self._too_costly(request, b, cost)
+        key = self._key(request, b.scope)
+        d = b.allow(key, cost)
         if d.allowed:
+            charge = _Charge([(b, key, cost, d)]) if b.counted else None
             if b.dry_run:
                 b.admitted.count(d, b.near)
-                return _outcome(Outcome, (True, {}, 0.0, b.name, 0, d))
+                return _outcome(Outcome, (True, {}, 0.0, b.name, 0, d, charge))
             headers: dict[str, str] = {}
-            b.admitted.record(d, headers, b.limit_str, b.policy, b.r_prefix, b.near, self.wall_clock())
-            return _outcome(Outcome, (True, headers, d.delay if b.shape else 0.0, b.name, 0, d))
+            if self.headers:
+                b.admitted.record(d, headers, b.limit_str, b.policy, b.r_prefix, b.near, self.wall_clock())
+                if self.header_names:
+                    headers = self._renamed(headers)
+            else:
+                b.admitted.count(d, b.near)
+            return _outcome(Outcome, (True, headers, d.delay if b.shape else 0.0, b.name, 0, d, charge))
         if b.dry_run:
             self._counts(self._shard(), b.name)[SHADOW_DENIED] += 1
-            return _outcome(Outcome, (True, {}, 0.0, b.name, 0, d))
-        return self._denied(b, d)
+            return _outcome(Outcome, (True, {}, 0.0, b.name, 0, d, None))
+        return self._denied(request, b, d)
 
-    def _denied(self, b: _Binding, d: Any) -> Outcome:
+    def _renamed(self, headers: dict[str, str]) -> dict[str, str]:
+        names = self.header_names
+        return {names.get(k, k): v for k, v in headers.items()}
+
+    def _too_costly(self, request: Request, b: _Binding, cost: int) -> Outcome:
+        """A cost no wait would admit: a 429 that says so (never a 500 from
+        the core's cost check)."""
+        if b.dry_run:
+            self._counts(self._shard(), b.name)[SHADOW_DENIED] += 1
+            return _outcome(Outcome, (True, {}, 0.0, b.name, 0, CostTooHigh(cost, b.capacity), None))
+        self._counts(self._shard(), b.name)[DENIED] += 1
+        outcome = _outcome(Outcome, (False, {}, 0.0, b.name, 0, CostTooHigh(cost, b.capacity), None))
+        self._breached(request, outcome)
+        return outcome
+
+    def _denied(self, request: Request, b: _Binding, d: Any) -> Outcome:
         """Count and answer a denial by one enforced rule."""
         try:
             shard = self._local.shard
         except AttributeError:
             shard = self._shard()
         self._counts(shard, b.name)[DENIED] += 1
-        return self._refusal(b, d, d.retry_after, d)
+        outcome = self._refusal(b, d, d.retry_after, d)
+        if self._log is not None or self.on_breach is not None:
+            self._breached(request, outcome)
+        return outcome
+
+    def _breached(self, request: Request, outcome: Outcome) -> None:
+        if self._log is not None:
+            self._log(request, outcome)
+        if self.on_breach is not None:
+            self.on_breach(request, outcome)
 
     def _refusal(self, b: _Binding, d: Any, retry_after: float, answer: Any) -> Outcome:
         """A 429 by ``b`` (whose decision is ``d``): its headers, and the one
         place ``Retry-After`` is written (``answer`` is what the caller
         gets as the decision: ``d``, or the compound decision)."""
-        headers = rate_headers(
-            b.limit_str, b.policy, b.r_prefix, d.remaining, d.reset_after, self.wall_clock()
+        headers = (
+            rate_headers(b.limit_str, b.policy, b.r_prefix, d.remaining, d.reset_after, self.wall_clock())
+            if self.headers
+            else {}
         )
         retry = retry_seconds(retry_after)
         headers["Retry-After"] = str(retry)
-        return _outcome(Outcome, (False, headers, 0.0, b.name, retry, answer))
+        if self.header_names:
+            headers = self._renamed(headers)
+        return _outcome(Outcome, (False, headers, 0.0, b.name, retry, answer, None))
 
     def _check_stacked(self, request: Request, bindings: tuple[_Binding, ...]) -> Outcome:
         """Several rules at once: shadow rules decide on their own; enforced
         rules decide together, all or nothing, through ``storage.allow_all``
         (one entry into the core for all of them)."""
         shard = self.metrics.shard()
-        enforced: list[tuple[_Binding, str]] = []
+        enforced: list[tuple[_Binding, str, int]] = []
+        charged: list[tuple[_Binding, str, int, Any]] = []
         for b in bindings:
+            cost = self._cost(b, request)
+            if cost > b.capacity:
+                if b.dry_run:
+                    self._counts(shard, b.name)[SHADOW_DENIED] += 1
+                    continue
+                return self._too_costly(request, b, cost)
             key = self._key(request, b.scope)
             if not b.dry_run:
-                enforced.append((b, key))
+                enforced.append((b, key, cost))
                 continue
-            d = b.allow(key)
+            d = b.allow(key, cost)
             counts = self._counts(shard, b.name)
             if d.allowed:
                 counts[ALLOWED] += 1
                 if d.remaining < b.near:
                     counts[NEAR_LIMIT] += 1
+                if b.counted:
+                    charged.append((b, key, cost, d))
             else:
                 counts[SHADOW_DENIED] += 1
         if not enforced:
-            return _outcome(Outcome, (True, {}, 0.0, bindings[0].name, 0, None))
+            charge = _Charge(charged) if charged else None
+            return _outcome(Outcome, (True, {}, 0.0, bindings[0].name, 0, None, charge))
         if len(enforced) == 1:
-            b, key = enforced[0]
-            d = b.allow(key)
+            b, key, cost = enforced[0]
+            d = b.allow(key, cost)
             decisions = [d]
             summary: Any = d
         else:
@@ -377,11 +614,11 @@ class RateLimitMiddleware:
                     f"{type(self.factory.storage).__name__} cannot decide compound limits "
                     "(it has no allow_all); use an InMemoryStorage or RedisStorage, or an unstacked registry"
                 )
-            summary = allow_all([(b.limiter, key) for b, key in enforced])
+            summary = allow_all([(b.limiter, key, cost) for b, key, cost in enforced])
             decisions = list(summary.decisions)
         allowed = bool(summary.allowed)
         delay = 0.0
-        for (b, _), d in zip(enforced, decisions):
+        for (b, key, cost), d in zip(enforced, decisions):
             counts = self._counts(shard, b.name)
             if allowed:
                 counts[ALLOWED] += 1
@@ -389,6 +626,8 @@ class RateLimitMiddleware:
                     counts[NEAR_LIMIT] += 1
                 if b.shape and d.delay > delay:
                     delay = d.delay
+                if b.counted:
+                    charged.append((b, key, cost, d))
             elif not d.allowed:
                 counts[DENIED] += 1
         # the headers describe the binding rule (its own quota, window,
@@ -396,21 +635,41 @@ class RateLimitMiddleware:
         binding, decision = enforced[0][0], decisions[0]
         if len(enforced) > 1:
             name = summary.rule
-            for (b, _), d in zip(enforced, decisions):
+            for (b, _, _), d in zip(enforced, decisions):
                 if b.name == name:
                     binding, decision = b, d
                     break
         if allowed:
-            headers = rate_headers(
-                binding.limit_str,
-                binding.policy,
-                binding.r_prefix,
-                decision.remaining,
-                decision.reset_after,
-                self.wall_clock(),
+            headers = (
+                rate_headers(
+                    binding.limit_str,
+                    binding.policy,
+                    binding.r_prefix,
+                    decision.remaining,
+                    decision.reset_after,
+                    self.wall_clock(),
+                )
+                if self.headers
+                else {}
             )
-            return _outcome(Outcome, (True, headers, delay, binding.name, 0, summary))
-        return self._refusal(binding, decision, summary.retry_after, summary)
+            if self.header_names:
+                headers = self._renamed(headers)
+            charge = _Charge(charged) if charged else None
+            return _outcome(Outcome, (True, headers, delay, binding.name, 0, summary, charge))
+        if charged:
+            _Charge(charged).settle(-1)  # the shadow rules' charges: the request never ran
+        outcome = self._refusal(binding, decision, summary.retry_after, summary)
+        self._breached(request, outcome)
+        return outcome
+
+    def settle(self, outcome: Outcome | None, status: int) -> int:
+        """The response of an admitted request was ``status``: give back
+        what its ``count_when`` rules do not count (e.g. a successful
+        login under a failed-logins limit). Returns the units given back;
+        a no-op for outcomes without a charge, and at most once."""
+        if outcome is None or outcome.charge is None:
+            return 0
+        return outcome.charge.settle(status)  # type: ignore[no-any-return]
 
     # -- the pipeline stage -------------------------------------------------------
     def __call__(self, request: Request, next_handler: Callable[[Request], Response]) -> Response:
@@ -420,7 +679,7 @@ class RateLimitMiddleware:
         # Everything else takes check() and _respond.
         ruleset = self.registry.ruleset
         routes = self._routes
-        if routes[0] is ruleset and self._inline and not ruleset.has_tiers:
+        if routes[0] is ruleset and self._inline and not ruleset.has_tiers and request.cost == 1:
             b: Any = routes[1].get((request.method, request.path, None), _MISSING)
             if b.simple:
                 d = b.allow(self._key(request, b.scope))
@@ -435,7 +694,7 @@ class RateLimitMiddleware:
                         d, response.headers, b.limit_str, b.policy, b.r_prefix, b.near, self.wall_clock()
                     )
                     return response
-                return self._respond(request, next_handler, self._denied(b, d))
+                return self._respond(request, next_handler, self._denied(request, b, d))
         return self._respond(request, next_handler, self.check(request))
 
     def _respond(
@@ -446,10 +705,16 @@ class RateLimitMiddleware:
         headers = outcome.headers
         if not outcome.allowed:
             headers["Content-Type"] = "application/json"
-            return Response(429, headers, deny_body(outcome.rule, outcome.retry_after))
+            return Response(429, headers, outcome.body())
         if outcome.delay > 0.0:
             self.sleep(outcome.delay)
-        response = next_handler(request)
+        try:
+            response = next_handler(request)
+        except BaseException:
+            self.settle(outcome, 500)  # the handler failed: it answers 500
+            raise
+        if outcome.charge is not None:
+            self.settle(outcome, response.status)
         if headers:
             response.headers.update(headers)
         return response

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Request"]
 
@@ -25,6 +26,15 @@ class Request:
     names to values; ``client`` is the peer address of the connection (never
     a header, which any client can write); ``user`` is an authenticated user
     id if the framework knows one.
+
+    ``cost`` is how many units the request spends (a fan-out search can
+    declare 10); a rule's own ``cost`` multiplies it. ``route`` is the
+    framework's matched route template (``/users/{id}/avatar``), when the
+    front end knows it: rules declared on a route match it. It must follow
+    from the method and path (the pipeline caches routes by those).
+    ``native`` is the framework's own object (the ASGI scope, the WSGI
+    environ, a Flask or Django request), for cost and denial hooks that
+    need more than this view.
     """
 
     method: str
@@ -32,3 +42,6 @@ class Request:
     headers: Mapping[str, str] = field(default_factory=dict)
     client: str | None = None
     user: str | None = None
+    cost: int = 1
+    route: str | None = None
+    native: Any = None

@@ -24,7 +24,7 @@ import enum
 import math
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +133,48 @@ class KeyScope(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @classmethod
+    def _missing_(cls, value: object) -> KeyScope | None:
+        # the spellings users bring: "IP", "api-key", "API Key"
+        if isinstance(value, str):
+            wanted = value.strip().lower().replace("-", "_").replace(" ", "_")
+            for scope in cls:
+                if scope.value == wanted:
+                    return scope
+        return None
+
+
+# ---------------------------------------------------------------------------
+# Route templates
+
+_PLACEHOLDER = re.compile(r"\{[^{}]*\}|<[^<>]*>")
+
+
+def route_key(template: str) -> str:
+    """A framework's route template in the one form rules compare:
+    placeholders of any syntax become ``{}`` (Starlette's ``{id}`` and
+    ``{id:int}``, Flask's and Django's ``<int:id>``), and a leading ``/`` is
+    supplied (Django's routes have none). So a rule written for one
+    framework's spelling matches another's."""
+    if not isinstance(template, str) or not template.strip():
+        raise ValidationError(f"a route template must be a non-empty str, got {template!r}")
+    text = template.strip()
+    if text[:1] == "^":  # a Django re_path pattern, as its resolver reports it
+        text = text[1:].rstrip("$")
+    if text[:1] != "/":
+        text = "/" + text
+    return _PLACEHOLDER.sub("{}", text)
+
+
+def _status_set(value: Any) -> frozenset[int]:
+    statuses = frozenset(value)
+    for status in statuses:
+        if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+            raise ValidationError(f"a response status must be an int within 100-599, got {status!r}")
+    if not statuses:
+        raise ValidationError("count_when must name at least one status")
+    return statuses
+
 
 # ---------------------------------------------------------------------------
 # Rules
@@ -169,6 +211,16 @@ class RateLimitRule:
 
     The rule's ``name`` is the limiter's state namespace: a reload that keeps
     name and algorithm keeps every key's spent budget (docs/spec.md §6).
+
+    Declared next to routes, a rule matches ``routes`` (route templates, see
+    :func:`route_key`) instead of its prefix. ``cost`` is what a request
+    spends (an int, or ``cost(request) -> int`` for the adapters; the
+    request's own ``cost`` multiplies it). ``count_when`` counts a request
+    only if its response status is one of a set (or passes
+    ``count_when(status) -> bool``): it is charged on entry, so concurrent
+    requests never overspend, and refunded when the response does not
+    count. Rules of one ``group`` (a rate list, a route's declarations)
+    decide together, all or nothing.
     """
 
     name: str
@@ -182,6 +234,10 @@ class RateLimitRule:
     tier: str | None = field(default=None, kw_only=True)
     dry_run: bool = field(default=False, kw_only=True)
     shape: bool = field(default=True, kw_only=True)
+    cost: int | Callable[[Any], int] = field(default=1, kw_only=True)
+    routes: tuple[str, ...] = field(default=(), kw_only=True)
+    count_when: frozenset[int] | Callable[[int], bool] | None = field(default=None, kw_only=True)
+    group: str | None = field(default=None, kw_only=True)
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -243,6 +299,7 @@ class RateLimitRule:
         for fname in ("dry_run", "shape"):
             if not isinstance(getattr(self, fname), bool):
                 raise RuleValidationError(name, fname, f"must be a bool, got {getattr(self, fname)!r}")
+        self._check_route_fields(setter)
         # LimiterConfig checks the fields together (ranges, and what each
         # algorithm can count). Built in stages, a fault is charged to the
         # field whose addition made it fail: the limit alone (a one-second
@@ -259,6 +316,10 @@ class RateLimitRule:
                 LimiterConfig.build(algorithm, self.limit, window_, burst_, name)
             except ValidationError as exc:
                 raise RuleValidationError(name, fname, str(exc)) from None
+        if type(self.cost) is int and self.cost > self.capacity:
+            raise RuleValidationError(
+                name, "cost", f"{self.cost} exceeds the capacity {self.capacity}: no request could pass"
+            )
         setter(
             self,
             "_hash",
@@ -275,9 +336,51 @@ class RateLimitRule:
                     self.tier,
                     self.dry_run,
                     self.shape,
+                    self.cost,
+                    self.routes,
+                    self.count_when,
+                    self.group,
                 )
             ),
         )
+
+    def _check_route_fields(self, setter: Callable[[Any, str, Any], None]) -> None:
+        """``cost``, ``routes``, ``count_when`` and ``group``: checked and
+        put in the form the matcher compares."""
+        name = self.name
+        cost = self.cost
+        if isinstance(cost, bool) or not (isinstance(cost, int) or callable(cost)):
+            raise RuleValidationError(name, "cost", f"must be an int or a callable, got {cost!r}")
+        if isinstance(cost, int) and cost <= 0:
+            raise RuleValidationError(name, "cost", f"must be >= 1, got {cost}")
+        routes = self.routes
+        if isinstance(routes, str):
+            routes = (routes,)
+        try:
+            keys = tuple(dict.fromkeys(route_key(r) for r in routes))
+        except (TypeError, ValidationError) as exc:
+            raise RuleValidationError(name, "routes", str(exc)) from None
+        setter(self, "routes", keys)
+        when = self.count_when
+        if when is not None and not callable(when):
+            try:
+                setter(self, "count_when", _status_set(when if not isinstance(when, int) else (when,)))
+            except (TypeError, ValidationError) as exc:
+                raise RuleValidationError(
+                    name, "count_when", f"must be response statuses or a callable: {exc}"
+                ) from None
+        group = self.group
+        if group is not None and (not isinstance(group, str) or not group):
+            raise RuleValidationError(name, "group", f"must be a non-empty str or None, got {group!r}")
+
+    def counts(self, status: int) -> bool:
+        """Does a response of ``status`` spend this rule's budget?"""
+        when = self.count_when
+        if when is None:
+            return True
+        if type(when) is frozenset:
+            return status in when
+        return bool(when(status))  # type: ignore[operator]
 
     def __hash__(self) -> int:
         # Cached: rules are dict keys on the request path (the limiter cache).
@@ -300,6 +403,10 @@ class RateLimitRule:
                 self.tier,
                 self.dry_run,
                 self.shape,
+                self.cost,
+                self.routes,
+                self.count_when,
+                self.group,
             ),
         )
 
@@ -384,6 +491,14 @@ class RateLimitRule:
             out["dry_run"] = True
         if not self.shape:
             out["shape"] = False
+        if type(self.cost) is int and self.cost != 1:
+            out["cost"] = self.cost
+        if self.routes:
+            out["routes"] = list(self.routes)
+        if type(self.count_when) is frozenset:
+            out["count_when"] = sorted(self.count_when)
+        if self.group is not None:
+            out["group"] = self.group
         return out
 
 
@@ -399,6 +514,10 @@ def _restore_rule(
     tier: str | None,
     dry_run: bool,
     shape: bool,
+    cost: Any = 1,
+    routes: tuple[str, ...] = (),
+    count_when: Any = None,
+    group: str | None = None,
 ) -> RateLimitRule:
     return RateLimitRule(
         name,
@@ -412,6 +531,10 @@ def _restore_rule(
         tier=tier,
         dry_run=dry_run,
         shape=shape,
+        cost=cost,
+        routes=routes,
+        count_when=count_when,
+        group=group,
     )
 
 
@@ -448,6 +571,28 @@ class _Node:
 _MISSING: Any = object()
 
 
+def _by_method(
+    by_method: dict[str, list[tuple[RateLimitRule, bool]]],
+) -> dict[str, tuple[tuple[RateLimitRule, bool], ...]]:
+    """One trie node's (or route's) rules per method, best first: ``*``
+    rules join every method's list, and HEAD is GET without the body,
+    answered by the GET handler, so a GET rule covers HEAD and both spend
+    the same budget."""
+    ends: dict[str, tuple[tuple[RateLimitRule, bool], ...]] = {}
+    star = by_method.get("*", [])
+    for method, entries in by_method.items():
+        if method == "HEAD":
+            continue  # merged with GET below
+        merged = entries if method == "*" else entries + star
+        merged.sort(key=lambda e: _rank(e[0]), reverse=True)
+        ends[method] = tuple(merged)
+    if "GET" in by_method or "HEAD" in by_method:
+        head = by_method.get("HEAD", []) + by_method.get("GET", []) + star
+        head.sort(key=lambda e: _head_rank(e[0]), reverse=True)
+        ends["HEAD"] = tuple(head)
+    return ends
+
+
 class RuleSet:
     """An immutable, indexed set of rules: what one request reads.
 
@@ -464,7 +609,9 @@ class RuleSet:
         "_cache_max_bytes",
         "_cache_size",
         "_root",
+        "_route_index",
         "default",
+        "exempt",
         "has_tiers",
         "rules",
         "stacked",
@@ -478,8 +625,14 @@ class RuleSet:
         stacked: bool = False,
         cache_size: int = 4096,
         cache_bytes: int = CACHE_KEY_BYTES,
+        exempt: Iterable[str] = (),
     ) -> None:
+        if isinstance(rules, RateLimitRule):
+            rules = (rules,)  # RuleRegistry(rule): one rule is a ruleset of one
         rules = tuple(rules)
+        if isinstance(exempt, str):
+            exempt = (exempt,)
+        self.exempt = frozenset(route_key(r) for r in exempt)
         seen: set[str] = set()
         # The default counts once: listing it among the rules as well is
         # harmless, but a different rule under its name would share its state.
@@ -505,7 +658,12 @@ class RuleSet:
         root = _Node()
         pending: dict[int, dict[str, list[tuple[RateLimitRule, bool]]]] = {}
         nodes: dict[int, _Node] = {}
+        by_route: dict[str, dict[str, list[tuple[RateLimitRule, bool]]]] = {}
         for rule in rules:
+            if rule.routes:  # declared on routes: matched by route, never by prefix
+                for key in rule.routes:
+                    by_route.setdefault(key, {}).setdefault(rule.method, []).append((rule, False))
+                continue
             segs, needs_more = _segments(rule.path_prefix)
             node = root
             for seg in segs:
@@ -516,21 +674,9 @@ class RuleSet:
             nodes[id(node)] = node
             pending.setdefault(id(node), {}).setdefault(rule.method, []).append((rule, needs_more))
         for key, by_method in pending.items():
-            node = nodes[key]
-            star = by_method.get("*", [])
-            for method, entries in by_method.items():
-                if method == "HEAD":
-                    continue  # merged with GET below
-                merged = entries if method == "*" else entries + star
-                merged.sort(key=lambda e: _rank(e[0]), reverse=True)
-                node.ends[method] = tuple(merged)
-            if "GET" in by_method or "HEAD" in by_method:
-                # HEAD is GET without the body, answered by the GET handler:
-                # a GET rule covers HEAD, so both spend the same budget.
-                head = by_method.get("HEAD", []) + by_method.get("GET", []) + star
-                head.sort(key=lambda e: _head_rank(e[0]), reverse=True)
-                node.ends["HEAD"] = tuple(head)
+            nodes[key].ends = _by_method(by_method)
         self._root = root
+        self._route_index = {key: _by_method(by_method) for key, by_method in by_route.items()}
 
     def _walk(self, method: str, path: str, tier: str | None, first: bool) -> list[RateLimitRule]:
         """Every matching rule, most specific first (or only the best one),
@@ -573,6 +719,53 @@ class RuleSet:
         if not first:
             found.sort(key=_head_rank if method == "HEAD" else _rank, reverse=True)
         return found
+
+    def route_rules(self, route: str) -> tuple[RateLimitRule, ...]:
+        """The rules declared on a route template (any method or tier)."""
+        ends = self._route_index.get(route_key(route))
+        if not ends:
+            return ()
+        return tuple(dict.fromkeys(rule for entries in ends.values() for rule, _ in entries))
+
+    def routes(self) -> frozenset[str]:
+        """Every route template a rule names (canonical, :func:`route_key`)."""
+        return frozenset(self._route_index)
+
+    def lookup_route(
+        self, method: str, path: str, tier: str | None = None, route: str | None = None
+    ) -> tuple[RateLimitRule, ...]:
+        """Every rule that decides a request, uncached: the pipeline's one
+        lookup (it caches the answer by the request's method, path and tier).
+
+        ``route`` is the framework's matched template. An exempt route gets
+        none. Rules declared on the route come first and, unstacked, are
+        the route's whole answer (a route's declarations decide together);
+        otherwise the most specific prefix rule decides, with the rest of
+        its ``group`` (a rate list); stacked, every match applies."""
+        method = method.upper()
+        own: tuple[RateLimitRule, ...] = ()
+        if route is not None and (self._route_index or self.exempt):
+            key = route_key(route)
+            if key in self.exempt:
+                return ()
+            ends = self._route_index.get(key)
+            if ends:
+                entries = ends.get(method)
+                if entries is None:
+                    entries = ends.get("*", ())
+                own = tuple(r for r, _ in entries if r.tier is None or r.tier == tier)
+        if self.stacked:
+            found = own + tuple(self._walk(method, path, tier, False))
+            return found if found else (() if self.default is None else (self.default,))
+        if own:
+            return own
+        best = self._walk(method, path, tier, True)
+        if not best:
+            return () if self.default is None else (self.default,)
+        group = best[0].group
+        if group is None:
+            return (best[0],)
+        return tuple(r for r in self._walk(method, path, tier, False) if r.group == group)
 
     def lookup(self, method: str, path: str, tier: str | None = None) -> RateLimitRule | None:
         """:meth:`match` without the cache, for a caller that keeps its own
@@ -652,12 +845,13 @@ class RuleRegistry:
 
     def __init__(
         self,
-        rules: Iterable[RateLimitRule] = (),
+        rules: Iterable[RateLimitRule] | RateLimitRule = (),
         default: RateLimitRule | None = None,
         *,
         stacked: bool = False,
         cache_size: int = 4096,
         cache_bytes: int = CACHE_KEY_BYTES,
+        exempt: Iterable[str] = (),
     ) -> None:
         if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
             raise ValidationError(f"cache_size must be an int >= 0, got {cache_size!r}")
@@ -668,7 +862,12 @@ class RuleRegistry:
         # The current snapshot: read it once per request (the pipeline does);
         # assign it only through replace(), which validates first.
         self.ruleset = RuleSet(
-            rules, default, stacked=stacked, cache_size=cache_size, cache_bytes=cache_bytes
+            rules,  # type: ignore[arg-type]  # one rule is accepted too (RuleSet wraps it)
+            default,
+            stacked=stacked,
+            cache_size=cache_size,
+            cache_bytes=cache_bytes,
+            exempt=exempt,
         )
 
     def snapshot(self) -> RuleSet:
@@ -718,10 +917,11 @@ class RuleRegistry:
         *,
         default: RateLimitRule | None = _KEEP,
         stacked: bool = _KEEP,
+        exempt: Iterable[str] = _KEEP,
     ) -> RuleSet:
         """Swap in a new ruleset in one assignment (hot reload). The new set
         is built and validated first, so a bad ruleset changes nothing.
-        ``default`` and ``stacked`` are kept unless given."""
+        ``default``, ``stacked`` and ``exempt`` are kept unless given."""
         current = self.ruleset
         new = RuleSet(
             rules,
@@ -729,6 +929,7 @@ class RuleRegistry:
             stacked=current.stacked if stacked is _KEEP else stacked,
             cache_size=self._cache_size,
             cache_bytes=self._cache_bytes,
+            exempt=current.exempt if exempt is _KEEP else exempt,
         )
         self.ruleset = new
         return new
