@@ -431,7 +431,7 @@ class ConfigWatcher:
         self._storage = loaded.storage
         self.registry.replace(loaded.rules, default=loaded.default, stacked=loaded.stacked)
         if self.factory is not None:
-            self.factory.prune(loaded.active())
+            self.factory.prune((*loaded.active(), *self.registry.declared))
         self._digest = digest
         self.reloads += 1
         log.info("nanolimit: loaded %d rule(s) from %s", len(loaded.rules), self.path)

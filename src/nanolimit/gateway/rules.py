@@ -841,7 +841,7 @@ class RuleRegistry:
     limits); otherwise the most specific one does (docs/spec.md §6).
     """
 
-    __slots__ = ("_cache_bytes", "_cache_size", "ruleset")
+    __slots__ = ("_cache_bytes", "_cache_size", "_declared_exempt", "declared", "ruleset")
 
     def __init__(
         self,
@@ -859,6 +859,9 @@ class RuleRegistry:
             raise ValidationError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
         self._cache_size = cache_size
         self._cache_bytes = cache_bytes
+        # rules declared on routes (nanolimit.gateway.routes): every replace() keeps them
+        self.declared: tuple[RateLimitRule, ...] = ()
+        self._declared_exempt: frozenset[str] = frozenset()
         # The current snapshot: read it once per request (the pipeline does);
         # assign it only through replace(), which validates first.
         self.ruleset = RuleSet(
@@ -923,14 +926,38 @@ class RuleRegistry:
         is built and validated first, so a bad ruleset changes nothing.
         ``default``, ``stacked`` and ``exempt`` are kept unless given."""
         current = self.ruleset
+        declared = set(self.declared)
+        if isinstance(rules, RateLimitRule):
+            rules = (rules,)
         new = RuleSet(
-            rules,
+            (*(r for r in rules if r not in declared), *self.declared),
             current.default if default is _KEEP else default,
             stacked=current.stacked if stacked is _KEEP else stacked,
             cache_size=self._cache_size,
             cache_bytes=self._cache_bytes,
-            exempt=current.exempt if exempt is _KEEP else exempt,
+            exempt=current.exempt if exempt is _KEEP else {*map(route_key, exempt), *self._declared_exempt},
         )
+        self.ruleset = new
+        return new
+
+    def declare(self, rules: Iterable[RateLimitRule], *, exempt: Iterable[str] = ()) -> RuleSet:
+        """Add the rules declared on an app's routes (and its exempt
+        templates): kept by every later :meth:`replace`, so a reload of a
+        rules file never drops a route's limit."""
+        rules = tuple(rules)
+        keys = frozenset(route_key(e) for e in exempt)
+        current = self.ruleset
+        kept = [r for r in current.rules if r not in set(self.declared)]
+        new = RuleSet(
+            (*kept, *rules),
+            current.default,
+            stacked=current.stacked,
+            cache_size=self._cache_size,
+            cache_bytes=self._cache_bytes,
+            exempt=current.exempt | keys,
+        )
+        self.declared = rules
+        self._declared_exempt = keys
         self.ruleset = new
         return new
 

@@ -1,0 +1,331 @@
+"""Limits declared where users declare routes: decorators, dependencies,
+router- and blueprint-level limits, shared budgets and exempt routes.
+
+A declaration decides nothing by itself. It marks a view (or a router, a
+blueprint, a class-based view) with what it asks for; when a front end
+binds to the app (:meth:`RouteLimits.bind`, called by the framework
+adapters at startup), the app's route table is read and every declaration
+becomes an ordinary :class:`RateLimitRule` matching the route's template.
+So route limits take the one decision path every other rule takes (the
+route cache, the same state namespaces, metrics, shadow mode, tiers,
+compound all-or-nothing with global rules, ``nanolimit check-config``),
+and a route-level limit costs what a middleware rule costs.
+
+Names: a view's limit is named after the view (``module.function``), with
+``:<limit>/<window>s`` added when it has several rates; a shared limit
+carries the name it was given. A reload of a rules file keeps every
+declared rule (:meth:`nanolimit.rules.RuleRegistry.replace`).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .._shared import Algorithm, ValidationError
+from .rates import Rate, parse_rates
+from .rules import KeyScope, RateLimitRule, RuleRegistry, RuleValidationError, route_key
+
+__all__ = ["Limit", "RouteInfo", "RouteLimits"]
+
+T = TypeVar("T")
+
+# where a declaration is kept on the object it marks
+MARK = "__nanolimit_limits__"
+EXEMPT = "__nanolimit_exempt__"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.:@/+-]")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteInfo:
+    """One route of an app, as a framework adapter reads its route table:
+    the template, the methods it answers (empty: all), the view, and the
+    objects above it that may carry declarations (a router, a mount, a
+    blueprint, FastAPI dependencies)."""
+
+    template: str
+    methods: frozenset[str]
+    endpoint: Any
+    marked: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One declaration: ``@limits.limit("5/minute")`` on a view, a class,
+    a router or a blueprint. Checked when it is written, so a bad rate, an
+    unknown algorithm or an impossible cost fails at import with the
+    declaration named."""
+
+    rates: tuple[Rate, ...]
+    scope: KeyScope
+    algorithm: Algorithm
+    cost: int | Callable[[Any], int] = 1
+    count_when: Any = None
+    methods: tuple[str, ...] = ("*",)
+    name: str | None = None  # set: one shared budget, whichever routes spend it
+    dry_run: bool = False
+    tier: str | None = None
+    shape: bool = True
+    owner: Any = None  # the RouteLimits that made it
+
+    def __call__(self, target: T) -> T:
+        """Mark ``target`` (returned unchanged, so frameworks that read a
+        view's signature see the view itself)."""
+        _mark(target, MARK, self)
+        return target
+
+    def rules(self, base: str, routes: tuple[str, ...]) -> list[RateLimitRule]:
+        """The rules this declaration makes for the routes of one view (or,
+        shared, of every view that spends it)."""
+        name = self.name or base
+        several = len(self.rates) > 1 or len(self.methods) > 1
+        out = []
+        for method in self.methods:
+            for rate in self.rates:
+                rule_name = name
+                if len(self.methods) > 1:
+                    rule_name += f"@{method}"
+                if len(self.rates) > 1:
+                    rule_name += f":{rate.limit}/{rate.window_seconds:g}s"
+                out.append(
+                    RateLimitRule(
+                        rule_name,
+                        method,
+                        "/",
+                        self.scope,
+                        self.algorithm,
+                        rate.limit,
+                        rate.window_seconds,
+                        rate.burst,
+                        tier=self.tier,
+                        dry_run=self.dry_run,
+                        shape=self.shape,
+                        cost=self.cost,
+                        routes=routes,
+                        count_when=self.count_when,
+                        group=name if several else None,
+                    )
+                )
+        return out
+
+
+def _mark(target: Any, attr: str, value: Any) -> None:
+    try:
+        marks = target.__dict__.get(attr)
+    except AttributeError:
+        marks = getattr(target, attr, None)
+    if marks is None:
+        marks = []
+        try:
+            setattr(target, attr, marks)
+        except (AttributeError, TypeError):
+            raise ValidationError(
+                f"cannot declare a limit on {target!r}: it takes no attributes "
+                "(declare it on the view function, class, router or blueprint)"
+            ) from None
+    marks.append(value)
+
+
+def declarations(target: Any) -> list[Limit]:
+    """The declarations on ``target`` itself (not inherited from a base class)."""
+    try:
+        own = vars(target)
+    except TypeError:
+        return list(getattr(target, MARK, ()) or ())
+    return list(own.get(MARK, ()) or ())
+
+
+def is_exempt(target: Any) -> bool:
+    try:
+        return bool(vars(target).get(EXEMPT))
+    except TypeError:
+        return bool(getattr(target, EXEMPT, False))
+
+
+def view_name(endpoint: Any) -> str:
+    """A rule name for a view: ``module.qualname``, in the characters rule
+    names allow, at most 96 of them (room for a rate suffix)."""
+    target = getattr(endpoint, "view_class", None) or endpoint  # Django's as_view()
+    module = getattr(target, "__module__", None) or "view"
+    qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+    name = _UNSAFE.sub("_", f"{module}.{qual}".replace("<", "").replace(">", ""))
+    return name[-96:].lstrip(".:@/+-") or "view"
+
+
+class RouteLimits:
+    """Route-level limits for one app: declare them with :meth:`limit`,
+    :meth:`shared` and :meth:`exempt`; a framework adapter calls
+    :meth:`bind` with the app's routes at startup.
+
+    ``registry`` is where the declared rules go, next to any rules you
+    give it (a rules file, global limits): the default is a new, unstacked
+    one, where a route's own limits replace the global ones; pass
+    ``RuleRegistry(global_rules, stacked=True)`` for global limits that
+    apply as well, decided together with the route's, all or nothing.
+    ``scope`` and ``algorithm`` are the defaults of every declaration.
+    """
+
+    def __init__(
+        self,
+        registry: RuleRegistry | None = None,
+        *,
+        scope: KeyScope | str = KeyScope.IP,
+        algorithm: Algorithm | str = Algorithm.TOKEN_BUCKET,
+    ) -> None:
+        if registry is not None and not isinstance(registry, RuleRegistry):
+            raise ValidationError(f"registry must be a RuleRegistry, got {type(registry).__name__}")
+        self.registry = registry if registry is not None else RuleRegistry()
+        self.scope = _scope(scope)
+        self.algorithm = Algorithm.parse(algorithm)
+        self._lock = threading.Lock()
+        self.bound = False
+
+    # -- declarations -----------------------------------------------------------
+    def limit(
+        self,
+        rate: str | Sequence[str],
+        *,
+        scope: KeyScope | str | None = None,
+        algorithm: Algorithm | str | None = None,
+        cost: int | Callable[[Any], int] = 1,
+        count_when: Iterable[int] | Callable[[int], bool] | None = None,
+        methods: str | Sequence[str] | None = None,
+        dry_run: bool = False,
+        tier: str | None = None,
+        shape: bool = True,
+        name: str | None = None,
+    ) -> Limit:
+        """A limit for the routes of the view (class, router, blueprint) it
+        decorates. ``rate`` may be a list (``"5/minute;100/hour"``): all its
+        limits apply together. ``cost`` is what a request spends (or
+        ``cost(request) -> int``, given the gateway's :class:`Request`,
+        whose ``native`` is the framework's request); ``count_when`` counts
+        only responses with these statuses (or passing the predicate);
+        ``methods`` restricts it (each method then has its own budget).
+        ``name`` makes it a shared budget (see :meth:`shared`)."""
+        try:
+            rates = parse_rates(rate)
+        except ValidationError as exc:
+            raise ValidationError(f"limit {rate!r}: {exc}") from None
+        if methods is None:
+            method_list: tuple[str, ...] = ("*",)
+        elif isinstance(methods, str):
+            method_list = (methods.upper(),)
+        else:
+            method_list = tuple(dict.fromkeys(m.upper() for m in methods)) or ("*",)
+        declared = Limit(
+            rates,
+            _scope(scope) if scope is not None else self.scope,
+            Algorithm.parse(algorithm) if algorithm is not None else self.algorithm,
+            cost,
+            count_when,
+            method_list,
+            name,
+            dry_run,
+            tier,
+            shape,
+            self,
+        )
+        try:  # every field checked now, at import, not at the first request
+            declared.rules(name or "declared", ("/",))
+        except RuleValidationError as exc:
+            raise ValidationError(f"limit {rate!r}: {exc.field}: {exc.message}") from None
+        return declared
+
+    def shared(self, rate: str | Sequence[str], *, name: str, **options: Any) -> Limit:
+        """One budget, ``name``, spent by every route it decorates (flask-
+        limiter's ``shared_limit``): a search and an export that share 100
+        requests an hour between them."""
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"a shared limit needs a name, got {name!r}")
+        return self.limit(rate, name=name, **options)
+
+    def exempt(self, target: T) -> T:
+        """No limit at all for the routes of ``target`` (not even global
+        rules): health checks, webhooks from a trusted peer."""
+        try:
+            setattr(target, EXEMPT, True)
+        except (AttributeError, TypeError):
+            raise ValidationError(f"cannot exempt {target!r}: it takes no attributes") from None
+        return target
+
+    # -- binding ------------------------------------------------------------------
+    def rules_for(self, routes: Iterable[RouteInfo]) -> tuple[list[RateLimitRule], list[str]]:
+        """The declared rules and exempt templates of an app's routes."""
+        per_view: dict[int, tuple[Any, list[str], list[Limit]]] = {}
+        shared: dict[str, tuple[Limit, list[str]]] = {}
+        exempt: list[str] = []
+        for info in routes:
+            template = route_key(info.template)
+            found: list[Limit] = []
+            skip = False
+            for holder in (*info.marked, info.endpoint, getattr(info.endpoint, "view_class", None)):
+                if holder is None:
+                    continue
+                if is_exempt(holder):
+                    skip = True
+                found.extend(d for d in declarations(holder) if d.owner is self or d.owner is None)
+            if skip:
+                exempt.append(template)
+                continue
+            for d in found:
+                if d.name is not None:
+                    held = shared.setdefault(d.name, (d, []))
+                    if held[0] != d:
+                        raise ValidationError(
+                            f"shared limit {d.name!r} is declared twice with different rates or options"
+                        )
+                    held[1].append(template)
+                    continue
+                entry = per_view.setdefault(id(info.endpoint), (info.endpoint, [], []))
+                if template not in entry[1]:
+                    entry[1].append(template)
+                if d not in entry[2]:
+                    entry[2].append(d)
+        rules: list[RateLimitRule] = []
+        for endpoint, templates, limits in per_view.values():
+            base = view_name(endpoint)
+            several = len(limits) > 1
+            for i, d in enumerate(limits):
+                rules.extend(d.rules(f"{base}.{i + 1}" if several else base, tuple(templates)))
+        for d, templates in shared.values():
+            rules.extend(d.rules(d.name or "shared", tuple(dict.fromkeys(templates))))
+        return rules, exempt
+
+    def bind(
+        self, routes: Iterable[RouteInfo], *, known: Iterable[str] | None = None
+    ) -> tuple[RateLimitRule, ...]:
+        """Turn the declarations on an app's routes into rules of the
+        registry (once; later calls only re-check). ``known`` is every
+        template the app routes (default: those of ``routes``): a rule of
+        the registry that names a route the app does not have is an error
+        naming both, so a typo fails at startup, not silently."""
+        routes = list(routes)
+        templates = {route_key(r.template) for r in routes}
+        if known is not None:
+            templates |= {route_key(t) for t in known}
+        with self._lock:
+            if not self.bound:
+                rules, exempt = self.rules_for(routes)
+                self.registry.declare(rules, exempt=exempt)
+                self.bound = True
+            ruleset = self.registry.ruleset
+        for rule in ruleset.rules:
+            for template in rule.routes:
+                if template not in templates:
+                    raise RuleValidationError(
+                        rule.name, "routes", f"{template!r} matches no route of the app"
+                    )
+        return ruleset.rules
+
+
+def _scope(scope: KeyScope | str) -> KeyScope:
+    try:
+        return KeyScope(scope)
+    except ValueError:
+        known = ", ".join(s.value for s in KeyScope)
+        raise ValidationError(f"unknown scope {scope!r}; expected one of: {known}") from None
