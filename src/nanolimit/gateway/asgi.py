@@ -9,6 +9,13 @@ others meanwhile). WebSockets are limited at connect (``websocket="limit"``,
 the default: a denied handshake is refused with a 429 where the server
 supports the ``websocket.http.response`` extension, else closed with code
 1008) or passed untouched (``websocket="pass"``). Lifespan passes through.
+
+Route-level limits (``limits=RouteLimits``, :mod:`nanolimit.gateway.routes`)
+are bound from ``scope["app"]``'s route table when the server starts (a
+declaration naming no route fails the startup, and uvicorn exits with the
+message) or on the first request; the matched route is read as Starlette's
+router reads it, on a route-cache miss only. A rule counting by response
+is settled when the app sends its status.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from .metrics import Metrics
 from .middleware import Outcome
 from .middleware import RateLimitMiddleware as Core
 from .request import Request
+from .routes import RouteLimits
 from .rules import RuleRegistry
 
 __all__ = ["ASGIApp", "RateLimitMiddleware", "request_from_scope"]
@@ -107,6 +115,9 @@ def request_from_scope(scope: Scope) -> Request:
         _Headers(scope.get("headers")),
         client[0] if client else None,
         _scope_user(scope),
+        1,
+        None,
+        scope,
     )
 
 
@@ -128,9 +139,14 @@ class RateLimitMiddleware:
 
     Pass ``core`` to share one framework-free
     :class:`nanolimit.middleware.RateLimitMiddleware` (and its metrics)
-    between front ends; otherwise one is built from the other arguments.
+    between front ends; otherwise one is built from the other arguments
+    (``pipeline`` holds the pipeline's own options: ``headers``,
+    ``header_names``, ``on_breach``, ``log_denials``).
     ``request_factory`` turns a scope into a :class:`Request` (override it to
-    read the user id from somewhere else).
+    read the user id from somewhere else). ``limits`` brings route-level
+    declarations (its registry is the registry). ``deny(request, outcome)``
+    builds the 429 itself: return any ASGI app (a Starlette ``Response``
+    is one), or None for the default.
     """
 
     def __init__(
@@ -145,30 +161,95 @@ class RateLimitMiddleware:
         websocket: str = "limit",
         request_factory: Callable[[Scope], Request] = request_from_scope,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        limits: RouteLimits | None = None,
+        deny: Callable[[Request, Outcome], ASGIApp | None] | None = None,
+        **pipeline: Any,
     ) -> None:
+        if not callable(app):
+            raise TypeError(f"RateLimitMiddleware wraps an ASGI app, got {app!r}")
+        if isinstance(app, (RuleRegistry, RouteLimits)):
+            raise TypeError("RateLimitMiddleware(app, registry, ...): the app comes first")
+        if limits is not None:
+            if not isinstance(limits, RouteLimits):
+                raise TypeError(f"limits must be a RouteLimits, got {type(limits).__name__}")
+            if registry is not None and registry is not limits.registry:
+                raise TypeError("give limits= or registry=, not both: the limits' registry is the registry")
+            registry = limits.registry
         if core is None:
             if registry is None:
-                raise TypeError("RateLimitMiddleware needs a registry (or a core)")
-            core = Core(registry, factory, extractor, metrics)
+                raise TypeError("RateLimitMiddleware needs a registry (or a core, or limits)")
+            core = Core(registry, factory, extractor, metrics, **pipeline)
+        elif pipeline:
+            raise TypeError(f"pipeline options {sorted(pipeline)} go to the core you passed, not here")
         if websocket not in ("limit", "pass"):
             raise ValueError(f"websocket must be 'limit' or 'pass', got {websocket!r}")
+        if deny is not None and not callable(deny):
+            raise TypeError(f"deny must be callable, got {deny!r}")
         self.app = app
         self.core = core
         self.metrics = core.metrics
         self.websocket = websocket
         self.request_factory = request_factory
         self.sleep = sleep
+        self.limits = limits
+        self.deny = deny
+        self._unbound = limits is not None  # bound from scope["app"] at startup or first request
+
+    def _bind(self, app: Any) -> None:
+        """Read the app's routes into the declared rules, and install the
+        route resolver (once)."""
+        from .starlette import resolver_for, routes_of
+
+        limits = self.limits
+        assert limits is not None
+        if app is None:
+            raise TypeError(
+                "route-level limits need the app in scope['app'] (Starlette and FastAPI put it there)"
+            )
+        limits.bind(routes_of(app))
+        self.core.route_resolver = resolver_for(app)
+        self._unbound = False
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Bind at startup, so a bad declaration stops the server with its
+        message (``lifespan.startup.failed``) instead of failing requests."""
+        message = await receive()
+        if message.get("type") == "lifespan.startup" and self._unbound:
+            try:
+                self._bind(scope.get("app"))
+            except Exception as exc:  # noqa: BLE001 - any failure must fail the startup, with its message
+                await send({"type": "lifespan.startup.failed", "message": f"nanolimit: {exc}"})
+                return
+        first: list[Message] = [message]
+
+        async def replay() -> Message:
+            return first.pop() if first else await receive()
+
+        await self.app(scope, replay, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind != "http" and (kind != "websocket" or self.websocket == "pass"):
+            if kind == "lifespan" and self._unbound:
+                await self._lifespan(scope, receive, send)
+                return
             await self.app(scope, receive, send)
             return
-        outcome = self.core.check(self.request_factory(scope))
+        if self._unbound:
+            self._bind(scope.get("app"))
+        request = self.request_factory(scope)
+        outcome = self.core.check(request)
+        if self.limits is not None:
+            scope["nanolimit"] = outcome  # what the limit dependencies check
         if outcome is None:
             await self.app(scope, receive, send)
             return
         if not outcome.allowed:
+            if self.deny is not None:
+                custom = self.deny(request, outcome)
+                if custom is not None:
+                    await custom(scope, receive, send)
+                    return
             if kind == "http":
                 await self._deny_http(send, outcome)
             else:
@@ -177,6 +258,9 @@ class RateLimitMiddleware:
         if outcome.delay > 0.0:
             await self.sleep(outcome.delay)
         headers = outcome.headers
+        if outcome.charge is not None:
+            await self._counted(scope, receive, send, outcome)
+            return
         if not headers or kind != "http":
             await self.app(scope, receive, send)
             return
@@ -188,6 +272,36 @@ class RateLimitMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+    async def _counted(self, scope: Scope, receive: Receive, send: Send, outcome: Outcome) -> None:
+        """An admitted request under ``count_when`` rules: settled by the
+        status the app sends (500 if it raises before sending one; a
+        websocket counts as accepted)."""
+        extra = _encode(outcome.headers) if scope["type"] == "http" else []
+        core = self.core
+        settled = False
+
+        async def send_settling(message: Message) -> None:
+            nonlocal settled
+            kind = message["type"]
+            if kind == "http.response.start":
+                settled = True
+                core.settle(outcome, int(message.get("status", 200)))
+                if extra:
+                    message["headers"] = [*message.get("headers", ()), *extra]
+            elif kind == "websocket.accept" and not settled:
+                settled = True
+                core.settle(outcome, 101)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_settling)
+        except BaseException:
+            if not settled:
+                core.settle(outcome, 500)
+            raise
+        if not settled:
+            core.settle(outcome, 500)  # no response at all: the client saw an error
 
     async def _deny_http(self, send: Send, outcome: Outcome) -> None:
         body = outcome.body()

@@ -244,6 +244,14 @@ class RouteLimits:
             raise ValidationError(f"a shared limit needs a name, got {name!r}")
         return self.limit(rate, name=name, **options)
 
+    def depends(self, rate: str | Sequence[str], **options: Any) -> Any:
+        """A FastAPI dependency form of :meth:`limit`:
+        ``@app.get("/x", dependencies=[Depends(limits.depends("5/minute"))])``,
+        or on an ``APIRouter(dependencies=[...])`` for every route of it."""
+        from .starlette import LimitDependency
+
+        return LimitDependency(self.limit(rate, **options))
+
     def exempt(self, target: T) -> T:
         """No limit at all for the routes of ``target`` (not even global
         rules): health checks, webhooks from a trusted peer."""

@@ -1,0 +1,176 @@
+"""Route-level limits on Starlette and FastAPI apps: their route table,
+their router's match, and a FastAPI dependency.
+
+The ASGI middleware (:mod:`nanolimit.asgi`) decides before the app runs,
+so it reads the route the way Starlette's router does, on a route-cache
+miss only (a hit costs nothing more than a prefix rule). This module reads
+Starlette's objects by their public attributes (``routes``, ``path``,
+``endpoint``, ``methods``, ``matches``, FastAPI's ``dependencies`` and
+``dependant``) and imports Starlette only for the dependency's signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, MutableMapping
+from typing import Any
+
+from .request import Request
+from .routes import MARK, Limit, RouteInfo
+
+__all__ = ["LimitDependency", "resolver_for", "routes_of"]
+
+Scope = MutableMapping[str, Any]
+
+_NONE, _PARTIAL, _FULL = 0, 1, 2  # starlette.routing.Match values
+
+
+def _expand(routes: Any) -> list[Any]:
+    """Routes as they match: FastAPI's included routers (``_IncludedRouter``
+    in recent releases) stand for their flattened routes, each with its full
+    path, endpoint, methods and dependencies."""
+    out: list[Any] = []
+    for route in routes:
+        effective = getattr(route, "effective_route_contexts", None)
+        if callable(effective):
+            out.extend(effective())
+        else:
+            out.append(route)
+    return out
+
+
+def _app_routes(app: Any) -> list[Any] | None:
+    routes = getattr(app, "routes", None)
+    if routes is None:
+        router = getattr(app, "router", None)
+        routes = getattr(router, "routes", None)
+    return _expand(routes) if routes is not None else None
+
+
+def _dependency_marks(route: Any) -> Iterator[Any]:
+    """FastAPI: the limit dependencies of a route (its own, its router's,
+    the app's, and those in the endpoint's signature)."""
+    for dep in getattr(route, "dependencies", None) or ():
+        call = getattr(dep, "dependency", None)
+        if isinstance(call, LimitDependency):
+            yield call
+    stack = list(getattr(getattr(route, "dependant", None), "dependencies", None) or ())
+    while stack:
+        sub = stack.pop()
+        call = getattr(sub, "call", None)
+        if isinstance(call, LimitDependency):
+            yield call
+        stack.extend(getattr(sub, "dependencies", None) or ())
+
+
+def routes_of(app: Any) -> list[RouteInfo]:
+    """Every route of a Starlette or FastAPI app, mounts and hosts
+    included, with the routers and dependencies above each route."""
+    routes = _app_routes(app)
+    if routes is None:
+        raise TypeError(
+            f"route-level limits need a Starlette or FastAPI app (one with routes), got {type(app).__name__}"
+        )
+    out: list[RouteInfo] = []
+
+    def walk(routes: list[Any], prefix: str, marked: tuple[Any, ...]) -> None:
+        for route in routes:
+            here = (*marked, route)
+            inner = getattr(route, "routes", None)
+            if inner is not None and not hasattr(route, "endpoint"):  # Mount, Host
+                sub_app = getattr(route, "app", None)
+                if sub_app is not None:
+                    here = (*here, sub_app)
+                path = prefix + (getattr(route, "path", "") or "")
+                if inner:
+                    walk(_expand(inner), path, here)
+                else:  # a mounted app without routes (static files): its whole subtree
+                    out.append(RouteInfo(path + "/{path:path}", frozenset(), sub_app, here))
+                continue
+            path = getattr(route, "path", None)
+            if path is None:
+                continue
+            methods = frozenset(getattr(route, "methods", None) or ())
+            deps = tuple(_dependency_marks(route))
+            out.append(RouteInfo(prefix + path, methods, getattr(route, "endpoint", None), (*here, *deps)))
+
+    walk(routes, "", ())
+    return out
+
+
+def _match(routes: list[Any], scope: Scope, prefix: str) -> str | None:
+    partial = None
+    for route in routes:
+        try:
+            match, child = route.matches(scope)
+        except Exception:  # noqa: BLE001 - a route that cannot read this scope does not match it
+            continue
+        value = getattr(match, "value", match)
+        if value == _NONE:
+            continue
+        inner = getattr(route, "routes", None)
+        if inner is not None and not hasattr(route, "endpoint"):
+            if value == _FULL:
+                path = prefix + (getattr(route, "path", "") or "")
+                if not inner:
+                    return path + "/{path:path}"
+                found = _match(_expand(inner), {**scope, **child}, path)
+                if found is not None:
+                    return found
+            continue
+        template = prefix + route.path
+        if value == _FULL:
+            return template
+        if partial is None:
+            partial = template  # the route exists, for another method
+    return partial
+
+
+def resolver_for(app: Any) -> Callable[[Request], str | None]:
+    """The route template a request reaches, as Starlette's router would
+    pick it (the pipeline asks on a route-cache miss only)."""
+    routes = _app_routes(app)
+    if routes is None:
+        raise TypeError(f"cannot read the routes of {type(app).__name__}")
+
+    def resolve(request: Request) -> str | None:
+        scope = request.native
+        if not isinstance(scope, MutableMapping):
+            return None
+        return _match(routes, scope, "")
+
+    return resolve
+
+
+class LimitDependency:
+    """``Depends(limits.depends("5/minute"))`` on a FastAPI route, router
+    (``APIRouter(dependencies=[...])``) or app: the limit is read from the
+    route table when the middleware binds, and decided there, before the
+    app. Called by FastAPI, it checks the middleware really did, so a
+    forgotten middleware fails loudly instead of limiting nothing."""
+
+    def __init__(self, limit: Limit) -> None:
+        self.limit = limit
+        setattr(self, MARK, [limit])
+
+    async def __call__(self, request: Any) -> None:
+        if "nanolimit" not in request.scope:
+            raise RuntimeError(
+                "a nanolimit limit dependency ran without the middleware: add "
+                "nanolimit.asgi.RateLimitMiddleware(app, limits=...) (app.add_middleware) to the app"
+            )
+
+    def __repr__(self) -> str:
+        return f"<LimitDependency {self.limit.rates!r}>"
+
+
+def _annotate() -> None:
+    # FastAPI injects by annotation: the request parameter must name
+    # Starlette's Request class itself, which is only imported if installed.
+    try:
+        from starlette.requests import Request as StarletteRequest
+    except ImportError:  # pragma: no cover - Starlette is what this module serves
+        return
+    LimitDependency.__call__.__annotations__["request"] = StarletteRequest
+
+
+_annotate()
