@@ -1,0 +1,314 @@
+"""In process, no sockets: what nanolimit's ASGI and WSGI middlewares add to
+a bare app, next to a middleware that only appends five fixed headers.
+
+    python bench/asgi_inprocess.py              # 201 rounds of 2,000 calls per variant
+    python bench/asgi_inprocess.py --quick      # a smoke run
+    python bench/asgi_inprocess.py --json       # the figures as JSON
+
+Each variant is called directly with one prebuilt scope (environ) and no-op
+``receive`` / ``send`` (``start_response``). An ASGI call is driven by hand
+(``coroutine.send(None)``): nothing in these apps awaits anything that
+suspends, so no event loop runs and none is measured. Rounds interleave the
+variants; per variant the median of the rounds' ns per call, and ``added``:
+the median of each round's difference from ``bare`` (the pairs are timed
+seconds apart, so a noisy minute cancels out). ``nanolimit_denied`` (limit 1)
+answers 429 from its second call on: its figure is what a 429 costs.
+
+Before anything is timed every variant's answer is checked (200 or 429,
+the headers it claims); tests/test_bench_http.py runs that check too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+from http_apps import (  # noqa: E402
+    HUGE,
+    RATE_HEADER_NAMES,
+    ASGIApp,
+    HeaderOnlyASGI,
+    HeaderOnlyWSGI,
+    Message,
+    WSGIApp,
+    bare_asgi,
+    bare_wsgi,
+    nanolimit_asgi,
+    nanolimit_wsgi,
+)
+
+ROUNDS, CALLS = 201, 2000
+QUICK_ROUNDS, QUICK_CALLS = 21, 300
+
+# what uvicorn would hand the app for `GET /` from 127.0.0.1 (one prebuilt
+# object: building it per request is the server's cost, not the middleware's)
+SCOPE: dict[str, Any] = {
+    "type": "http",
+    "asgi": {"version": "3.0", "spec_version": "2.3"},
+    "http_version": "1.1",
+    "server": ("127.0.0.1", 8000),
+    "client": ("127.0.0.1", 50000),
+    "scheme": "http",
+    "method": "GET",
+    "root_path": "",
+    "path": "/",
+    "raw_path": b"/",
+    "query_string": b"",
+    "headers": [(b"host", b"127.0.0.1:8000"), (b"user-agent", b"bench"), (b"accept", b"*/*")],
+    "state": {},
+}
+ENVIRON: dict[str, Any] = {
+    "REQUEST_METHOD": "GET",
+    "SCRIPT_NAME": "",
+    "PATH_INFO": "/",
+    "QUERY_STRING": "",
+    "SERVER_NAME": "127.0.0.1",
+    "SERVER_PORT": "8000",
+    "SERVER_PROTOCOL": "HTTP/1.1",
+    "REMOTE_ADDR": "127.0.0.1",
+    "HTTP_HOST": "127.0.0.1:8000",
+    "HTTP_USER_AGENT": "bench",
+    "wsgi.url_scheme": "http",
+}
+
+# name -> whether its answers carry the five rate headers, and its limit (1: denied)
+VARIANTS: dict[str, tuple[bool, int | None]] = {
+    "bare": (False, None),
+    "headers_only": (True, None),
+    "nanolimit": (True, HUGE),
+    "nanolimit_denied": (True, 1),
+}
+
+
+def asgi_variants() -> dict[str, ASGIApp]:
+    """Fresh apps (a nanolimit one has its own storage: a denied one starts
+    with its one admitted request unspent)."""
+    return {
+        "bare": bare_asgi,
+        "headers_only": HeaderOnlyASGI(bare_asgi),
+        "nanolimit": nanolimit_asgi(bare_asgi, HUGE),
+        "nanolimit_denied": nanolimit_asgi(bare_asgi, 1),
+    }
+
+
+def wsgi_variants() -> dict[str, WSGIApp]:
+    return {
+        "bare": bare_wsgi,
+        "headers_only": HeaderOnlyWSGI(bare_wsgi),
+        "nanolimit": nanolimit_wsgi(bare_wsgi, HUGE),
+        "nanolimit_denied": nanolimit_wsgi(bare_wsgi, 1),
+    }
+
+
+async def _receive() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+async def _send(message: Message) -> None:
+    return None
+
+
+def call_asgi(app: ASGIApp, send: Callable[[Message], Any] = _send, scope: dict[str, Any] = SCOPE) -> None:
+    """One request, driven without an event loop."""
+    coro = cast("Coroutine[Any, Any, None]", app(scope, _receive, send))
+    try:
+        coro.send(None)
+    except StopIteration:
+        return
+    coro.close()
+    raise RuntimeError("the app suspended: it needs an event loop")
+
+
+def _start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+    return None
+
+
+def call_wsgi(
+    app: WSGIApp, start_response: Callable[..., Any] = _start_response, environ: dict[str, Any] = ENVIRON
+) -> bytes:
+    """One request, the body iterated and closed as a server does."""
+    body = app(environ, start_response)
+    try:
+        return b"".join(body)
+    finally:
+        close = getattr(body, "close", None)
+        if close is not None:
+            close()
+
+
+def asgi_answers(app: ASGIApp, calls: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """Each call's status, lower-case headers and body, as ``send`` saw them."""
+    out: list[tuple[int, dict[str, str], bytes]] = []
+    for _ in range(calls):
+        seen: list[Message] = []
+
+        async def record(message: Message) -> None:
+            seen.append(message)
+
+        call_asgi(app, record)
+        start = next(m for m in seen if m["type"] == "http.response.start")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in start.get("headers", ())}
+        body = b"".join(m.get("body", b"") for m in seen if m["type"] == "http.response.body")
+        out.append((start["status"], headers, body))
+    return out
+
+
+def wsgi_answers(app: WSGIApp, calls: int) -> list[tuple[int, dict[str, str], bytes]]:
+    out: list[tuple[int, dict[str, str], bytes]] = []
+    for _ in range(calls):
+        seen: list[tuple[str, list[tuple[str, str]]]] = []
+
+        def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+            seen.append((status, headers))
+
+        body = call_wsgi(app, start)
+        status, headers = seen[-1]
+        out.append((int(status.split()[0]), {k.lower(): v for k, v in headers}, body))
+    return out
+
+
+def check(name: str, answers: Sequence[tuple[int, dict[str, str], bytes]]) -> None:
+    """The variant answered what it is timed for, or nothing is timed."""
+    with_headers, limit = VARIANTS[name]
+    want = [429 if limit == 1 and i else 200 for i in range(len(answers))]
+    got = [status for status, _, _ in answers]
+    if got != want:
+        raise RuntimeError(f"{name}: statuses {sorted(set(got))}, expected {sorted(set(want))}")
+    for status, headers, body in answers:
+        lacking = [h for h in RATE_HEADER_NAMES if h not in headers]
+        if with_headers and lacking:
+            raise RuntimeError(f"{name}: an answer without {', '.join(lacking)}")
+        if not with_headers and any(h in headers for h in RATE_HEADER_NAMES):
+            raise RuntimeError(f"{name}: rate headers on an app that has none")
+        if status == 200 and body != b"ok":
+            raise RuntimeError(f"{name}: answered {body[:100]!r}")
+
+
+def _time_asgi(app: Callable[..., Coroutine[Any, Any, None]], calls: int) -> float:
+    scope, receive, send = SCOPE, _receive, _send
+    t0 = time.perf_counter_ns()
+    for _ in range(calls):
+        coro = app(scope, receive, send)
+        try:
+            coro.send(None)
+        except StopIteration:  # the call returned (suppress() would time a context manager)
+            continue
+    return (time.perf_counter_ns() - t0) / calls
+
+
+def _time_wsgi(app: WSGIApp, calls: int) -> float:
+    environ, start = ENVIRON, _start_response
+    t0 = time.perf_counter_ns()
+    for _ in range(calls):
+        for _chunk in app(environ, start):
+            pass
+    return (time.perf_counter_ns() - t0) / calls
+
+
+def _figures(per_round: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    bare = per_round["bare"]
+    out: dict[str, dict[str, float]] = {}
+    for name, ns in per_round.items():
+        row = {
+            "ns_median": round(statistics.median(ns), 1),
+            "ns_min": round(min(ns), 1),
+            "ns_q1": round(statistics.quantiles(ns, n=4)[0], 1) if len(ns) > 1 else round(ns[0], 1),
+            "ns_q3": round(statistics.quantiles(ns, n=4)[2], 1) if len(ns) > 1 else round(ns[0], 1),
+        }
+        if name != "bare":
+            row["added_ns"] = round(statistics.median(a - b for a, b in zip(ns, bare)), 1)
+        out[name] = row
+    if "headers_only" in out and "nanolimit" in out:
+        diffs = (a - b for a, b in zip(per_round["nanolimit"], per_round["headers_only"]))
+        out["nanolimit"]["over_headers_only_ns"] = round(statistics.median(diffs), 1)
+    return out
+
+
+def measure(rounds: int = ROUNDS, calls: int = CALLS) -> dict[str, Any]:
+    """Both protocols' figures: ``{"asgi": {variant: {...}}, "wsgi": ...}``."""
+    import nanolimit
+
+    asgi, wsgi = asgi_variants(), wsgi_variants()
+    for name, app in asgi.items():
+        check(name, asgi_answers(app, 3))
+    for name, wapp in wsgi.items():
+        check(name, wsgi_answers(wapp, 3))
+    timers: list[tuple[str, Callable[[Any, int], float], dict[str, Any]]] = [
+        ("asgi", _time_asgi, dict(asgi)),
+        ("wsgi", _time_wsgi, dict(wsgi)),
+    ]
+    per_round: dict[str, dict[str, list[float]]] = {kind: {n: [] for n in apps} for kind, _, apps in timers}
+    for _, timer, apps in timers:
+        for app in apps.values():
+            timer(app, calls)  # warm: caches, the native Decision pool
+    for n in range(rounds):
+        for kind, timer, apps in timers:
+            names = list(apps) if n % 2 == 0 else list(apps)[::-1]
+            for name in names:
+                per_round[kind][name].append(timer(apps[name], calls))
+        if n % 16 == 15:
+            gc.collect()  # a full collection between rounds, not inside a timed block
+    # still on the path that was timed: a denied app denies, the others admit
+    after = {**{f"asgi/{n}": asgi_answers(a, 1)[0][0] for n, a in asgi.items()}}
+    after.update({f"wsgi/{n}": wsgi_answers(a, 1)[0][0] for n, a in wsgi.items()})
+    wrong = {k: s for k, s in after.items() if s != (429 if VARIANTS[k.split("/")[1]][1] == 1 else 200)}
+    if wrong:
+        raise RuntimeError(f"answers changed while timed: {wrong}")
+    return {
+        "implementation": nanolimit.IMPLEMENTATION,
+        "rounds": rounds,
+        "calls": calls,
+        "asgi": _figures(per_round["asgi"]),
+        "wsgi": _figures(per_round["wsgi"]),
+    }
+
+
+def sizes(quick: bool) -> tuple[int, int]:
+    return (QUICK_ROUNDS, QUICK_CALLS) if quick else (ROUNDS, CALLS)
+
+
+def markdown(figures: dict[str, Any]) -> str:
+    lines = [
+        f"In process ({figures['implementation']} twin, {figures['rounds']} rounds of "
+        f"{figures['calls']:,} calls, medians):",
+        "",
+        "| protocol | variant | ns/request | quartiles | ns added over bare | over headers_only |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for kind in ("asgi", "wsgi"):
+        for name, r in figures[kind].items():
+            added = f"{r['added_ns']:+,.0f}" if "added_ns" in r else ""
+            over = f"{r['over_headers_only_ns']:+,.0f}" if "over_headers_only_ns" in r else ""
+            lines.append(
+                f"| {kind.upper()} | {name} | {r['ns_median']:,.0f} | {r['ns_q1']:,.0f}-{r['ns_q3']:,.0f} "
+                f"| {added} | {over} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--calls", type=int)
+    parser.add_argument("--json", action="store_true", help="print JSON, not the table")
+    args = parser.parse_args(None if argv is None else list(argv))
+    rounds, calls = sizes(args.quick)
+    figures = measure(args.rounds or rounds, args.calls or calls)
+    print(json.dumps(figures, indent=1) if args.json else markdown(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,721 @@
+"""End to end over HTTP: what a rate limiter adds to one request, measured
+with a real server, a real load generator and a minimal app.
+
+    python bench/http_e2e.py                    # 7 interleaved rounds (~15 min on 2 cores)
+    python bench/http_e2e.py --quick            # 2 short rounds: a CI smoke run
+    python bench/http_e2e.py --json out.json    # also the figures and every round, for machines
+    python bench/http_e2e.py --only starlette/bare,starlette/nanolimit --rounds 3
+    python bench/http_e2e.py --calibrate        # rps of the bare apps by connection count
+    python bench/http_e2e.py --inprocess-only   # only bench/asgi_inprocess.py's figures
+
+What is served (bench/http_apps.py): Starlette and FastAPI under uvicorn (1
+worker, ``--no-access-log``, uvloop and httptools only where installed, else
+asyncio and h11: the run records which), Flask under gunicorn's sync worker
+(1 worker). Every app answers ``GET /`` with ``ok``; the variants wrap it in
+nothing (``bare``), in a middleware that only appends five fixed rate-limit
+headers (``headers_only``), in nanolimit's ASGI / WSGI middleware, in
+slowapi's two middlewares or in flask-limiter, each with one rule whose
+limit no run reaches, and each limiter once more with limit 1 (``*_denied``:
+nearly every answer is a 429).
+
+**Adding a variant** is one row of ``VARIANTS`` in bench/http_apps.py
+(framework, name, builder, limit, the headers its answer must carry); this
+script runs every row. A builder that needs a package names it in
+``NEEDS`` below, and the script pip-installs it when missing.
+
+How it measures:
+
+* the server is pinned to one core and the load generator to another
+  (``taskset``; on a 2-core machine core 0 serves, core 1 loads), so
+  neither steals the other's core;
+* ``wrk`` (apt-get-installed when missing; where there is no apt, a small C
+  load generator embedded below is compiled instead and the run says so),
+  one thread, ``CONNECTIONS`` keep-alive connections: enough that the server
+  always has a request waiting, few enough that no queue builds up in front
+  of it (see ``--calibrate``, and bench/README.md for the figures);
+* each round starts every variant's server afresh on a free 127.0.0.1 port,
+  checks its answer (200 with the headers it claims, or a 429 for a denied
+  variant), warms it up, measures, checks the share of non-2xx answers and
+  stops it by its PID (its process group; also on Ctrl-C or an exception;
+  every server also runs under ``timeout``). The variants are interleaved,
+  round by round, in alternating order, so a noisy minute on a shared machine
+  lands on every variant alike;
+* per variant the median rps of the rounds, and ``µs added`` per request
+  over the same framework's ``bare``: ``1e6/rps − 1e6/rps_bare``. For a
+  denied variant ``µs/request`` is what a 429 costs end to end. The spread is
+  (max − min) / median of the rounds' rps.
+
+Numbers are one run's medians on the machine at hand; nothing here asserts a
+time (tests/test_bench_http.py checks the apps and the harness, never wrk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+SRC = ROOT / "src"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+from http_apps import VARIANT_ENV, VARIANTS, Variant  # noqa: E402
+
+ROUNDS, QUICK_ROUNDS = 7, 2
+DURATION, QUICK_DURATION = 4.0, 1.0  # seconds measured per variant per round
+WARMUP, QUICK_WARMUP = 1.0, 0.3
+# One wrk thread (it has one core). 4 connections: a single-threaded server
+# always finds the next request waiting while it writes the last answer,
+# and 4 requests in flight is no queue (--calibrate: 1 connection leaves the
+# server idle for a loopback round trip per request, more than 4 buy nothing).
+CONNECTIONS = 4
+THREADS = 1
+SERVER_CPU, LOAD_CPU = 0, 1
+START_TIMEOUT = 30.0  # seconds a server may take to answer its first request
+STOP_GRACE = 5.0
+# a denied variant answers at most this share of its requests with a 200
+# (its first, and one per window edge)
+DENIED_MIN_SHARE = 0.99
+
+# import name -> pip requirement, for the names in a row's ``needs``
+NEEDS = {"flask_limiter": "flask-limiter"}
+VERSIONS = (
+    "nanolimit",
+    "uvicorn",
+    "gunicorn",
+    "starlette",
+    "fastapi",
+    "flask",
+    "werkzeug",
+    "slowapi",
+    "flask-limiter",
+    "limits",
+    "h11",
+    "httptools",
+    "uvloop",
+)
+
+
+# ---------------------------------------------------------------------------
+# What the run needs
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def ensure_packages(rows: Sequence[Variant]) -> None:
+    """pip-install into this interpreter what the chosen rows import."""
+    wanted = {m for r in rows for m in r.needs}
+    missing = sorted(m for m in wanted if not _installed(m))
+    if missing:
+        reqs = [NEEDS.get(m, m) for m in missing]
+        print(f"installing {', '.join(reqs)}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *reqs], check=True, timeout=600)
+        importlib.invalidate_caches()
+
+
+# A stand-in for wrk where apt is not there: keep-alive GETs on N
+# connections from one thread, reconnecting when the server closes (gunicorn's
+# sync worker closes every connection), printing wrk's summary lines.
+LOADGEN_C = r"""
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+#define BUF 65536
+typedef struct { int fd; size_t len; char buf[BUF]; } conn_t;
+static struct sockaddr_in addr; static char req[256]; static size_t reqlen;
+static double now(void) {
+    struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec / 1e9;
+}
+static int dial(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) { close(fd); return -1; }
+    if (write(fd, req, reqlen) != (ssize_t)reqlen) { close(fd); return -1; }
+    return fd;
+}
+int main(int argc, char **argv) {
+    if (argc != 5) { fprintf(stderr, "usage: loadgen PORT PATH CONNECTIONS SECONDS\n"); return 2; }
+    int n = atoi(argv[3]); double secs = atof(argv[4]);
+    addr.sin_family = AF_INET; addr.sin_port = htons(atoi(argv[1]));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    reqlen = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", argv[2]);
+    conn_t *c = calloc(n, sizeof *c); struct pollfd *p = calloc(n, sizeof *p);
+    long done = 0, bad = 0, errs = 0;
+    for (int i = 0; i < n; i++) { c[i].fd = dial(); if (c[i].fd < 0) errs++; }
+    double start = now(), end = start + secs;
+    while (now() < end) {
+        for (int i = 0; i < n; i++) {
+            if (c[i].fd < 0) { c[i].fd = dial(); c[i].len = 0; if (c[i].fd < 0) errs++; }
+            p[i].fd = c[i].fd; p[i].events = POLLIN; p[i].revents = 0;
+        }
+        if (poll(p, n, 100) < 0) break;
+        for (int i = 0; i < n; i++) {
+            if (c[i].fd < 0 || !(p[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+            ssize_t r = read(c[i].fd, c[i].buf + c[i].len, BUF - 1 - c[i].len);
+            if (r <= 0) { close(c[i].fd); c[i].fd = -1; continue; }  /* closed: redialled next pass */
+            c[i].len += r; c[i].buf[c[i].len] = 0;
+            for (;;) {
+                char *h = strstr(c[i].buf, "\r\n\r\n");
+                if (!h) break;
+                size_t head = h + 4 - c[i].buf, body = 0; int closing = 0;
+                for (char *l = strstr(c[i].buf, "\r\n"); l && l < h; l = strstr(l + 2, "\r\n")) {
+                    if (!strncasecmp(l + 2, "content-length:", 15)) body = strtoul(l + 17, NULL, 10);
+                    if (!strncasecmp(l + 2, "connection: close", 17)) closing = 1;
+                }
+                if (c[i].len < head + body) break;
+                int status = atoi(c[i].buf + 9);
+                done++; if (status < 200 || status >= 400) bad++;
+                memmove(c[i].buf, c[i].buf + head + body, c[i].len - head - body + 1);
+                c[i].len -= head + body;
+                if (closing) { close(c[i].fd); c[i].fd = -1; break; }  /* redialled next pass */
+                if (write(c[i].fd, req, reqlen) != (ssize_t)reqlen) {
+                    close(c[i].fd); c[i].fd = -1; errs++; break;
+                }
+            }
+        }
+    }
+    double took = now() - start;
+    printf("  %ld requests in %.2fs\n", done, took);
+    if (errs) printf("  Socket errors: connect %ld, read 0, write 0, timeout 0\n", errs);
+    if (bad) printf("  Non-2xx or 3xx responses: %ld\n", bad);
+    printf("Requests/sec: %.2f\n", done / took);
+    return 0;
+}
+"""
+
+
+@dataclass
+class LoadGen:
+    """``wrk``, or the embedded C stand-in, as one command builder."""
+
+    name: str
+    path: str
+    version: str
+
+    def command(self, port: int, seconds: float, connections: int) -> list[str]:
+        if self.name == "wrk":
+            secs = f"{max(1, round(seconds))}s"
+            return [self.path, f"-t{THREADS}", f"-c{connections}", f"-d{secs}", f"http://127.0.0.1:{port}/"]
+        return [self.path, str(port), "/", str(connections), f"{seconds:g}"]
+
+
+def ensure_loadgen(workdir: Path, force_c: bool = False) -> LoadGen:
+    """``wrk`` from PATH, else from apt-get, else the C stand-in built here."""
+    wrk = shutil.which("wrk")
+    if wrk is None and not force_c and shutil.which("apt-get"):
+        print("installing wrk (apt-get)", file=sys.stderr)
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "timeout": 600}
+        if subprocess.run(["apt-get", "install", "-y", "-qq", "wrk"], **quiet).returncode != 0:  # type: ignore[call-overload]
+            subprocess.run(["apt-get", "update", "-qq"], **quiet)  # type: ignore[call-overload]
+            subprocess.run(["apt-get", "install", "-y", "-qq", "wrk"], **quiet)  # type: ignore[call-overload]
+        wrk = shutil.which("wrk")
+    if wrk is not None and not force_c:
+        out = subprocess.run([wrk, "-v"], capture_output=True, text=True, timeout=10)
+        first = (out.stdout + out.stderr).strip().splitlines()
+        return LoadGen("wrk", wrk, first[0] if first else "wrk")
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise SystemExit("no wrk, no apt-get to install it and no C compiler for the stand-in")
+    source = workdir / "loadgen.c"
+    source.write_text(LOADGEN_C)
+    binary = workdir / "loadgen"
+    subprocess.run([cc, "-O2", "-o", str(binary), str(source)], check=True, timeout=120)
+    return LoadGen("loadgen", str(binary), "embedded C load generator (bench/http_e2e.py LOADGEN_C)")
+
+
+# ---------------------------------------------------------------------------
+# Servers
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_stack() -> dict[str, str]:
+    """uvicorn's event loop and HTTP parser: the fast ones where installed."""
+    return {
+        "loop": "uvloop" if _installed("uvloop") else "asyncio",
+        "http": "httptools" if _installed("httptools") else "h11",
+    }
+
+
+def server_argv(row: Variant, port: int) -> list[str]:
+    if row.server == "gunicorn":
+        return [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "-w",
+            "1",
+            "-k",
+            "sync",
+            "-b",
+            f"127.0.0.1:{port}",
+            "--chdir",
+            str(BENCH),
+            "--timeout",
+            "30",
+            "--graceful-timeout",
+            "2",
+            "--log-level",
+            "warning",
+            f"http_apps:{row.framework}_app()",
+        ]
+    stack = server_stack()
+    return [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--factory",
+        f"http_apps:{row.framework}_app",
+        "--app-dir",
+        str(BENCH),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-access-log",
+        "--log-level",
+        "warning",
+        "--loop",
+        stack["loop"],
+        "--http",
+        stack["http"],
+        "--timeout-graceful-shutdown",
+        "2",
+    ]
+
+
+# Every server this process started and has not yet seen die: stopped on the
+# way out whatever happens (a finally, atexit, SIGTERM turned into an exception).
+_LIVE: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's process group, SIGKILL to it after the grace,
+    then wait until nothing of the group is left."""
+    pgid = proc.pid  # start_new_session: the group has the leader's id
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(STOP_GRACE)
+    deadline = time.monotonic() + STOP_GRACE
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if _group_alive(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(STOP_GRACE)
+    _LIVE.pop(proc.pid, None)
+
+
+def stop_all() -> None:
+    for proc in list(_LIVE.values()):
+        stop_server(proc)
+
+
+def get(port: int, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+    """One ``GET /``: status, lower-case headers, body."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=timeout) as reply:
+            return reply.status, {k.lower(): v for k, v in reply.headers.items()}, reply.read()
+    except urllib.error.HTTPError as err:
+        return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
+
+
+def check_answer(row: Variant, status: int, headers: dict[str, str], body: bytes) -> None:
+    """The variant answers what it claims, or nothing of it is measured."""
+    want = 429 if row.denied else 200
+    if status != want:
+        raise RuntimeError(f"{row.framework}/{row.name} answered {status}, not {want}: {body[:200]!r}")
+    if not row.denied and body != b"ok":
+        raise RuntimeError(f"{row.framework}/{row.name} answered {body[:200]!r}, not b'ok'")
+    lacking = [h for h in row.headers if h not in headers]
+    if lacking:
+        raise RuntimeError(f"{row.framework}/{row.name} answered without {', '.join(lacking)}")
+
+
+@contextlib.contextmanager
+def serve(
+    row: Variant, lifetime: float, cpu: int | None = SERVER_CPU, log: Path | None = None
+) -> Iterator[int]:
+    """The row's server on a free port, pinned to ``cpu``, under ``timeout``
+    (``lifetime`` seconds, whatever this process does); yields the port once
+    it answered as the row claims, stops it by its PID on the way out."""
+    port = free_port()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(BENCH), *filter(None, [env.get("PYTHONPATH")])])
+    env[VARIANT_ENV] = row.name
+    pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
+    argv = ["timeout", "-s", "KILL", f"{lifetime:.0f}", *pin, *server_argv(row, port)]
+    with tempfile.TemporaryFile() if log is None else log.open("w+b") as err:
+        proc = subprocess.Popen(
+            argv,
+            cwd=str(BENCH),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
+        _LIVE[proc.pid] = proc
+        try:
+            deadline = time.monotonic() + START_TIMEOUT
+            answer: tuple[int, dict[str, str], bytes] | None = None
+            while answer is None:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    err.seek(0)
+                    tail = err.read()[-3000:].decode(errors="replace")
+                    raise RuntimeError(f"{row.framework}/{row.name} did not start:\n{tail}")
+                try:
+                    answer = get(port, timeout=2.0)
+                except (OSError, urllib.error.URLError):
+                    time.sleep(0.05)
+            if row.denied and answer[0] == 200:
+                answer = get(port)  # the first request of a limit-1 rule is admitted
+            check_answer(row, *answer)
+            yield port
+        finally:
+            stop_server(proc)
+
+
+# ---------------------------------------------------------------------------
+# Load
+
+
+@dataclass
+class Load:
+    rps: float
+    requests: int
+    non2xx: int
+    socket_errors: int
+
+
+_REQUESTS = re.compile(r"(\d+) requests in")
+_RPS = re.compile(r"Requests/sec:\s+([\d.]+)")
+_NON2XX = re.compile(r"Non-2xx or 3xx responses:\s+(\d+)")
+_ERRORS = re.compile(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)")
+
+
+def parse_load(text: str) -> Load:
+    """wrk's summary (the C stand-in prints the same lines)."""
+    rps, requests = _RPS.search(text), _REQUESTS.search(text)
+    if rps is None or requests is None:
+        raise RuntimeError(f"no Requests/sec in the load generator's output:\n{text[-2000:]}")
+    non2xx = _NON2XX.search(text)
+    errors = _ERRORS.search(text)
+    return Load(
+        float(rps.group(1)),
+        int(requests.group(1)),
+        int(non2xx.group(1)) if non2xx else 0,
+        sum(int(g) for g in errors.groups()) if errors else 0,
+    )
+
+
+def run_load(gen: LoadGen, port: int, seconds: float, connections: int, cpu: int | None = LOAD_CPU) -> Load:
+    pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
+    proc = subprocess.Popen(
+        [*pin, *gen.command(port, seconds, connections)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=seconds + 30)
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{gen.name} exited {proc.returncode}:\n{out.decode(errors='replace')[-2000:]}")
+    return parse_load(out.decode(errors="replace"))
+
+
+# ---------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class Cell:
+    row: Variant
+    rounds: list[Load] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.row.framework}/{self.row.name}"
+
+    @property
+    def rps(self) -> list[float]:
+        return [r.rps for r in self.rounds]
+
+
+def measure(
+    rows: Sequence[Variant],
+    gen: LoadGen,
+    rounds: int,
+    seconds: float,
+    warmup: float,
+    connections: int,
+    cpus: tuple[int | None, int | None] = (SERVER_CPU, LOAD_CPU),
+) -> list[Cell]:
+    cells = [Cell(row) for row in rows]
+    lifetime = START_TIMEOUT + warmup + seconds + 60
+    for n in range(rounds):
+        order = cells if n % 2 == 0 else cells[::-1]
+        for i, cell in enumerate(order, 1):
+            print(
+                f"round {n + 1}/{rounds} {i:2}/{len(order)} {cell.key}", end="", file=sys.stderr, flush=True
+            )
+            with serve(cell.row, lifetime, cpus[0]) as port:
+                if warmup > 0:
+                    run_load(gen, port, warmup, connections, cpus[1])
+                load = run_load(gen, port, seconds, connections, cpus[1])
+            check_load(cell.row, load)
+            cell.rounds.append(load)
+            print(f"  {load.rps:10,.0f} rps", file=sys.stderr)
+    return cells
+
+
+def check_load(row: Variant, load: Load) -> None:
+    """Nothing is reported that was measured on the wrong path."""
+    if load.requests == 0:
+        raise RuntimeError(f"{row.framework}/{row.name}: no request answered")
+    if load.socket_errors and row.server != "gunicorn":
+        raise RuntimeError(f"{row.framework}/{row.name}: {load.socket_errors} socket errors")
+    share = load.non2xx / load.requests
+    if row.denied and share < DENIED_MIN_SHARE:
+        raise RuntimeError(f"{row.framework}/{row.name}: only {share:.1%} of answers were 429s")
+    if not row.denied and load.non2xx:
+        raise RuntimeError(f"{row.framework}/{row.name}: {load.non2xx} answers were not 2xx")
+
+
+def summarise(cells: Sequence[Cell]) -> list[dict[str, Any]]:
+    bare = {c.row.framework: c for c in cells if c.row.name == "bare"}
+    out = []
+    for c in cells:
+        rps = c.rps
+        med = statistics.median(rps)
+        us = 1e6 / med
+        base = bare.get(c.row.framework)
+        added = None
+        added_rounds: list[float] = []
+        if base is not None and c is not base:
+            added = us - 1e6 / statistics.median(base.rps)
+            added_rounds = [1e6 / a - 1e6 / b for a, b in zip(rps, base.rps)]
+        out.append(
+            {
+                "framework": c.row.framework,
+                "variant": c.row.name,
+                "server": c.row.server,
+                "denied": c.row.denied,
+                "limit": c.row.limit,
+                "rps_median": round(med, 1),
+                "rps_min": round(min(rps), 1),
+                "rps_max": round(max(rps), 1),
+                "spread": round((max(rps) - min(rps)) / med, 4),
+                "us_per_request": round(us, 2),
+                "us_added": None if added is None else round(added, 2),
+                "us_added_rounds": [round(a, 2) for a in added_rounds],
+                "non2xx_share": round(sum(r.non2xx for r in c.rounds) / sum(r.requests for r in c.rounds), 4),
+                "rounds_rps": [round(r, 1) for r in rps],
+            }
+        )
+    return out
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "| framework | variant | rps (median) | rps min-max | spread | µs/request | µs added over bare "
+        "| added, per round min-max | 429 share |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        added = "" if r["us_added"] is None else f"{r['us_added']:+.1f}"
+        per_round = r["us_added_rounds"]
+        span = f"{min(per_round):+.1f} … {max(per_round):+.1f}" if per_round else ""
+        lines.append(
+            f"| {r['framework']} | {r['variant']} | {r['rps_median']:,.0f} | "
+            f"{r['rps_min']:,.0f}-{r['rps_max']:,.0f} | {r['spread']:.1%} | {r['us_per_request']:.1f} | "
+            f"{added} | {span} | {r['non2xx_share']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine(gen: LoadGen | None = None) -> dict[str, Any]:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    import nanolimit
+
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "cpu": model or platform.processor(),
+        "python": platform.python_version(),
+        "implementation": nanolimit.IMPLEMENTATION,
+        "platform": platform.platform(),
+        "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "versions": {d: _version(d) for d in VERSIONS},
+        "uvicorn": server_stack(),
+    }
+    if gen is not None:
+        info["load_generator"] = {"name": gen.name, "version": gen.version}
+    return info
+
+
+def calibrate(gen: LoadGen, seconds: float, rounds: int) -> dict[str, dict[int, float]]:
+    """Median rps of each bare app by connection count, interleaved: the
+    smallest count where the curve flattens is the one to run with."""
+    counts = (1, 2, 4, 8, 16, 32)
+    bare = [r for r in VARIANTS if r.name == "bare" and r.framework in ("starlette", "flask")]
+    seen: dict[str, dict[int, list[float]]] = {r.framework: {c: [] for c in counts} for r in bare}
+    for _ in range(rounds):
+        for row in bare:
+            with serve(row, START_TIMEOUT + len(counts) * (seconds + 5) + 60) as port:
+                run_load(gen, port, 1.0, CONNECTIONS)
+                for c in counts:
+                    seen[row.framework][c].append(run_load(gen, port, seconds, c).rps)
+    return {fw: {c: round(statistics.median(v), 1) for c, v in by.items()} for fw, by in seen.items()}
+
+
+def select(only: str | None) -> list[Variant]:
+    if not only:
+        return list(VARIANTS)
+    wanted = [w.strip() for w in only.split(",") if w.strip()]
+    rows = [r for r in VARIANTS if f"{r.framework}/{r.name}" in wanted or r.framework in wanted]
+    unknown = [w for w in wanted if not any(w in (f"{r.framework}/{r.name}", r.framework) for r in rows)]
+    if unknown:
+        raise SystemExit(f"unknown variants: {', '.join(unknown)}")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 short rounds (a smoke run)")
+    parser.add_argument("--json", metavar="PATH", help="write the figures and every round here")
+    parser.add_argument(
+        "--rounds", type=int, help=f"interleaved rounds (default {ROUNDS}, --quick {QUICK_ROUNDS})"
+    )
+    parser.add_argument(
+        "--duration", type=float, help=f"seconds measured per variant per round ({DURATION:g})"
+    )
+    parser.add_argument("--warmup", type=float, help=f"seconds of load before each measurement ({WARMUP:g})")
+    parser.add_argument("--connections", type=int, default=CONNECTIONS)
+    parser.add_argument("--only", help="comma-separated framework/variant names, or frameworks")
+    parser.add_argument("--calibrate", action="store_true", help="rps of the bare apps by connection count")
+    parser.add_argument("--inprocess-only", action="store_true", help="only the in-process figures")
+    parser.add_argument("--no-inprocess", action="store_true", help="skip the in-process figures")
+    parser.add_argument("--c-loadgen", action="store_true", help="use the embedded C load generator, not wrk")
+    args = parser.parse_args(argv)
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
+    seconds = args.duration or (QUICK_DURATION if args.quick else DURATION)
+    warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if args.quick else WARMUP)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    atexit.register(stop_all)
+    result: dict[str, Any] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="http_e2e") as tmp:
+            if not args.inprocess_only:
+                rows = select(args.only)
+                ensure_packages(rows)
+                gen = ensure_loadgen(Path(tmp), args.c_loadgen)
+                if (os.cpu_count() or 1) < 2:
+                    print("warning: one core: server and load share it", file=sys.stderr)
+                result["machine"] = machine(gen)
+                result["method"] = {
+                    "rounds": rounds,
+                    "seconds": seconds,
+                    "warmup_seconds": warmup,
+                    "connections": args.connections,
+                    "threads": THREADS,
+                    "server_cpu": SERVER_CPU,
+                    "load_cpu": LOAD_CPU,
+                }
+                print(json.dumps(result["machine"]), file=sys.stderr)
+                if args.calibrate:
+                    result["calibration"] = calibrate(gen, seconds, rounds)
+                    print(json.dumps(result["calibration"], indent=1))
+                else:
+                    started = time.monotonic()
+                    cells = measure(rows, gen, rounds, seconds, warmup, args.connections)
+                    result["wall_seconds"] = round(time.monotonic() - started, 1)
+                    result["rows"] = summarise(cells)
+                    result["loadavg_after"] = os.getloadavg()
+                    print(markdown(result["rows"]))
+            if not args.no_inprocess and not args.calibrate:
+                import asgi_inprocess
+
+                figures = asgi_inprocess.measure(*asgi_inprocess.sizes(args.quick))
+                result["inprocess"] = figures
+                print()
+                print(asgi_inprocess.markdown(figures))
+    finally:
+        stop_all()
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
