@@ -175,6 +175,8 @@ class RateLimitMiddleware:
             if registry is not None and registry is not limits.registry:
                 raise TypeError("give limits= or registry=, not both: the limits' registry is the registry")
             registry = limits.registry
+        if limits is None and registry is not None and registry.ruleset.routes():
+            limits = RouteLimits(registry)  # rules naming routes (a rules file): bind to the app's routes
         if core is None:
             if registry is None:
                 raise TypeError("RateLimitMiddleware needs a registry (or a core, or limits)")

@@ -59,7 +59,8 @@ if TYPE_CHECKING:
 
 from .._shared import ValidationError
 from .factory import LimiterFactory
-from .rules import RateLimitRule, RuleRegistry, RuleValidationError, parse_rate
+from .rates import parse_rates
+from .rules import RateLimitRule, RuleRegistry, RuleValidationError
 
 # tomllib (3.11+), else the tomli backport if installed (Python 3.10), else JSON only.
 tomllib: Any
@@ -93,8 +94,12 @@ _RULE_FIELDS = {
     "tier",
     "dry_run",
     "shape",
+    "cost",
+    "routes",
+    "count_when",
+    "group",
 }
-_TOP_FIELDS = {"rules", "default", "stacked", "storage"}
+_TOP_FIELDS = {"rules", "default", "stacked", "storage", "exempt"}
 
 # The storage section's fields, by type: (field, accepted types, description).
 _STORAGE_FIELDS: dict[str, dict[str, tuple[type | tuple[type, ...], str]]] = {
@@ -113,8 +118,9 @@ _STORAGE_FIELDS: dict[str, dict[str, tuple[type | tuple[type, ...], str]]] = {
         "arena_bytes": (int, "an int"),
         "if_stale": (str, "a string"),
     },
+    "uri": {"uri": (str, "a storage URI, e.g. 'redis://host:6379/0' (see docs/storage_uris.md)")},
 }
-_STORAGE_REQUIRED = {"memory": (), "shared_memory": ("name", "max_keys")}
+_STORAGE_REQUIRED = {"memory": (), "shared_memory": ("name", "max_keys"), "uri": ("uri",)}
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,10 @@ class StorageSection:
         """The storage it describes: every worker that builds a
         ``shared_memory`` section attaches to the one zone of that name."""
         options = dict(self.options)
+        if self.type == "uri":
+            from ..storage.uri import storage_from_uri
+
+            return storage_from_uri(options["uri"])
         if self.type == "shared_memory":
             from ..storage.shared_memory import SharedMemoryStorage
 
@@ -177,9 +187,12 @@ class LoadedRules:
     default: RateLimitRule | None = None
     stacked: bool = False
     storage: StorageSection | None = None
+    exempt: tuple[str, ...] = ()
 
     def registry(self, *, cache_size: int = 4096) -> RuleRegistry:
-        return RuleRegistry(self.rules, self.default, stacked=self.stacked, cache_size=cache_size)
+        return RuleRegistry(
+            self.rules, self.default, stacked=self.stacked, cache_size=cache_size, exempt=self.exempt
+        )
 
     def factory(self, clock: Any = None) -> LimiterFactory:
         """A factory on the file's ``[storage]`` (the bounded in-memory
@@ -197,10 +210,12 @@ class LoadedRules:
         return self.rules if self.default is None else (*self.rules, self.default)
 
 
-def _rule(table: Any, label: str, problems: list[Problem], defaults: dict[str, Any]) -> RateLimitRule | None:
+def _rule(table: Any, label: str, problems: list[Problem], defaults: dict[str, Any]) -> list[RateLimitRule]:
+    """The rules of one table: one, or one per rate of a rate list (named
+    ``<name>:<limit>/<window>s``, one group: they decide together)."""
     if not isinstance(table, dict):
         problems.append(Problem(label, "-", f"a rule must be a table, got {type(table).__name__}"))
-        return None
+        return []
     raw_name = table.get("name", defaults.get("name", label))
     # problems are reported under the rule's name, or its position when the
     # name itself is unusable (not a string, or blank)
@@ -211,46 +226,52 @@ def _rule(table: Any, label: str, problems: list[Problem], defaults: dict[str, A
     for key in unknown:
         problems.append(Problem(name, _field_name(key), "unknown field"))
     before = len(problems)
-    limit: Any = table.get("limit")
-    window: Any = table.get("window_seconds")
     burst: Any = table.get("burst")
+    rates: list[tuple[Any, Any, Any]] = [(table.get("limit"), table.get("window_seconds"), burst)]
     if "rate" in table:
         if "limit" in table or "window_seconds" in table:
             problems.append(Problem(name, "rate", "give either rate or limit and window_seconds, not both"))
         else:
             try:
-                parsed = parse_rate(table["rate"])
+                parsed = parse_rates(table["rate"])
             except ValidationError as exc:
                 problems.append(Problem(name, "rate", str(exc)))
             else:
-                limit, window = parsed.limit, parsed.window_seconds
-                if parsed.burst is not None:
-                    if burst is not None:
-                        problems.append(Problem(name, "burst", "given both in rate and as burst"))
-                    burst = parsed.burst
+                if burst is not None and (len(parsed) > 1 or parsed[0].burst is not None):
+                    problems.append(Problem(name, "burst", "given both in rate and as burst"))
+                rates = [(r.limit, r.window_seconds, burst if r.burst is None else r.burst) for r in parsed]
     else:
         for key in ("limit", "window_seconds"):
             if key not in table:
                 problems.append(Problem(name, key, "missing (or give rate)"))
     if len(problems) > before:
-        return None
-    try:
-        return RateLimitRule(
-            name,
-            table.get("method", defaults.get("method", "*")),
-            table.get("path_prefix", defaults.get("path_prefix", "/")),
-            table.get("scope", "ip"),
-            table.get("algorithm", "token_bucket"),
-            limit,
-            window,
-            burst,
-            tier=table.get("tier"),
-            dry_run=table.get("dry_run", False),
-            shape=table.get("shape", True),
-        )
-    except RuleValidationError as exc:
-        problems.append(Problem(exc.rule if exc.rule == name else name, exc.field, exc.message))
-    return None
+        return []
+    out = []
+    for limit, window, burst_ in rates:
+        rule_name = name if len(rates) == 1 else f"{name}:{limit}/{window:g}s"
+        try:
+            out.append(
+                RateLimitRule(
+                    rule_name,
+                    table.get("method", defaults.get("method", "*")),
+                    table.get("path_prefix", defaults.get("path_prefix", "/")),
+                    table.get("scope", "ip"),
+                    table.get("algorithm", "token_bucket"),
+                    limit,
+                    window,
+                    burst_,
+                    tier=table.get("tier"),
+                    dry_run=table.get("dry_run", False),
+                    shape=table.get("shape", True),
+                    cost=table.get("cost", 1),
+                    routes=table.get("routes", ()),
+                    count_when=table.get("count_when"),
+                    group=table.get("group", name if len(rates) > 1 else None),
+                )
+            )
+        except RuleValidationError as exc:
+            problems.append(Problem(exc.rule if exc.rule == rule_name else name, exc.field, exc.message))
+    return out
 
 
 def _storage(table: Any, problems: list[Problem]) -> StorageSection | None:
@@ -304,29 +325,37 @@ def parse_rules(data: Any, source: str = "<rules>") -> LoadedRules:
         if isinstance(table, dict) and "name" not in table:
             problems.append(Problem(label, "name", "missing"))
             continue
-        rule = _rule(table, label, problems, {})
-        if rule is None:
-            continue
-        if rule.name in seen:
-            problems.append(Problem(rule.name, "name", f"duplicate of rules[{seen[rule.name]}]"))
-            continue
-        seen[rule.name] = i
-        rules.append(rule)
+        for rule in _rule(table, label, problems, {}):
+            if rule.name in seen:
+                problems.append(Problem(rule.name, "name", f"duplicate of rules[{seen[rule.name]}]"))
+                continue
+            seen[rule.name] = i
+            rules.append(rule)
     default = None
     if "default" in data:
-        default = _rule(
+        defaults = _rule(
             data["default"], "default", problems, {"name": "default", "method": "*", "path_prefix": "/"}
         )
+        if len(defaults) > 1:
+            problems.append(Problem("default", "rate", "the default takes one rate (give a list to a rule)"))
+            defaults = []
+        default = defaults[0] if defaults else None
         if default is not None and default.name in seen:
             problems.append(Problem(default.name, "name", "the default shares its name with a rule"))
             default = None
     storage = _storage(data["storage"], problems) if "storage" in data else None
+    exempt = data.get("exempt", [])
+    if isinstance(exempt, str):
+        exempt = [exempt]
+    if not isinstance(exempt, list) or not all(isinstance(e, str) and e.strip() for e in exempt):
+        problems.append(Problem("-", "exempt", f"must be a list of route templates, got {exempt!r}"))
+        exempt = []
     if not problems and not rules and default is None:
         # an empty or truncated file would otherwise lift every limit at once
         problems.append(Problem("-", "-", "no rules and no default: nothing to enforce"))
     if problems:
         raise ConfigError(source, problems)
-    return LoadedRules(tuple(rules), default, stacked, storage)
+    return LoadedRules(tuple(rules), default, stacked, storage, tuple(exempt))
 
 
 def _parse_bytes(raw: bytes, path: Path) -> Any:
@@ -429,7 +458,9 @@ class ConfigWatcher:
                 [Problem("-", "storage", "cannot change while running (restart the gateway to move it)")],
             )
         self._storage = loaded.storage
-        self.registry.replace(loaded.rules, default=loaded.default, stacked=loaded.stacked)
+        self.registry.replace(
+            loaded.rules, default=loaded.default, stacked=loaded.stacked, exempt=loaded.exempt
+        )
         if self.factory is not None:
             self.factory.prune((*loaded.active(), *self.registry.declared))
         self._digest = digest

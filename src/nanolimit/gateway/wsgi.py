@@ -89,12 +89,20 @@ def request_from_environ(environ: Environ) -> Request:
         _EnvironHeaders(environ),
         environ.get("REMOTE_ADDR") or None,
         environ.get("REMOTE_USER") or None,
+        1,
+        None,
+        environ,
     )
 
 
 class RateLimitMiddleware:
     """``RateLimitMiddleware(app, registry, factory, extractor, metrics)``;
-    ``core`` shares one framework-free middleware (and its metrics)."""
+    ``core`` shares one framework-free middleware (and its metrics); other
+    keywords are the pipeline's options (``headers``, ``header_names``,
+    ``on_breach``, ``log_denials``, ``route_resolver``).
+    ``deny(request, outcome)`` may return a WSGI app that answers the 429
+    instead (None: the default). A rule counting by response is settled
+    by the status the app starts its response with."""
 
     def __init__(
         self,
@@ -107,11 +115,20 @@ class RateLimitMiddleware:
         core: Core | None = None,
         request_factory: Callable[[Environ], Request] = request_from_environ,
         sleep: Callable[[float], Any] = time.sleep,
+        deny: Callable[[Request, Any], WSGIApp | None] | None = None,
+        **pipeline: Any,
     ) -> None:
+        if not callable(app) or isinstance(app, RuleRegistry):
+            raise TypeError(f"RateLimitMiddleware(app, registry, ...) wraps a WSGI app first, got {app!r}")
         if core is None:
             if registry is None:
                 raise TypeError("RateLimitMiddleware needs a registry (or a core)")
-            core = Core(registry, factory, extractor, metrics)
+            core = Core(registry, factory, extractor, metrics, **pipeline)
+        elif pipeline:
+            raise TypeError(f"pipeline options {sorted(pipeline)} go to the core you passed, not here")
+        if deny is not None and not callable(deny):
+            raise TypeError(f"deny must be callable, got {deny!r}")
+        self.deny = deny
         self.app = app
         self.core = core
         self.metrics = core.metrics
@@ -119,11 +136,16 @@ class RateLimitMiddleware:
         self.sleep = sleep
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
-        outcome = self.core.check(self.request_factory(environ))
+        request = self.request_factory(environ)
+        outcome = self.core.check(request)
         if outcome is None:
             return self.app(environ, start_response)
         headers = outcome.headers
         if not outcome.allowed:
+            if self.deny is not None:
+                custom = self.deny(request, outcome)
+                if custom is not None:
+                    return custom(environ, start_response)
             body = outcome.body()
             out = list(headers.items())
             out.append(("Content-Type", "application/json"))
@@ -132,6 +154,8 @@ class RateLimitMiddleware:
             return [body]
         if outcome.delay > 0.0:
             self.sleep(outcome.delay)
+        if outcome.charge is not None:
+            return self._counted(environ, start_response, outcome)
         if not headers:
             return self.app(environ, start_response)
 
@@ -144,3 +168,26 @@ class RateLimitMiddleware:
             return start_response(status, response_headers)
 
         return self.app(environ, start_with_headers)
+
+    def _counted(self, environ: Environ, start_response: StartResponse, outcome: Any) -> Iterable[bytes]:
+        """An admitted request under ``count_when`` rules: settled by the
+        status it starts its response with (500 if the app raises first)."""
+        core = self.core
+        extra = list(outcome.headers.items())
+
+        def start_settling(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            try:
+                code = int(status.split(None, 1)[0])
+            except (ValueError, IndexError):
+                code = 500
+            core.settle(outcome, code)  # at most once: a restart after an error refunds nothing more
+            response_headers = [*response_headers, *extra]
+            if exc_info is not None:
+                return start_response(status, response_headers, exc_info)
+            return start_response(status, response_headers)
+
+        try:
+            return self.app(environ, start_settling)
+        except BaseException:
+            core.settle(outcome, 500)
+            raise
