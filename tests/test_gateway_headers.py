@@ -307,6 +307,9 @@ def test_a_client_pacing_at_q_per_w_is_never_refused(backend: types.SimpleNamesp
     for _ in range(200):
         assert even(get(), ok_handler).status == 200
         clock.advance(3.0)
+    for _ in range(500):  # and one every window / limit: the rule's 100 a minute
+        assert even(get(), ok_handler).status == 200
+        clock.advance(0.6)
 
 
 @pytest.mark.parametrize("algorithm", ["token_bucket", "gcra"])
