@@ -197,9 +197,12 @@ def test_an_unknown_pool_goes_through_the_public_path(
         client.close()
 
 
-def test_a_pool_that_cannot_be_rebuilt_names_derive_false(
-    redis_server: Any, backend: types.SimpleNamespace
+def test_a_pool_that_cannot_be_rebuilt_is_used_as_it_is(
+    redis_server: Any, backend: types.SimpleNamespace, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A pool subclass whose constructor wants arguments of its own cannot be
+    rebuilt through public API: the storage uses the caller's client as it
+    is (``derive=False``), on the public path, and a warning says why."""
     import redis
 
     class TenantPool(redis.ConnectionPool):  # type: ignore[misc]
@@ -209,10 +212,165 @@ def test_a_pool_that_cannot_be_rebuilt_names_derive_false(
 
     client = redis.Redis(connection_pool=TenantPool("t1", host=HOST, port=redis_server.port))
     try:
-        with pytest.raises(ValidationError, match="derive=False"):
-            RedisStorage(client, timeout=TIMEOUT)
-        storage = RedisStorage(client, derive=False, on_error="raise")  # the caller's own, as it is
+        with caplog.at_level("WARNING", logger="nanolimit.storage.redis"):
+            storage = RedisStorage(client, timeout=TIMEOUT, on_error="raise")
+        assert storage.client is client and storage._spares is None and storage._pool is None
+        [record] = [r for r in caplog.records if r.name == "nanolimit.storage.redis"]
+        assert "derive=False" in record.getMessage() and "TenantPool" in record.getMessage()
         limiter = backend.TokenBucket(1, 60.0, storage, rule="tenant")
         assert _drain(limiter, "k", 2) == [True, False]
+        storage.close()
+        assert client.ping() is True  # the caller's client is never closed by the storage
+        explicit = RedisStorage(client, derive=False, on_error="raise")  # the same, said outright
+        assert explicit.client is client
+    finally:
+        client.close()
+
+
+# --------------------------------------------------------------------------
+# A URL names the function that takes one; valkey-py's own class names;
+# subclasses on both sides; a connect timeout of its own
+
+
+def test_a_url_names_storage_from_uri_and_never_its_password() -> None:
+    with pytest.raises(ValidationError) as err:
+        RedisStorage("redis://:hunter2-Zq@127.0.0.1:6379/0")
+    assert "nanolimit.storage_from_uri(uri)" in str(err.value)
+    assert "hunter2-Zq" not in str(err.value)
+
+
+def test_valkey_py_clients_get_the_paths_of_their_redis_py_twins(
+    redis_server: Any, redis_cluster: Any, sentinel: Any, backend: types.SimpleNamespace
+) -> None:
+    """valkey-py renamed its classes (Valkey, ValkeyCluster, ``valkey_class=``):
+    its standalone client keeps connections, its cluster is routed as a
+    cluster, and its Sentinel-managed client is derived through its Sentinel
+    (each used to be refused or sent down the wrong path)."""
+    import valkey
+    import valkey.cluster
+    import valkey.sentinel
+
+    plain = valkey.Valkey(host=HOST, port=redis_server.port)
+    nodes = [valkey.cluster.ClusterNode(HOST, redis_cluster.nodes[0].port)]
+    clustered = valkey.cluster.ValkeyCluster(startup_nodes=nodes, socket_timeout=5.0)
+    manager = valkey.sentinel.Sentinel([(HOST, sentinel.port)], socket_timeout=2.0)
+    managed = manager.master_for(sentinel.name, socket_timeout=5.0)
+    try:
+        storage = RedisStorage(plain, timeout=TIMEOUT, on_error="raise")
+        assert direct_path(storage.client) == "kept" and storage._spares is not None
+        assert _drain(backend.TokenBucket(2, 60.0, storage, rule="vk"), "k", 3) == [True, True, False]
+        storage.close()
+        on_cluster = RedisStorage(clustered, timeout=TIMEOUT, on_error="raise")
+        assert on_cluster.cluster and type(on_cluster.client) is valkey.cluster.ValkeyCluster
+        assert on_cluster.client is not clustered
+        assert on_cluster.client.nodes_manager.connection_kwargs["socket_timeout"] == TIMEOUT
+        limiter = backend.TokenBucket(2, 60.0, on_cluster, rule="vk-cl")
+        for n in range(4):  # several slots
+            assert _drain(limiter, f"user:{n}", 3) == [True, True, False]
+        on_cluster.close()
+        on_sentinel = RedisStorage(managed, timeout=TIMEOUT, on_error="raise")
+        pool = on_sentinel.client.connection_pool
+        assert type(pool) is valkey.sentinel.SentinelConnectionPool and pool is not managed.connection_pool
+        assert pool.connection_kwargs["socket_timeout"] == TIMEOUT
+        assert type(on_sentinel.client) is valkey.Valkey and direct_path(on_sentinel.client) == "pool"
+        assert _drain(backend.TokenBucket(2, 60.0, on_sentinel, rule="vk-s"), "k", 3) == [True, True, False]
+        on_sentinel.close()
+    finally:
+        plain.close()
+        clustered.close()
+        managed.close()
+        for conn in manager.sentinels:
+            conn.close()
+
+
+def test_an_asyncio_valkey_client_decides_on_the_pool_path(
+    redis_server: Any, backend: types.SimpleNamespace
+) -> None:
+    """valkey-py's asyncio connection has no ``can_read`` check, so none is
+    kept between calls; each decision borrows one from the pool."""
+    import valkey.asyncio
+
+    async def main() -> list[bool]:
+        client = valkey.asyncio.Valkey(host=HOST, port=redis_server.port)
+        storage = AsyncRedisStorage(client, timeout=TIMEOUT, on_error="raise")
+        try:
+            assert direct_path(storage.client) == "pool" and storage._spares is None
+            limiter = backend.TokenBucket(2, 60.0, storage, rule="vk-async")
+            return [(await limiter.allow_async("k")).allowed for _ in range(3)]
+        finally:
+            await storage.close()
+            await client.aclose()
+
+    assert asyncio.run(main()) == [True, True, False]
+
+
+def test_a_client_subclass_on_a_pool_subclass_is_derived_as_both(
+    redis_server: Any, backend: types.SimpleNamespace
+) -> None:
+    import redis
+
+    class AppPool(redis.ConnectionPool):  # type: ignore[misc]
+        made = 0
+
+        def make_connection(self) -> Any:
+            AppPool.made += 1
+            return super().make_connection()
+
+    class AppRedis(redis.Redis):  # type: ignore[misc,type-arg]
+        pass
+
+    client = AppRedis(connection_pool=AppPool(host=HOST, port=redis_server.port, socket_timeout=5.0))
+    try:
+        storage = RedisStorage(client, timeout=TIMEOUT, on_error="raise")
+        assert type(storage.client) is AppRedis and type(storage.client.connection_pool) is AppPool
+        assert storage.client.connection_pool is not client.connection_pool
+        assert storage.client.connection_pool.connection_kwargs["socket_timeout"] == TIMEOUT
+        assert client.connection_pool.connection_kwargs["socket_timeout"] == 5.0
+        assert direct_path(storage.client) == "public"
+        before = AppPool.made
+        assert _drain(backend.TokenBucket(2, 60.0, storage, rule="app"), "k", 3) == [True, True, False]
+        assert AppPool.made > before  # the subclass's own hook made the connection
+        storage.close()
+    finally:
+        client.close()
+
+
+def test_a_client_subclass_that_cannot_be_rebuilt_is_used_as_it_is(
+    redis_server: Any, backend: types.SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    import redis
+
+    class TenantRedis(redis.Redis):  # type: ignore[misc,type-arg]
+        def __init__(self, tenant: str, **kwargs: Any) -> None:
+            self.tenant = tenant
+            super().__init__(**kwargs)
+
+    client = TenantRedis("t1", host=HOST, port=redis_server.port)
+    try:
+        with caplog.at_level("WARNING", logger="nanolimit.storage.redis"):
+            storage = RedisStorage(client, timeout=TIMEOUT, on_error="raise")
+        assert storage.client is client and direct_path(client) == "public"
+        said = [r.getMessage() for r in caplog.records]
+        assert any("TenantRedis" in text and "derive=False" in text for text in said)
+        assert _drain(backend.TokenBucket(1, 60.0, storage, rule="tenant-c"), "k", 2) == [True, False]
+        storage.close()
+        assert client.ping() is True
+    finally:
+        client.close()
+
+
+def test_a_connect_timeout_of_its_own_reaches_the_derived_client(redis_server: Any) -> None:
+    from nanolimit.storage.redis._connections import connect_timeout
+
+    client = redis_server.client()
+    try:
+        with connect_timeout(0.9):
+            storage = RedisStorage(client, timeout=TIMEOUT)
+        kwargs = storage.client.connection_pool.connection_kwargs
+        assert kwargs["socket_timeout"] == TIMEOUT and kwargs["socket_connect_timeout"] == 0.9
+        storage.close()
+        plain = RedisStorage(client, timeout=TIMEOUT)  # outside the block: the decision timeout
+        assert plain.client.connection_pool.connection_kwargs["socket_connect_timeout"] == TIMEOUT
+        plain.close()
     finally:
         client.close()

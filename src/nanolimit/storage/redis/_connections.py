@@ -11,14 +11,20 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
 import os
 import select
 import sys
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, ClassVar, Final
 
 from ..._shared import ValidationError
+
+log = logging.getLogger("nanolimit.storage.redis")
 
 # --------------------------------------------------------------------------
 # Client plumbing
@@ -35,7 +41,10 @@ from ..._shared import ValidationError
 # Sentinel's public ``master_for``/``slave_for``) and for the direct pool path,
 # never for kept connections (its connections follow a failover on connect).
 
-# Reached as attributes of the client's top package (``redis``, ``valkey``).
+# Reached as attributes of the client's top package (``redis``, ``valkey``);
+# valkey-py renamed its client and cluster classes, so each has both names.
+_CLIENTS: Final = ("Redis", "Valkey")
+_CLUSTERS: Final = ("RedisCluster", "ValkeyCluster")
 _STANDALONE_POOLS: Final = ("ConnectionPool", "BlockingConnectionPool")
 _PLAIN_CONNECTIONS: Final = ("Connection", "SSLConnection", "UnixDomainSocketConnection")
 _ACCEPTED: Final = (
@@ -71,9 +80,10 @@ def check_client(client: Any) -> None:
     cluster, Sentinel schemes) is decided in one place, not guessed by each
     storage; ``redis.Redis.from_url(url)`` makes the client."""
     if isinstance(client, (str, bytes)):
+        # never the URL itself: it may carry a password
         raise ValidationError(
-            f"client must be {_ACCEPTED}; got the {type(client).__name__} {_shown(client)} "
-            "(for a URL, pass redis.Redis.from_url(url))"
+            f"client must be {_ACCEPTED}; got a URL ({type(client).__name__}): for a storage named by "
+            "a URI use nanolimit.storage_from_uri(uri), or pass a client made by redis.Redis.from_url(url)"
         )
     if not callable(getattr(client, "execute_command", None)):
         raise ValidationError(f"client must be {_ACCEPTED}; got {type(client).__name__} {_shown(client)}")
@@ -90,9 +100,12 @@ def _library_class(pkg: Any, asyncio_client: bool, module: str, name: str) -> An
     return found if isinstance(found, type) else None
 
 
-def _is_a(value: Any, pkg: Any, asyncio_client: bool, module: str, name: str) -> bool:
-    cls = _library_class(pkg, asyncio_client, module, name)
-    return cls is not None and isinstance(value, cls)
+def _is_a(value: Any, pkg: Any, asyncio_client: bool, module: str, names: tuple[str, ...]) -> bool:
+    for name in names:
+        cls = _library_class(pkg, asyncio_client, module, name)
+        if cls is not None and isinstance(value, cls):
+            return True
+    return False
 
 
 def _exactly(value: Any, pkg: Any, asyncio_client: bool, module: str, names: tuple[str, ...]) -> bool:
@@ -105,7 +118,7 @@ def is_cluster_client(client: Any) -> bool:
         pkg = _client_package(client)
     except ValidationError:
         return False
-    return _is_a(client, pkg, is_asyncio_client(client), "cluster", "RedisCluster")
+    return _is_a(client, pkg, is_asyncio_client(client), "cluster", _CLUSTERS)
 
 
 def is_asyncio_client(client: Any) -> bool:
@@ -114,7 +127,7 @@ def is_asyncio_client(client: Any) -> bool:
 
 
 def _is_sentinel_pool(pool: Any, pkg: Any, asyncio_client: bool) -> bool:
-    return _is_a(pool, pkg, asyncio_client, "sentinel", "SentinelConnectionPool")
+    return _is_a(pool, pkg, asyncio_client, "sentinel", ("SentinelConnectionPool",))
 
 
 def direct_path(client: Any) -> str:
@@ -124,10 +137,11 @@ def direct_path(client: Any) -> str:
     between calls; ``"pool"`` — a known client on a Sentinel-managed pool: a
     pooled connection used directly (``get_connection``/``send_command``/
     ``read_response``/``release``, the pool's and the connection's public
-    methods), none kept; ``"public"`` — anything else: ``execute_command``."""
+    methods), none kept (so too an asyncio connection without the
+    ``can_read`` check a kept one needs); ``"public"`` — anything else: ``execute_command``."""
     pkg = _client_package(client)
     aio = is_asyncio_client(client)
-    if not _exactly(client, pkg, aio, "client", ("Redis",)):
+    if not _exactly(client, pkg, aio, "client", _CLIENTS):
         return "public"  # a cluster (routing), or a subclass that may change execute_command
     if getattr(client, "connection", None) is not None:
         return "public"  # single_connection_client=True: one connection and its own lock
@@ -141,7 +155,29 @@ def direct_path(client: Any) -> str:
     connection_class = getattr(pool, "connection_class", None)
     if not any(connection_class is _library_class(pkg, aio, "connection", n) for n in _PLAIN_CONNECTIONS):
         return "public"
+    if aio and not callable(getattr(connection_class, "can_read", None)):
+        return "pool"  # valkey-py's asyncio connection: no check that a kept one is still open
     return "kept"
+
+
+# The connect timeout of the clients derived while it is set (None: the
+# decision ``timeout``). ``storage_from_uri``'s ``connect_timeout`` comes in
+# here, since the storages' constructors take one ``timeout`` for both.
+_CONNECT_TIMEOUT: ContextVar[float | None] = ContextVar("nanolimit_connect_timeout", default=None)
+
+
+@contextmanager
+def connect_timeout(seconds: float | None) -> Iterator[None]:
+    """Derive clients with ``seconds`` of connect timeout inside the block."""
+    token = _CONNECT_TIMEOUT.set(seconds)
+    try:
+        yield
+    finally:
+        _CONNECT_TIMEOUT.reset(token)
+
+
+class _CannotDerive(Exception):
+    """Why a client's settings cannot be rebuilt through public API."""
 
 
 def derive_client(client: Any, timeout: float) -> Any:
@@ -157,10 +193,28 @@ def derive_client(client: Any, timeout: float) -> Any:
     through its Sentinel's ``master_for``/``slave_for``; any other from its
     pool's public ``connection_kwargs``, ``connection_class`` and
     ``max_connections``, with the same client and pool classes. A client
-    whose classes cannot be rebuilt that way raises :class:`ValidationError`
-    naming ``derive=False`` (then its timeouts and retries are the caller's).
+    whose classes cannot be rebuilt that way (a pool subclass whose
+    constructor wants arguments of its own, a pool without
+    ``connection_kwargs``) is used as it is, as with ``derive=False``: its
+    timeouts and retries are the caller's, and a warning on the
+    ``nanolimit.storage.redis`` logger says why — refusing it would refuse a
+    client that works, and guessing its constructor could drop what it adds.
     """
     check_client(client)
+    try:
+        return _derive(client, timeout)
+    except _CannotDerive as exc:
+        log.warning(
+            "nanolimit: RedisStorage uses %s as it is (derive=False): %s; its timeouts and retries "
+            "are yours (a retried decision can be charged twice): give it no retries and a short "
+            "socket_timeout, or pass derive=False to say so",
+            type(client).__name__,
+            exc,
+        )
+        return client
+
+
+def _derive(client: Any, timeout: float) -> Any:
     pkg = _client_package(client)
     aio = is_asyncio_client(client)
     home = pkg.__name__ + (".asyncio" if aio else "")  # where the client's own Retry lives
@@ -170,9 +224,10 @@ def derive_client(client: Any, timeout: float) -> Any:
     def no_retry() -> Any:
         return retry_mod.Retry(backoff_mod.NoBackoff(), 0)
 
+    connect = _CONNECT_TIMEOUT.get()
     overrides = {
         "socket_timeout": timeout,
-        "socket_connect_timeout": timeout,
+        "socket_connect_timeout": timeout if connect is None else connect,
         "retry_on_timeout": False,
         "retry_on_error": [],
     }
@@ -193,25 +248,26 @@ def derive_client(client: Any, timeout: float) -> Any:
         nodes = [node_type(n.host, n.port) for n in known]
         return type(client)(startup_nodes=nodes, retry=no_retry(), **kwargs)
     pool = getattr(client, "connection_pool", None)
-    if pool is None or not hasattr(pool, "connection_kwargs"):
-        raise ValidationError(
-            f"cannot derive a short-timeout client from {type(client).__name__} (no connection_pool "
-            "with connection_kwargs); pass derive=False and set its timeouts and retries yourself"
-        )
+    if pool is None or not isinstance(getattr(pool, "connection_kwargs", None), dict):
+        raise _CannotDerive(f"its pool ({type(pool).__name__}) has no connection_kwargs to rebuild it from")
     kwargs = dict(pool.connection_kwargs)
     kwargs.update(overrides)
     kwargs["retry"] = no_retry()
     if _is_sentinel_pool(pool, pkg, aio):
         # the pool's own back reference (a proxy) is rebuilt by the new pool
         kwargs.pop("connection_pool", None)
-        make = pool.sentinel_manager.master_for if pool.is_master else pool.sentinel_manager.slave_for
-        derived = make(
-            pool.service_name,
-            redis_class=type(client),
-            connection_pool_class=type(pool),
-            max_connections=pool.max_connections,
-            **kwargs,
-        )
+        manager = pool.sentinel_manager
+        make = manager.master_for if pool.is_master else manager.slave_for
+        # redis-py names the client class ``redis_class``, valkey-py ``valkey_class``
+        names = inspect.signature(make).parameters
+        class_arg = next((n for n in ("redis_class", "valkey_class") if n in names), None)
+        if class_arg is None:
+            raise _CannotDerive(f"{type(manager).__name__}.master_for takes no client class")
+        classes = {class_arg: type(client), "connection_pool_class": type(pool)}
+        try:
+            derived = make(pool.service_name, max_connections=pool.max_connections, **classes, **kwargs)
+        except TypeError as exc:  # a Sentinel or pool subclass with other arguments
+            raise _CannotDerive(f"its Sentinel cannot make another ({exc})") from exc
         derived.auto_close_connection_pool = True
         return derived
     extra: dict[str, Any] = {}
@@ -222,14 +278,23 @@ def derive_client(client: Any, timeout: float) -> Any:
         new_pool = type(pool)(
             connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs, **extra
         )
-        derived = type(client)(connection_pool=new_pool)
     except TypeError as exc:  # a subclass whose constructor takes other arguments
-        raise ValidationError(
-            f"cannot derive a short-timeout client from {type(client).__name__} on "
-            f"{type(pool).__name__} ({exc}); pass derive=False and set its timeouts and retries yourself"
-        ) from exc
+        raise _CannotDerive(f"{type(pool).__name__} cannot be rebuilt from its settings ({exc})") from exc
+    try:
+        derived = type(client)(connection_pool=new_pool)
+    except TypeError as exc:
+        _drop(new_pool)
+        raise _CannotDerive(f"{type(client).__name__} cannot be made on a pool ({exc})") from exc
     derived.auto_close_connection_pool = True  # our pool: ``close()``/``aclose()`` disconnects it
     return derived
+
+
+def _drop(pool: Any) -> None:
+    """Disconnect a synchronous pool nobody will use (it has no connections
+    yet; an asyncio one has nothing to close before its first use)."""
+    disconnect = getattr(pool, "disconnect", None)
+    if callable(disconnect) and not inspect.iscoroutinefunction(disconnect):
+        disconnect()
 
 
 _UNPROBED: Final = object()
