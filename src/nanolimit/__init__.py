@@ -77,6 +77,7 @@ _LAZY = {
     "RedisUnavailableError": "storage.redis",
     "SharedMemoryStorage": "storage.shared_memory",
     "StorageUnavailableError": "storage.redis",
+    "storage_from_uri": "storage.uri",
     "TwoTierStorage": "storage.two_tier",
     "ConfigError": "gateway.config",
     "ConfigWatcher": "gateway.config",
@@ -94,6 +95,7 @@ if TYPE_CHECKING:
     )
     from .storage.shared_memory import SharedMemoryStorage
     from .storage.two_tier import TwoTierStorage
+    from .storage.uri import storage_from_uri
 
 
 def __getattr__(name: str) -> object:
@@ -161,4 +163,5 @@ __all__ = [
     "load_rules",
     "parse_rate",
     "parse_rates",
+    "storage_from_uri",
 ]

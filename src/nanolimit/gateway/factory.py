@@ -37,7 +37,9 @@ class LimiterFactory:
     """Builds and caches the limiter of each rule.
 
     ``storage`` defaults to a fresh :class:`nanolimit.InMemoryStorage` bounded
-    at ``DEFAULT_MAX_KEYS`` keys (pass a storage of your own to tune it);
+    at ``DEFAULT_MAX_KEYS`` keys (pass a storage of your own to tune it); a
+    ``str`` is a storage URI (``"redis://10.0.0.5/0"``,
+    ``"shm://api?max_keys=100000"``), made by :func:`nanolimit.storage_from_uri`;
     ``clock`` to the limiters' default (wall time, or the server's clock on
     Redis). ``limiters`` maps an :class:`Algorithm` to a limiter class, for a
     storage whose twin cannot be told from its type.
@@ -45,14 +47,18 @@ class LimiterFactory:
 
     def __init__(
         self,
-        storage: Storage | None = None,
+        storage: Storage | str | None = None,
         clock: Clock | None = None,
         *,
         limiters: Mapping[Algorithm, Any] | None = None,
     ) -> None:
         if storage is None:
             storage = twin.InMemoryStorage(max_keys=DEFAULT_MAX_KEYS)
-        elif not isinstance(storage, Storage):
+        elif isinstance(storage, str):
+            from ..storage.uri import storage_from_uri  # Redis and the zone load on first use
+
+            storage = storage_from_uri(storage)
+        if not isinstance(storage, Storage):
             raise ValidationError(f"storage must implement Storage, got {type(storage).__name__}")
         self.storage: Storage = storage
         self.clock = clock
