@@ -5,7 +5,8 @@ The parser and the dispatch; each command lives in a module of its own:
 the gateway middleware, ``check-config`` (:mod:`.check_config`) validates a
 rules file, ``replay`` (:mod:`.replay`) runs a request log through a
 candidate limit, ``bench`` (:mod:`.bench`) sets nanolimit beside its peers,
-and ``info`` says which core is loaded. ``--help`` shows these docstrings as
+``inspect`` and ``clear`` (:mod:`.inspect`) read and forget one key on a live
+store, and ``info`` says which core is loaded. ``--help`` shows these docstrings as
 plain text (:func:`._help.plain`), never as reStructuredText.
 """
 
@@ -22,6 +23,7 @@ from .._shared import Algorithm
 from ..gateway.rules import KeyScope
 from . import check_config as check_config_command
 from . import demo as demo_command
+from . import inspect as inspect_command
 from . import replay as replay_command
 from . import zone as zone_command
 from ._help import FORMATTER, first_paragraph, plain
@@ -77,6 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     zone_parser.add_argument("name", help="the zone's name, as given to SharedMemoryStorage")
     zone_parser.add_argument("--keys", type=int, default=0, metavar="N", help="list up to N of its keys")
     zone_parser.add_argument("--unlink", action="store_true", help="then remove the zone's name")
+    for name, summary in (
+        ("inspect", "show one key's state on a store and what its next request would get"),
+        ("clear", "forget one key's state on a store (its next request sees a full budget)"),
+    ):
+        key_parser = commands.add_parser(
+            name, help=summary, description=plain(inspect_command.__doc__), formatter_class=FORMATTER
+        )
+        inspect_command.add_arguments(key_parser, name)
     check = commands.add_parser(
         "check-config",
         help="validate a rules file (TOML or JSON)",
@@ -121,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "info":
         print(json.dumps({"version": nanolimit.__version__, "implementation": nanolimit.IMPLEMENTATION}))
         return 0
+    if args.command == "inspect":
+        return inspect_command.inspect_key(args)
+    if args.command == "clear":
+        return inspect_command.clear(args)
     if args.command == "check-config":
         return check_config(args.path)
     if args.command == "zone":
