@@ -77,8 +77,9 @@ def check_client(client: Any) -> None:
     client object: a URL string (``RedisStorage("redis://...")``) used to
     fail deep inside with ``ModuleNotFoundError: builtins.retry``. A URL is
     not accepted here on purpose: how a storage is named by a URI (TLS,
-    cluster, Sentinel schemes) is decided in one place, not guessed by each
-    storage; ``redis.Redis.from_url(url)`` makes the client."""
+    cluster, Sentinel schemes) is decided in one place,
+    ``nanolimit.storage_from_uri`` (``storage/uri.py``), not guessed by each
+    storage. The message never shows the URL: it may carry a password."""
     if isinstance(client, (str, bytes)):
         # never the URL itself: it may carry a password
         raise ValidationError(
