@@ -1,0 +1,641 @@
+"""Flask, the Flask way: ``Limiter(app)`` or ``limiter.init_app(app)``,
+``RATELIMIT_*`` config, limits declared on views, ``MethodView`` classes and
+blueprints, exempt routes, counting by response, and denials the app's own
+error handlers answer.
+
+Why an extension and not the WSGI middleware: Flask routes a request before
+its ``before_request`` hooks run, so the matched template
+(``request.url_rule.rule``) is known, and limits declared next to routes
+(:mod:`nanolimit.gateway.routes`) match it directly; a denial raised as an
+HTTP error reaches ``@app.errorhandler(429)``; and ``after_request`` sees the
+response status that count-by-response rules settle on. The decision itself
+is the pipeline's (:meth:`RateLimitMiddleware.check`), the one every front
+end shares.
+
+Each app has its own state (``app.extensions["nanolimit"]``): its config, its
+ruleset, its storage and its pipeline, so one ``Limiter`` serves the apps of
+an application factory. Declarations live on the views, and become rules of
+each app when that app's route table is read: on its first request, or at
+:meth:`Limiter.check_routes`, which an app factory calls last so that a rule
+naming a route the app lacks fails at startup.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, TypeVar
+
+from flask import Flask, current_app, g, has_app_context
+from flask import request as flask_request
+from flask.wrappers import Response as FlaskResponse
+from werkzeug.exceptions import TooManyRequests
+
+from .._shared import Algorithm, Storage, ValidationError
+from .config import load_rules
+from .factory import LimiterFactory
+from .keys import DefaultKeyExtractor
+from .metrics import Metrics
+from .middleware import Outcome, RateLimitMiddleware
+from .rates import parse_rates
+from .request import Request
+from .routes import Limit, RouteInfo, RouteLimits
+from .rules import KeyScope, RateLimitRule, RuleRegistry, RuleSet
+
+__all__ = ["CONFIG_KEYS", "Limiter", "RateLimitExceeded"]
+
+T = TypeVar("T")
+
+#: Every ``RATELIMIT_*`` key :meth:`Limiter.init_app` reads; any other is an error.
+CONFIG_KEYS = (
+    "RATELIMIT_ALGORITHM",
+    "RATELIMIT_DEFAULT",
+    "RATELIMIT_ENABLED",
+    "RATELIMIT_HEADERS_ENABLED",
+    "RATELIMIT_HEADER_NAMES",
+    "RATELIMIT_RULES",
+    "RATELIMIT_SCOPE",
+    "RATELIMIT_STORAGE_URI",
+    "RATELIMIT_TRUSTED_PROXIES",
+)
+# flask-limiter's spellings, so a migrating config is told what to write
+_RENAMED = {
+    "RATELIMIT_STORAGE_URL": "RATELIMIT_STORAGE_URI",
+    "RATELIMIT_STRATEGY": "RATELIMIT_ALGORITHM",
+    "RATELIMIT_DEFAULTS": "RATELIMIT_DEFAULT",
+    "RATELIMIT_APPLICATION": "RATELIMIT_DEFAULT",
+}
+# the constructor argument each key stands for (an explicit argument wins)
+_ARGUMENTS = {
+    "RATELIMIT_ALGORITHM": "algorithm",
+    "RATELIMIT_DEFAULT": "default_limits",
+    "RATELIMIT_HEADERS_ENABLED": "headers",
+    "RATELIMIT_HEADER_NAMES": "header_names",
+    "RATELIMIT_RULES": "rules",
+    "RATELIMIT_SCOPE": "key_scope",
+    "RATELIMIT_STORAGE_URI": "storage",
+    "RATELIMIT_TRUSTED_PROXIES": "trusted_proxies",
+}
+EXTENSION = "nanolimit"
+log = logging.getLogger("nanolimit.flask")
+_OUTCOME = "_nanolimit_outcome"  # on flask.g: the request's outcome, until settled
+DEFAULT_RULE = "default_limit"
+
+# flask-login is optional: its current_user is the user scope's id when present
+_flask_login: Any
+try:
+    _flask_login = importlib.import_module("flask_login")
+except ImportError:  # pragma: no cover - the test extra installs it
+    _flask_login = None
+
+# the app's scope and algorithm while its declarations become rules (see _FlaskLimit)
+_APP_DEFAULTS: contextvars.ContextVar[tuple[KeyScope, Algorithm] | None] = contextvars.ContextVar(
+    "nanolimit_flask_defaults", default=None
+)
+
+
+class RateLimitExceeded(TooManyRequests):
+    """A request the limiter refused: an ``HTTPException`` (429), so the
+    app's ``@app.errorhandler(429)`` or ``errorhandler(RateLimitExceeded)``
+    answers it. ``outcome`` is the pipeline's :class:`Outcome` (the rule,
+    ``retry_after``, the headers). Unhandled, it answers the docs/spec.md §2
+    JSON body with the rate-limit headers and ``Retry-After``."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        self.outcome = outcome
+        retry = outcome.retry_after
+        super().__init__(
+            f"rate limit exceeded (rule {outcome.rule!r})", retry_after=retry if retry > 0 else None
+        )
+
+    def get_response(self, environ: Any = None, scope: Any = None) -> FlaskResponse:
+        cls = current_app.response_class if has_app_context() else FlaskResponse
+        return cls(self.outcome.body(), 429, dict(self.outcome.headers), mimetype="application/json")
+
+
+@dataclass(frozen=True)
+class _FlaskLimit(Limit):
+    """A declaration made through a :class:`Limiter`: it remembers whether
+    its scope and algorithm were given, so one left out takes each app's
+    ``RATELIMIT_SCOPE`` / ``RATELIMIT_ALGORITHM`` (the decorator runs at
+    import, before any app's config is read)."""
+
+    inherit_scope: bool = False
+    inherit_algorithm: bool = False
+
+    def rules(self, base: str, routes: tuple[str, ...]) -> list[RateLimitRule]:
+        app = _APP_DEFAULTS.get()
+        target: Limit = self
+        if app is not None and (self.inherit_scope or self.inherit_algorithm):
+            target = replace(
+                self,
+                scope=app[0] if self.inherit_scope else self.scope,
+                algorithm=app[1] if self.inherit_algorithm else self.algorithm,
+                inherit_scope=False,
+                inherit_algorithm=False,
+            )
+        return Limit.rules(target, base, routes)
+
+
+class _AppRoutes(RouteLimits):
+    """One app's binding: the Limiter's declarations (read through
+    ``declared``, which owns them) made rules of this app's registry, with
+    the app's defaults and its default limits."""
+
+    def __init__(
+        self,
+        declared: RouteLimits,
+        registry: RuleRegistry,
+        scope: KeyScope,
+        algorithm: Algorithm,
+        defaults: Sequence[RateLimitRule],
+    ) -> None:
+        super().__init__(registry, scope=scope, algorithm=algorithm)
+        self.declared = declared
+        self.defaults = tuple(defaults)
+
+    def rules_for(self, routes: Iterable[RouteInfo]) -> tuple[list[RateLimitRule], list[str]]:
+        token = _APP_DEFAULTS.set((self.scope, self.algorithm))
+        try:
+            rules, exempt = self.declared.rules_for(routes)
+        finally:
+            _APP_DEFAULTS.reset(token)
+        # declared too, so a rules-file reload keeps them (RuleRegistry.declare)
+        return [*rules, *self.defaults], exempt
+
+
+class _Headers(Mapping[str, str]):
+    """Werkzeug's headers as the lower-case mapping a :class:`Request`
+    carries (Werkzeug iterates pairs, and looks names up in any case)."""
+
+    __slots__ = ("_headers",)
+
+    def __init__(self, headers: Any) -> None:
+        self._headers = headers
+
+    def __getitem__(self, key: str) -> str:
+        value: str = self._headers[key]
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._headers.get(key, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name.lower() for name, _ in self._headers.items())
+
+    def __len__(self) -> int:
+        return len(self._headers)
+
+
+@dataclass
+class _AppState:
+    """What one app's limiter holds: its pipeline and its binding."""
+
+    pipeline: RateLimitMiddleware
+    routes: _AppRoutes
+    enabled: bool
+    deny: Callable[[Request, Outcome], Any] | None
+    ready: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    user_for: tuple[RuleSet | None, bool] = (None, False)  # (ruleset, whether it needs a user id)
+
+
+class Limiter:
+    """Rate limits for Flask apps.
+
+    ``Limiter(app)``, or ``limiter = Limiter()`` at import and
+    ``limiter.init_app(app)`` in the app factory (one limiter, any number of
+    apps, each with its own config, rules and storage).
+
+    ``rules``: a rules file's path, or a :class:`RuleRegistry` (the app's
+    live ruleset: one app's, since declared rules are added to it);
+    ``storage``: a :class:`Storage`, or a URI (``"redis://10.0.0.5/0"``);
+    ``default_limits``: a rate or rates (``"100/hour;10/second"``) for
+    every route without limits of its own, one budget per client;
+    ``key_scope`` (default ``"ip"``) and ``algorithm`` (default
+    ``"token_bucket"``): the defaults of every declaration and of the
+    default limits; ``headers``, ``header_names``, ``on_breach``,
+    ``log_denials``, ``metrics``: as :class:`RateLimitMiddleware` takes
+    them; ``trusted_proxies``: networks whose ``X-Forwarded-For`` is
+    believed (docs/proxies.md); ``deny(request, outcome) -> response``
+    answers a denial instead of raising :class:`RateLimitExceeded`.
+
+    Every one left out (None) is read from the app's ``RATELIMIT_*`` config
+    at :meth:`init_app` (see :data:`CONFIG_KEYS`), then the stock default.
+    """
+
+    def __init__(
+        self,
+        app: Flask | None = None,
+        *,
+        rules: str | RuleRegistry | None = None,
+        storage: Storage | str | None = None,
+        default_limits: str | Sequence[str] | None = None,
+        key_scope: KeyScope | str | None = None,
+        algorithm: Algorithm | str | None = None,
+        headers: bool | None = None,
+        header_names: Mapping[str, str] | None = None,
+        trusted_proxies: Iterable[str] | None = None,
+        deny: Callable[[Request, Outcome], Any] | None = None,
+        on_breach: Callable[[Request, Outcome], Any] | None = None,
+        log_denials: float | None = 1.0,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if rules is not None and not isinstance(rules, (str, RuleRegistry)):
+            raise ValidationError(f"rules must be a rules file's path or a RuleRegistry, got {rules!r}")
+        if storage is not None and not isinstance(storage, (str, Storage)):
+            raise ValidationError(f"storage must be a Storage or a URI string, got {type(storage).__name__}")
+        if default_limits is not None:
+            try:  # a bad rate fails here, not at init_app
+                parse_rates(default_limits)
+            except ValidationError as exc:
+                raise ValidationError(f"default_limits: {exc}") from None
+        for hook_name, hook in (("deny", deny), ("on_breach", on_breach)):
+            if hook is not None and not callable(hook):
+                raise ValidationError(f"{hook_name} must be callable, got {hook!r}")
+        self._rules = rules
+        self._storage = storage
+        self._default_limits = default_limits
+        self._scope = key_scope
+        self._algorithm = algorithm
+        self._headers = headers
+        self._header_names = header_names
+        self._trusted = trusted_proxies
+        self._deny = deny
+        self._on_breach = on_breach
+        self._log_denials = log_denials
+        self._metrics = metrics
+        # the declarations' owner; its own registry is never used
+        self._limits = RouteLimits(
+            scope=key_scope if key_scope is not None else KeyScope.IP,
+            algorithm=algorithm if algorithm is not None else Algorithm.TOKEN_BUCKET,
+        )
+        # Flask's static files are never limited: a sentinel marked exempt
+        # stands above their routes when the route table is read
+        self._static = _Marker()
+        self._limits.exempt(self._static)
+        self._registries: list[RuleRegistry] = []  # claimed by an app (identity, not value)
+        if app is not None:
+            self.init_app(app)
+
+    # -- declarations -------------------------------------------------------------
+    def limit(
+        self,
+        rate: str | Sequence[str],
+        *,
+        scope: KeyScope | str | None = None,
+        algorithm: Algorithm | str | None = None,
+        cost: int | Callable[[Request], int] = 1,
+        count_when: Iterable[int] | Callable[[int], bool] | None = None,
+        methods: str | Sequence[str] | None = None,
+        dry_run: bool = False,
+        tier: str | None = None,
+        shape: bool = True,
+        name: str | None = None,
+    ) -> Limit:
+        """A limit on the view function, ``MethodView`` class or blueprint
+        it decorates (a blueprint's: each of its routes, nested blueprints
+        included, has its own budget). Checked now: a bad rate, algorithm
+        or cost raises :class:`ValidationError` naming the rate. See
+        :meth:`RouteLimits.limit` for the options; ``cost(request)`` gets
+        the gateway's :class:`Request`, whose ``native`` is
+        ``flask.request``."""
+        declared = self._limits.limit(
+            rate,
+            scope=scope,
+            algorithm=algorithm,
+            cost=cost,
+            count_when=count_when,
+            methods=methods,
+            dry_run=dry_run,
+            tier=tier,
+            shape=shape,
+            name=name,
+        )
+        values = {f.name: getattr(declared, f.name) for f in fields(Limit)}
+        return _FlaskLimit(**values, inherit_scope=scope is None, inherit_algorithm=algorithm is None)
+
+    def shared(self, rate: str | Sequence[str], *, name: str, **options: Any) -> Limit:
+        """One budget, ``name``, spent by every route it decorates
+        (flask-limiter's ``shared_limit``)."""
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"a shared limit needs a name, got {name!r}")
+        return self.limit(rate, name=name, **options)
+
+    def exempt(self, target: T) -> T:
+        """No limit at all (not the default limits, not a rules file's) for
+        the routes of a view, class or blueprint."""
+        return self._limits.exempt(target)
+
+    # -- apps ---------------------------------------------------------------------------
+    def init_app(self, app: Flask) -> None:
+        """Read ``app.config``'s ``RATELIMIT_*`` keys, build the app's
+        ruleset, storage and pipeline, and install the hooks. Routes may be
+        added afterwards: they are read on the first request (or by
+        :meth:`check_routes`)."""
+        if EXTENSION in app.extensions:
+            raise ValidationError(f"nanolimit's Limiter is already initialised on app {app.name!r}")
+        config = _config(app)
+        enabled = config.get("RATELIMIT_ENABLED", True)
+        if not isinstance(enabled, bool):
+            raise ValidationError(f"RATELIMIT_ENABLED must be a bool, got {enabled!r}")
+        scope = _setting(config, "RATELIMIT_SCOPE", self._scope, KeyScope.IP, _key_scope)
+        algorithm = _setting(
+            config, "RATELIMIT_ALGORITHM", self._algorithm, Algorithm.TOKEN_BUCKET, Algorithm.parse
+        )
+        headers = _setting(config, "RATELIMIT_HEADERS_ENABLED", self._headers, True, _bool)
+        names = _setting(config, "RATELIMIT_HEADER_NAMES", self._header_names, None, _names)
+        trusted = _setting(config, "RATELIMIT_TRUSTED_PROXIES", self._trusted, (), _networks)
+        rates = _setting(config, "RATELIMIT_DEFAULT", self._default_limits, (), parse_rates)
+        rules_source = self._rules if self._rules is not None else config.get("RATELIMIT_RULES")
+        storage = self._storage if self._storage is not None else config.get("RATELIMIT_STORAGE_URI")
+
+        registry, factory = self._ruleset(rules_source, storage)
+        defaults = [
+            RateLimitRule(
+                DEFAULT_RULE if len(rates) == 1 else f"{DEFAULT_RULE}:{r.limit}/{r.window_seconds:g}s",
+                "*",
+                "/",
+                scope,
+                algorithm,
+                r.limit,
+                r.window_seconds,
+                r.burst,
+                group=DEFAULT_RULE if len(rates) > 1 else None,
+            )
+            for r in rates
+        ]
+        try:
+            extractor = DefaultKeyExtractor(trusted_proxies=trusted)
+        except ValidationError as exc:
+            raise ValidationError(f"RATELIMIT_TRUSTED_PROXIES: {exc}") from None
+        pipeline = RateLimitMiddleware(
+            registry,
+            factory,
+            extractor,
+            self._metrics,
+            headers=headers,
+            header_names=names,
+            on_breach=self._on_breach,
+            log_denials=self._log_denials,
+        )
+        if isinstance(rules_source, RuleRegistry):
+            self._registries.append(rules_source)
+        app.extensions[EXTENSION] = _AppState(
+            pipeline, _AppRoutes(self._limits, registry, scope, algorithm, defaults), enabled, self._deny
+        )
+        app.before_request(self._before_request)
+        app.after_request(self._after_request)
+        app.teardown_request(self._teardown_request)
+
+    def _ruleset(
+        self, source: str | RuleRegistry | None, storage: Storage | str | None
+    ) -> tuple[RuleRegistry, LimiterFactory]:
+        """The app's registry and factory: its rules (a file, a registry or
+        none) on its storage (explicit, a URI, the file's ``[storage]``, or
+        a bounded in-memory store)."""
+        if storage is not None and not isinstance(storage, (str, Storage)):
+            raise ValidationError(
+                f"RATELIMIT_STORAGE_URI must be a URI string or a Storage, got {type(storage).__name__}"
+            )
+        made = _storage(storage) if storage is not None else None
+        if isinstance(source, RuleRegistry):
+            if any(held is source for held in self._registries):
+                raise ValidationError(
+                    "this RuleRegistry already serves another app (its declared rules are that app's): "
+                    "give each app its own, or a rules file's path"
+                )
+            return source, LimiterFactory(made)
+        if source is None:
+            return RuleRegistry(), LimiterFactory(made)
+        if not isinstance(source, str):
+            raise ValidationError(f"RATELIMIT_RULES must be a rules file's path, got {source!r}")
+        loaded = load_rules(source)
+        return loaded.registry(), (LimiterFactory(made) if made is not None else loaded.factory())
+
+    def _state(self, app: Flask | None = None) -> _AppState:
+        target = app if app is not None else current_app
+        state = target.extensions.get(EXTENSION)
+        if not isinstance(state, _AppState):
+            raise ValidationError(f"call limiter.init_app(app) first (app {target.name!r} has no limiter)")
+        return state
+
+    def pipeline(self, app: Flask | None = None) -> RateLimitMiddleware:
+        """The app's pipeline (default: the current app's): its
+        ``registry``, ``factory`` and ``metrics``."""
+        return self._state(app).pipeline
+
+    def check_routes(self, app: Flask | None = None) -> tuple[RateLimitRule, ...]:
+        """Read the app's route table now and make its declarations rules:
+        call it at the end of the app factory, once every route is added,
+        so that a rule naming a route the app lacks raises
+        (:class:`RuleValidationError`, naming the rule and the route) at
+        startup instead of at the first request. Returns the app's rules."""
+        target = app if app is not None else current_app._get_current_object()  # type: ignore[attr-defined]
+        state = self._state(target)
+        with state.lock:
+            rules = state.routes.bind(self._route_infos(target), known=_templates(target))
+            state.ready = True
+        return rules
+
+    def _route_infos(self, app: Flask) -> list[RouteInfo]:
+        """The app's routes, each with the blueprints above its view
+        (outermost first) as the objects that may carry declarations."""
+        infos = []
+        for rule in app.url_map.iter_rules():
+            endpoint = rule.endpoint
+            view = app.view_functions.get(endpoint)
+            parts = endpoint.split(".")[:-1]
+            marked: list[Any] = []
+            for i in range(1, len(parts) + 1):
+                bp = app.blueprints.get(".".join(parts[:i]))
+                if bp is not None:
+                    marked.append(bp)
+            if endpoint == "static" or endpoint.endswith(".static"):
+                marked.append(self._static)
+            infos.append(RouteInfo(rule.rule, frozenset(rule.methods or ()), view, tuple(marked)))
+        return infos
+
+    # -- the request hooks ---------------------------------------------------------------
+    def _before_request(self) -> Any:
+        app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+        state: _AppState = app.extensions[EXTENSION]
+        if not state.enabled:
+            return None
+        if not state.ready:
+            with state.lock:
+                if not state.ready:
+                    state.routes.bind(self._route_infos(app), known=_templates(app))
+                    state.ready = True
+        pipeline = state.pipeline
+        native = flask_request._get_current_object()  # type: ignore[attr-defined]
+        url_rule = native.url_rule
+        request = Request(
+            native.method,
+            (native.root_path + native.path) or "/",
+            _Headers(native.headers),
+            native.remote_addr or None,
+            self._user(app, state, native) if _needs_user(state, pipeline.registry.ruleset) else None,
+            route=url_rule.rule if url_rule is not None else None,
+            native=native,
+        )
+        outcome = pipeline.check(request)
+        if outcome is None:
+            return None
+        setattr(g, _OUTCOME, outcome)
+        if outcome.allowed:
+            if outcome.delay > 0.0:
+                time.sleep(outcome.delay)  # a shaping leaky bucket: this worker waits its turn
+            return None
+        if state.deny is not None:
+            return state.deny(request, outcome)
+        raise RateLimitExceeded(outcome)
+
+    @staticmethod
+    def _user(app: Flask, state: _AppState, native: Any) -> str | None:
+        """The user scope's id: flask-login's authenticated user, else the
+        server's ``REMOTE_USER``; never a header, which any client writes."""
+        if _flask_login is not None and getattr(app, "login_manager", None) is not None:
+            user = _flask_login.current_user
+            if user is not None and getattr(user, "is_authenticated", False):
+                uid = user.get_id()
+                if uid is not None and uid != "":
+                    return str(uid)
+        remote: str | None = native.environ.get("REMOTE_USER") or None
+        return remote
+
+    def _after_request(self, response: FlaskResponse) -> FlaskResponse:
+        outcome: Outcome | None = g.pop(_OUTCOME, None)
+        if outcome is None:
+            return response
+        if outcome.allowed:
+            _settle(self._state().pipeline, outcome, response.status_code)
+        # the outcome's headers on whatever answered, a 429 built by the
+        # app's own handler or deny included, unless it wrote them itself
+        out = response.headers
+        for name, value in outcome.headers.items():
+            if name not in out:
+                out[name] = value
+        return response
+
+    def _teardown_request(self, exc: BaseException | None) -> None:
+        outcome: Outcome | None = g.pop(_OUTCOME, None)
+        if outcome is not None and outcome.allowed:
+            # after_request never ran: the view raised past every handler
+            _settle(self._state().pipeline, outcome, 500)
+
+    def __repr__(self) -> str:
+        return f"<nanolimit.flask.Limiter rules={self._rules!r}>"
+
+
+def _settle(pipeline: RateLimitMiddleware, outcome: Outcome, status: int) -> None:
+    """Settle a count-by-response charge. A refund that fails (the store
+    down) leaves the request counted, the safe side: it is logged, and the
+    response the view made still goes out."""
+    if outcome.charge is None:
+        return
+    try:
+        pipeline.settle(outcome, status)
+    except Exception:
+        log.exception("could not settle rule %r for a %d response: it stays counted", outcome.rule, status)
+
+
+class _Marker:
+    """An object that can carry a declaration (the static files' exemption)."""
+
+
+def _needs_user(state: _AppState, ruleset: RuleSet) -> bool:
+    """Whether the app's rules ask who the user is (a ``user`` scope, or
+    tiers): only then is flask-login asked, which may load the user."""
+    held, needed = state.user_for
+    if held is not ruleset:
+        needed = ruleset.has_tiers or any(
+            r.scope is KeyScope.USER
+            for r in (*ruleset.rules, *((ruleset.default,) if ruleset.default else ()))
+        )
+        state.user_for = (ruleset, needed)
+    return needed
+
+
+def _templates(app: Flask) -> list[str]:
+    return [rule.rule for rule in app.url_map.iter_rules()]
+
+
+def _config(app: Flask) -> dict[str, Any]:
+    """The app's ``RATELIMIT_*`` keys; an unknown one is an error naming it
+    and the accepted ones (a typo must not silently leave a limit off)."""
+    found = {k: v for k, v in app.config.items() if isinstance(k, str) and k.startswith("RATELIMIT_")}
+    for key in sorted(found):
+        if key not in CONFIG_KEYS:
+            hint = f" (did you mean {_RENAMED[key]}?)" if key in _RENAMED else ""
+            raise ValidationError(
+                f"unknown config key {key}{hint}; nanolimit.flask reads: {', '.join(CONFIG_KEYS)}"
+            )
+    return found
+
+
+def _setting(
+    config: Mapping[str, Any], key: str, given: Any, default: Any, check: Callable[[Any], Any]
+) -> Any:
+    """The constructor's value, else the config's, else ``default``: checked,
+    an error naming the config key (or the argument) that was wrong."""
+    if given is not None:
+        value, source = given, f"the Limiter's {_ARGUMENTS[key]} argument"
+    elif key in config:
+        value, source = config[key], key
+    else:
+        return default
+    try:
+        return check(value)
+    except ValidationError as exc:
+        raise ValidationError(f"{source}: {exc}") from None
+
+
+def _key_scope(value: Any) -> KeyScope:
+    try:
+        return KeyScope(value)
+    except ValueError:
+        raise ValidationError(
+            f"unknown scope {value!r}; expected one of: {', '.join(s.value for s in KeyScope)}"
+        ) from None
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValidationError(f"must be a bool, got {value!r}")
+    return value
+
+
+def _names(value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise ValidationError(f"must be a mapping of header names, got {value!r}")
+    return dict(value)
+
+
+def _networks(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    try:
+        networks = tuple(value)
+    except TypeError:
+        raise ValidationError(f"must be a list of networks, got {value!r}") from None
+    return networks
+
+
+def _storage(storage: Storage | str) -> Storage:
+    """A Storage as given, or the one a URI names (``nanolimit.storage.uri``)."""
+    if not isinstance(storage, str):
+        return storage
+    try:
+        uri = importlib.import_module("nanolimit.storage.uri")
+    except ImportError:  # pragma: no cover - the URI module ships with the storage layer
+        raise ValidationError(
+            f"a storage URI ({storage!r}) needs nanolimit.storage.uri; pass a Storage object instead"
+        ) from None
+    made: Storage = uri.storage_from_uri(storage)
+    return made
