@@ -1,0 +1,975 @@
+"""``nanolimit.flask``: the Flask extension, on real Flask apps through
+Werkzeug's test client, and one real gunicorn (threads) on 127.0.0.1 for the
+concurrent count-by-response run.
+
+Every app gets a fresh store of the twin under test (``backend``), so each
+test runs on the native core and on the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from adversarial_servers import SRC, TESTS, free_port, raw_request
+from flask import Blueprint, Flask, jsonify, request
+from flask.views import MethodView
+
+import nanolimit
+import nanolimit.flask as nanolimit_flask
+from nanolimit import Algorithm, KeyScope, RateLimitRule, RuleRegistry, ValidationError
+from nanolimit.flask import CONFIG_KEYS, Limiter, RateLimitExceeded
+from nanolimit.rules import RuleValidationError
+
+IP_A = {"REMOTE_ADDR": "192.0.2.1"}
+IP_B = {"REMOTE_ADDR": "192.0.2.2"}
+
+
+def _limiter(backend: types.SimpleNamespace, **kw: Any) -> Limiter:
+    kw.setdefault("storage", backend.InMemoryStorage())
+    kw.setdefault("log_denials", None)
+    return Limiter(**kw)
+
+
+def _statuses(client: Any, path: str, n: int, method: str = "GET", **kw: Any) -> list[int]:
+    return [client.open(path, method=method, **kw).status_code for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------
+# Module and exception
+
+
+def test_the_documented_path_is_the_gateway_module() -> None:
+    import nanolimit.gateway.flask as moved
+
+    assert nanolimit_flask is moved
+    assert issubclass(RateLimitExceeded, __import__("werkzeug.exceptions").exceptions.TooManyRequests)
+
+
+# ---------------------------------------------------------------------------
+# Declaration forms
+
+
+def test_function_view_limit_answers_429_json_with_headers(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    app = Flask("views")
+
+    @app.get("/hello")
+    @limiter.limit("2/minute")
+    def hello() -> str:
+        return "hi"
+
+    @app.get("/free")
+    def free() -> str:
+        return "free"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    first = client.get("/hello", environ_base=IP_A)
+    assert first.status_code == 200 and first.data == b"hi"
+    assert first.headers["X-RateLimit-Limit"] == "2"
+    assert first.headers["X-RateLimit-Remaining"] == "1"
+    assert "q=2;w=60" in first.headers["RateLimit-Policy"]
+    assert client.get("/hello", environ_base=IP_A).status_code == 200
+    denied = client.get("/hello", environ_base=IP_A)
+    assert denied.status_code == 429
+    assert denied.headers["Content-Type"] == "application/json"
+    body = denied.get_json()
+    assert body["error"] == "rate_limit_exceeded"
+    assert body["retry_after"] == int(denied.headers["Retry-After"])
+    assert body["rule"].endswith("hello")
+    assert denied.headers["X-RateLimit-Remaining"] == "0"
+    # another client has its own budget; an undeclared route none at all
+    assert client.get("/hello", environ_base=IP_B).status_code == 200
+    assert _statuses(client, "/free", 10, environ_base=IP_A) == [200] * 10
+    assert "RateLimit-Policy" not in client.get("/free").headers
+
+
+def test_method_view_class_and_its_decorators_list(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+
+    @limiter.limit("2/minute")
+    class Items(MethodView):
+        def get(self) -> str:
+            return "items"
+
+        def post(self) -> str:
+            return "made"
+
+    class Orders(MethodView):
+        decorators = [limiter.limit("1/minute")]
+
+        def get(self) -> str:
+            return "orders"
+
+    app = Flask("methodviews")
+    app.add_url_rule("/items", view_func=Items.as_view("items"))
+    app.add_url_rule("/orders", view_func=Orders.as_view("orders"))
+    limiter.init_app(app)
+    client = app.test_client()
+    # the class's limit covers every method of the view, one budget
+    assert client.get("/items").status_code == 200
+    assert client.post("/items").status_code == 200
+    assert client.get("/items").status_code == 429
+    assert client.get("/orders").status_code == 200
+    assert client.get("/orders").status_code == 429
+
+
+def test_blueprint_limit_covers_each_route_and_nested_blueprints(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    api = Blueprint("api", __name__, url_prefix="/api")
+    v1 = Blueprint("v1", __name__, url_prefix="/v1")
+
+    @api.get("/a")
+    def a() -> str:
+        return "a"
+
+    @api.get("/b")
+    def b() -> str:
+        return "b"
+
+    @v1.get("/c")
+    def c() -> str:
+        return "c"
+
+    @v1.get("/d")
+    @limiter.limit("3/minute")
+    def d() -> str:
+        return "d"
+
+    api.register_blueprint(v1)
+    limiter.limit("2/minute")(api)
+    app = Flask("blueprints")
+    app.register_blueprint(api)
+
+    @app.get("/outside")
+    def outside() -> str:
+        return "outside"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    # each route of the blueprint has its own budget of 2
+    assert _statuses(client, "/api/a", 3) == [200, 200, 429]
+    assert _statuses(client, "/api/b", 3) == [200, 200, 429]
+    # the nested blueprint's routes inherit it
+    assert _statuses(client, "/api/v1/c", 3) == [200, 200, 429]
+    # a view's own limit applies with the blueprint's, all or nothing: 2 binds first
+    assert _statuses(client, "/api/v1/d", 3) == [200, 200, 429]
+    assert _statuses(client, "/outside", 5) == [200] * 5
+
+
+def test_shared_limit_is_one_budget_for_every_route(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    reports = limiter.shared("3/minute", name="reports")
+    app = Flask("shared")
+
+    @app.get("/search")
+    @reports
+    def search() -> str:
+        return "search"
+
+    @app.get("/export")
+    @reports
+    def export() -> str:
+        return "export"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert [client.get(p).status_code for p in ("/search", "/export", "/search", "/export")] == [
+        200,
+        200,
+        200,
+        429,
+    ]
+    assert client.get("/search").get_json()["rule"] == "reports"
+
+
+def test_exempt_view_and_blueprint_escape_even_the_default_limit(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend, default_limits="2/minute")
+    hooks = Blueprint("hooks", __name__, url_prefix="/hooks")
+
+    @hooks.post("/stripe")
+    def stripe() -> str:
+        return "ok"
+
+    limiter.exempt(hooks)
+    app = Flask("exempt", static_folder=str(Path(__file__).parent), static_url_path="/static")
+
+    @app.get("/health")
+    @limiter.exempt
+    def health() -> str:
+        return "ok"
+
+    @app.get("/page")
+    def page() -> str:
+        return "page"
+
+    app.register_blueprint(hooks)
+    limiter.init_app(app)
+    client = app.test_client()
+    assert _statuses(client, "/health", 5) == [200] * 5
+    assert _statuses(client, "/hooks/stripe", 5, method="POST") == [200] * 5
+    # Flask's static files are never limited
+    assert _statuses(client, "/static/flask_apps.py", 4) == [200] * 4
+    assert _statuses(client, "/page", 3) == [200, 200, 429]
+
+
+def test_default_limit_is_one_budget_a_route_with_its_own_replaces_it(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    app = Flask("defaults")
+    app.config["RATELIMIT_DEFAULT"] = "3/minute"
+
+    @app.get("/a")
+    def a() -> str:
+        return "a"
+
+    @app.get("/b")
+    def b() -> str:
+        return "b"
+
+    @app.get("/own")
+    @limiter.limit("5/minute")
+    def own() -> str:
+        return "own"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert [client.get(p).status_code for p in ("/a", "/b", "/a", "/b")] == [200, 200, 200, 429]
+    assert client.get("/a").get_json()["rule"] == "default_limit"
+    assert _statuses(client, "/own", 6) == [200] * 5 + [429]
+
+
+def test_default_rate_list_decides_together(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend, default_limits=["2/second", "3/hour"])
+    app = Flask("default-list")
+
+    @app.get("/")
+    def home() -> str:
+        return "home"
+
+    limiter.init_app(app)
+    rules = {r.name for r in limiter.check_routes(app)}
+    assert rules == {"default_limit:2/1s", "default_limit:3/3600s"}
+    assert _statuses(app.test_client(), "/", 3) == [200, 200, 429]
+
+
+def test_rules_file_through_config(backend: types.SimpleNamespace, tmp_path: Path) -> None:
+    path = tmp_path / "rules.toml"
+    path.write_text(
+        '[[rules]]\nname = "admin"\npath_prefix = "/admin"\nrate = "2/minute"\n'
+        '[default]\nname = "fallback"\nrate = "4/minute"\n'
+    )
+    limiter = _limiter(backend)
+    app = Flask("rulesfile")
+    app.config["RATELIMIT_RULES"] = str(path)
+
+    @app.get("/admin/users")
+    def admin() -> str:
+        return "admin"
+
+    @app.get("/home")
+    def home() -> str:
+        return "home"
+
+    @app.get("/own")
+    @limiter.limit("1/minute")
+    def own() -> str:
+        return "own"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert _statuses(client, "/admin/users", 3) == [200, 200, 429]
+    assert _statuses(client, "/home", 5) == [200] * 4 + [429]
+    # a route's declaration sits next to the file's rules
+    assert _statuses(client, "/own", 2) == [200, 429]
+    # a bad file fails at init_app, naming the rule and the field
+    path.write_text('[[rules]]\nname = "bad"\nrate = "five per minute"\n')
+    other = Flask("badfile")
+    other.config["RATELIMIT_RULES"] = str(path)
+    with pytest.raises(nanolimit.ConfigError, match="bad"):
+        _limiter(backend).init_app(other)
+
+
+# ---------------------------------------------------------------------------
+# Routes, methods, cost
+
+
+def test_route_template_shares_the_budget_across_ids(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    app = Flask("templates")
+
+    @app.get("/users/<int:id>/avatar")
+    @limiter.limit("3/minute")
+    def avatar(id: int) -> str:
+        return f"avatar {id}"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert [client.get(f"/users/{i}/avatar").status_code for i in (1, 2, 1, 2)] == [200, 200, 200, 429]
+    # a path the template does not route is a 404, not a spent budget
+    assert client.get("/users/x/avatar").status_code == 404
+    (rule,) = limiter.check_routes(app)
+    assert rule.routes == ("/users/{}/avatar",)
+
+
+def test_methods_restrict_a_limit(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    app = Flask("methods")
+
+    @app.route("/posts", methods=["GET", "POST"])
+    @limiter.limit("2/minute", methods=["POST"])
+    def posts() -> str:
+        return request.method
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert _statuses(client, "/posts", 5) == [200] * 5
+    assert _statuses(client, "/posts", 3, method="POST") == [200, 200, 429]
+    assert client.get("/posts").status_code == 200
+
+
+def test_cost_static_and_read_from_the_request(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    app = Flask("cost")
+    seen: list[Any] = []
+
+    def pages(req: nanolimit.Request) -> int:
+        seen.append(req.native)
+        return int(req.native.args.get("pages", "1"))
+
+    @app.get("/export")
+    @limiter.limit("5/minute", cost=2)
+    def export() -> str:
+        return "export"
+
+    @app.get("/search")
+    @limiter.limit("10/minute", cost=pages)
+    def search() -> str:
+        return "search"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert _statuses(client, "/export", 3) == [200, 200, 429]
+    first = client.get("/search?pages=4")
+    assert first.status_code == 200 and first.headers["X-RateLimit-Remaining"] == "6"
+    assert seen and seen[-1].path == "/search"  # native is flask.request
+    assert client.get("/search?pages=6").status_code == 200
+    assert client.get("/search?pages=1").status_code == 429
+
+
+def test_cost_above_the_limit_is_a_429_that_says_why(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    app = Flask("too-costly")
+
+    @app.get("/bulk")
+    @limiter.limit("5/minute", cost=lambda req: int(req.native.args["n"]))
+    def bulk() -> str:
+        return "bulk"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    reply = client.get("/bulk?n=6")
+    assert reply.status_code == 429
+    body = reply.get_json()
+    assert body["reason"] == "cost_exceeds_limit" and body["cost"] == 6 and body["limit"] == 5
+    assert body["retry_after"] is None and "Retry-After" not in reply.headers
+    assert client.get("/bulk?n=5").status_code == 200  # nothing was spent by the refusal
+
+
+# ---------------------------------------------------------------------------
+# Counting by response
+
+
+def _login_app(limiter: Limiter, fails: int = 3) -> Flask:
+    app = Flask("logins")
+
+    @app.post("/login")
+    @limiter.limit(f"{fails}/hour", count_when={401})
+    def login() -> Any:
+        if request.form.get("password") == "right":
+            return "welcome"
+        return "wrong password", 401
+
+    limiter.init_app(app)
+    return app
+
+
+def test_throttle_failed_logins_only(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    client = _login_app(limiter).test_client()
+    good = {"password": "right"}
+    bad = {"password": "wrong"}
+    assert [client.post("/login", data=good).status_code for _ in range(4)] == [200] * 4
+    assert [client.post("/login", data=bad).status_code for _ in range(3)] == [401] * 3
+    refused = client.post("/login", data=bad)
+    assert refused.status_code == 429
+    # the budget is spent: even the right password waits now
+    assert client.post("/login", data=good).status_code == 429
+
+
+def test_a_view_that_raises_is_settled_as_500(backend: types.SimpleNamespace) -> None:
+    """In testing mode the exception passes every handler (after_request
+    never runs): teardown settles it. Served normally, Flask answers 500
+    and after_request settles it. Neither counts under ``count_when={401}``."""
+    limiter = _limiter(backend)
+    app = Flask("raises")
+
+    @app.get("/flaky")
+    @limiter.limit("2/hour", count_when={401})
+    def flaky() -> Any:
+        if request.args.get("fail"):
+            raise RuntimeError("boom")
+        return "no", 401
+
+    limiter.init_app(app)
+    app.testing = True
+    client = app.test_client()
+    for _ in range(3):
+        with pytest.raises(RuntimeError):
+            client.get("/flaky?fail=1")
+    app.testing = False
+    assert _statuses(client, "/flaky?fail=1", 3) == [500] * 3
+    assert _statuses(client, "/flaky", 3) == [401, 401, 429]
+
+
+def _gunicorn(port: int, log: Path, fails: int) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(TESTS)])
+    env["NANOLIMIT_FLASK_FAILS"] = str(fails)
+    argv = ["timeout", "90", sys.executable, "-m", "gunicorn", "-w", "1", "-k", "gthread", "--threads", "8"]
+    argv += ["-b", f"127.0.0.1:{port}", "--timeout", "30", "--graceful-timeout", "3"]
+    argv += ["--log-level", "warning"]
+    with log.open("wb") as err:
+        return subprocess.Popen(
+            [*argv, "flask_apps:login_app()"],
+            cwd=str(TESTS),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
+
+
+@contextlib.contextmanager
+def _served(tmp_path: Path, fails: int) -> Iterator[int]:
+    """gunicorn, one worker of 8 threads, bounded by ``timeout`` and stopped by its PID."""
+    pytest.importorskip("gunicorn")
+    port = free_port()
+    log = tmp_path / "gunicorn.log"
+    proc = _gunicorn(port, log, fails)
+    try:
+        deadline = time.monotonic() + 30.0
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"gunicorn exited:\n{log.read_text(errors='replace')[-3000:]}")
+            try:
+                if raw_request(port, "GET", b"/health").status == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gunicorn never answered:\n{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.05)
+        yield port
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # timeout forwards SIGTERM to gunicorn
+            try:
+                proc.wait(15.0)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, 9)
+                proc.wait(10.0)
+
+
+def test_failed_logins_under_8_concurrent_threads_on_gunicorn(tmp_path: Path) -> None:
+    """The live twin behind a real server: 8 client threads at once against
+    8 worker threads. Successful logins (fewer in flight than the budget)
+    all pass; of 48 failed ones exactly the budget is admitted, never more."""
+    fails = 10
+    clients = 8
+    with _served(tmp_path, fails) as port:
+
+        def burst(target: bytes, per_client: int) -> tuple[Counter[int], set[str]]:
+            statuses: Counter[int] = Counter()
+            threads_seen: set[str] = set()
+            lock = threading.Lock()
+            barrier = threading.Barrier(clients)
+
+            def client() -> None:
+                barrier.wait(10.0)
+                for _ in range(per_client):
+                    reply = raw_request(port, "POST", target)
+                    with lock:
+                        statuses[reply.status] += 1
+                        if "x-thread" in reply.headers:
+                            threads_seen.add(reply.headers["x-thread"])
+
+            workers = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join(60.0)
+            return statuses, threads_seen
+
+        good, served_by = burst(b"/login?password=right", 4)
+        assert good == Counter({200: clients * 4}), good
+        bad, _ = burst(b"/login?password=wrong", 6)
+        assert bad[401] == fails, bad
+        assert bad[429] == clients * 6 - fails and sum(bad.values()) == clients * 6, bad
+        assert len(served_by) > 1  # the server ran them on several threads
+
+
+# ---------------------------------------------------------------------------
+# Denials the app controls
+
+
+def test_headers_off_and_renamed(backend: types.SimpleNamespace) -> None:
+    for config, check in (
+        ({"RATELIMIT_HEADERS_ENABLED": False}, "off"),
+        ({"RATELIMIT_HEADER_NAMES": {"X-RateLimit-Remaining": "X-Left", "Retry-After": "X-Wait"}}, "renamed"),
+    ):
+        limiter = _limiter(backend)
+        app = Flask(f"headers-{check}")
+        app.config.update(config)
+
+        @app.get("/")
+        @limiter.limit("1/minute")
+        def home() -> str:
+            return "home"
+
+        limiter.init_app(app)
+        client = app.test_client()
+        ok, denied = client.get("/"), client.get("/")
+        if check == "off":
+            assert not any(h.lower().startswith(("ratelimit", "x-ratelimit")) for h in ok.headers.keys())
+            assert denied.status_code == 429 and "Retry-After" in denied.headers
+            assert "X-RateLimit-Limit" not in denied.headers
+        else:
+            assert ok.headers["X-Left"] == "0" and "X-RateLimit-Remaining" not in ok.headers
+            assert denied.headers["X-Wait"] == str(denied.get_json()["retry_after"])
+            assert "Retry-After" not in denied.headers
+
+
+def test_breach_hook_and_denial_log(backend: types.SimpleNamespace, caplog: pytest.LogCaptureFixture) -> None:
+    breaches: list[tuple[Any, Any]] = []
+    limiter = _limiter(backend, on_breach=lambda req, outcome: breaches.append((req, outcome)), log_denials=0)
+    app = Flask("breach")
+
+    @app.get("/x")
+    @limiter.limit("1/minute")
+    def x() -> str:
+        return "x"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    with caplog.at_level(logging.WARNING, logger="nanolimit.denials"):
+        assert _statuses(client, "/x", 3, environ_base=IP_A) == [200, 429, 429]
+    assert len(breaches) == 2
+    req, outcome = breaches[0]
+    assert req.path == "/x" and req.route == "/x" and req.client == "192.0.2.1"
+    assert outcome.allowed is False and outcome.rule.endswith(".x")
+    records = [r for r in caplog.records if r.name == "nanolimit.denials"]
+    assert len(records) == 2 and "path='/x'" in records[0].getMessage()
+
+
+def test_the_apps_errorhandlers_answer_the_denial(backend: types.SimpleNamespace) -> None:
+    for by in (429, RateLimitExceeded):
+        limiter = _limiter(backend)
+        app = Flask(f"handler-{by}")
+        caught: list[Any] = []
+
+        @app.errorhandler(by)
+        def too_many(exc: Any) -> Any:
+            caught.append(exc)
+            return jsonify(message="slow down", rule=exc.outcome.rule), 429
+
+        @app.get("/")
+        @limiter.limit("1/minute")
+        def home() -> str:
+            return "home"
+
+        limiter.init_app(app)
+        client = app.test_client()
+        assert client.get("/").status_code == 200
+        denied = client.get("/")
+        assert denied.status_code == 429
+        assert denied.get_json()["message"] == "slow down"
+        assert isinstance(caught[0], RateLimitExceeded)
+        # the handler's response still carries the limiter's headers
+        assert int(denied.headers["Retry-After"]) >= 1 and denied.headers["X-RateLimit-Remaining"] == "0"
+
+
+def test_custom_deny_builds_the_response(backend: types.SimpleNamespace) -> None:
+    calls: list[Any] = []
+
+    def deny(req: nanolimit.Request, outcome: nanolimit.Outcome) -> Any:
+        calls.append(req.native.path)
+        return f"wait {outcome.retry_after}s", 503, {"Retry-After": "99"}
+
+    limiter = _limiter(backend, deny=deny)
+    app = Flask("deny")
+    ran: list[int] = []
+
+    @app.get("/")
+    @limiter.limit("1/minute")
+    def home() -> str:
+        ran.append(1)
+        return "home"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    client.get("/")
+    denied = client.get("/")
+    assert denied.status_code == 503 and denied.data.startswith(b"wait ")
+    assert denied.headers["Retry-After"] == "99"  # what deny wrote is kept
+    assert calls == ["/"] and ran == [1]
+
+
+# ---------------------------------------------------------------------------
+# Config
+
+
+def test_ratelimit_config_keys(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+
+    @limiter.limit("2/minute")
+    def plain() -> str:
+        return "plain"
+
+    @limiter.limit("2/minute", algorithm="gcra")
+    def own_algorithm() -> str:
+        return "own"
+
+    app = Flask("config")
+    app.config.update(
+        RATELIMIT_SCOPE="global",
+        RATELIMIT_ALGORITHM="fixed-window",
+        RATELIMIT_TRUSTED_PROXIES=["10.0.0.0/8"],
+    )
+    app.add_url_rule("/plain", view_func=plain)
+    app.add_url_rule("/own", view_func=own_algorithm)
+    limiter.init_app(app)
+    rules = {r.name.rsplit(".", 1)[-1]: r for r in limiter.check_routes(app)}
+    assert rules["plain"].algorithm is Algorithm.FIXED_WINDOW and rules["plain"].scope is KeyScope.GLOBAL
+    assert rules["own_algorithm"].algorithm is Algorithm.GCRA
+    client = app.test_client()
+    # global: two clients share one budget
+    assert client.get("/plain", environ_base=IP_A).status_code == 200
+    assert client.get("/plain", environ_base=IP_B).status_code == 200
+    assert client.get("/plain", environ_base=IP_A).status_code == 429
+
+
+def test_trusted_proxies_config_believes_only_the_proxy(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    app = Flask("proxies")
+    app.config["RATELIMIT_TRUSTED_PROXIES"] = ["10.0.0.0/8"]
+
+    @app.get("/")
+    @limiter.limit("1/minute")
+    def home() -> str:
+        return "home"
+
+    limiter.init_app(app)
+    client = app.test_client()
+
+    def status(peer: str, forwarded: str) -> int:
+        reply = client.get("/", environ_base={"REMOTE_ADDR": peer}, headers={"X-Forwarded-For": forwarded})
+        return reply.status_code
+
+    # behind the trusted proxy each forwarded client has its own budget
+    assert [status("10.1.2.3", f"198.51.100.{i}") for i in (1, 2, 1)] == [200, 200, 429]
+    # a client outside the proxy network cannot pick its identity with the header
+    assert [status("192.0.2.9", f"198.51.100.{i}") for i in (7, 8)] == [200, 429]
+
+
+def test_constructor_arguments_win_over_config(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend, key_scope="ip", algorithm="sliding_log", headers=True)
+    app = Flask("wins")
+    app.config.update(RATELIMIT_SCOPE="global", RATELIMIT_ALGORITHM="gcra", RATELIMIT_HEADERS_ENABLED=False)
+
+    @app.get("/")
+    @limiter.limit("1/minute")
+    def home() -> str:
+        return "home"
+
+    limiter.init_app(app)
+    (rule,) = limiter.check_routes(app)
+    assert rule.scope is KeyScope.IP and rule.algorithm is Algorithm.SLIDING_LOG
+    assert "RateLimit-Policy" in app.test_client().get("/").headers
+
+
+def test_ratelimit_enabled_false_turns_every_limit_off(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend, default_limits="1/minute")
+    app = Flask("off")
+    app.config["RATELIMIT_ENABLED"] = False
+
+    @app.get("/")
+    @limiter.limit("1/minute")
+    def home() -> str:
+        return "home"
+
+    limiter.init_app(app)
+    reply_statuses = _statuses(app.test_client(), "/", 5)
+    assert reply_statuses == [200] * 5
+    assert "RateLimit-Policy" not in app.test_client().get("/").headers
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("RATELIMIT_STORAGE_URL", "memory://", "did you mean RATELIMIT_STORAGE_URI"),
+        ("RATELIMIT_DEFAULTS_PER_METHOD", True, "unknown config key RATELIMIT_DEFAULTS_PER_METHOD"),
+    ],
+)
+def test_unknown_config_key_is_named_with_the_accepted_ones(key: str, value: Any, message: str) -> None:
+    app = Flask("unknown")
+    app.config[key] = value
+    with pytest.raises(ValidationError, match=message) as info:
+        Limiter(app)
+    for accepted in CONFIG_KEYS:
+        assert accepted in str(info.value)
+    assert "nanolimit" not in app.extensions  # nothing was installed
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("RATELIMIT_SCOPE", "tenant", "RATELIMIT_SCOPE: unknown scope 'tenant'"),
+        ("RATELIMIT_ALGORITHM", "bogus", "RATELIMIT_ALGORITHM"),
+        ("RATELIMIT_DEFAULT", "lots", "RATELIMIT_DEFAULT"),
+        ("RATELIMIT_HEADERS_ENABLED", "yes", "RATELIMIT_HEADERS_ENABLED: must be a bool"),
+        ("RATELIMIT_ENABLED", 0, "RATELIMIT_ENABLED must be a bool"),
+        ("RATELIMIT_TRUSTED_PROXIES", ["not-a-network"], "RATELIMIT_TRUSTED_PROXIES"),
+        ("RATELIMIT_HEADER_NAMES", {"X-Nope": "X-A"}, "X-Nope"),
+    ],
+)
+def test_bad_config_values_are_named(key: str, value: Any, message: str) -> None:
+    app = Flask("bad-value")
+    app.config[key] = value
+    with pytest.raises(ValidationError, match=message):
+        Limiter(app)
+
+
+def test_storage_uri_from_config_and_a_storage_object(backend: types.SimpleNamespace) -> None:
+    pytest.importorskip("nanolimit.storage.uri")
+    for make in ("uri", "object"):
+        limiter = Limiter(storage=backend.InMemoryStorage()) if make == "object" else Limiter()
+        app = Flask(f"storage-{make}")
+        if make == "uri":
+            app.config["RATELIMIT_STORAGE_URI"] = "memory://?max_keys=1000"
+
+        @app.get("/")
+        @limiter.limit("1/minute")
+        def home() -> str:
+            return "home"
+
+        limiter.init_app(app)
+        assert _statuses(app.test_client(), "/", 2) == [200, 429]
+        storage = limiter.pipeline(app).factory.storage
+        if make == "object":
+            assert isinstance(storage, backend.InMemoryStorage)
+        else:
+            assert isinstance(storage, nanolimit.InMemoryStorage)
+
+
+def test_one_limiter_serves_an_application_factory(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend, storage=None)
+
+    @limiter.limit("2/minute")
+    def home() -> str:
+        return "home"
+
+    def create_app(**config: Any) -> Flask:
+        app = Flask("factory")
+        app.config.update(config)
+        app.add_url_rule("/", view_func=home)
+        limiter.init_app(app)
+        limiter.check_routes(app)
+        return app
+
+    strict = create_app(RATELIMIT_DEFAULT="1/minute")
+    testing = create_app(RATELIMIT_ENABLED=False)
+    again = create_app()
+    assert _statuses(strict.test_client(), "/", 3) == [200, 200, 429]
+    assert _statuses(testing.test_client(), "/", 3) == [200] * 3
+    assert _statuses(again.test_client(), "/", 3) == [200, 200, 429]  # its own store
+    assert limiter.pipeline(strict) is not limiter.pipeline(again)
+    with pytest.raises(ValidationError, match="already initialised"):
+        limiter.init_app(strict)
+
+
+def test_a_registry_serves_one_app(backend: types.SimpleNamespace) -> None:
+    registry = RuleRegistry()
+    limiter = _limiter(backend, rules=registry)
+    limiter.init_app(Flask("first"))
+    with pytest.raises(ValidationError, match="another app"):
+        limiter.init_app(Flask("second"))
+
+
+# ---------------------------------------------------------------------------
+# Checked when written, and at startup
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rate": "5 per fortnight"}, "limit '5 per fortnight'"),
+        ({"rate": "5/minute", "algorithm": "leaky-token"}, "leaky-token"),
+        ({"rate": "5/minute", "cost": 0}, r"limit '5/minute': cost: must be >= 1"),
+        ({"rate": "5/minute", "cost": 6}, r"limit '5/minute': cost: 6 exceeds the capacity 5"),
+        ({"rate": "5/minute", "scope": "tenant"}, "unknown scope 'tenant'"),
+    ],
+)
+def test_a_bad_declaration_raises_when_written(kwargs: dict[str, Any], message: str) -> None:
+    limiter = Limiter()
+    rate = kwargs.pop("rate")
+    with pytest.raises(ValidationError, match=message):
+
+        @limiter.limit(rate, **kwargs)
+        def view() -> str:
+            return "never"
+
+
+def test_check_routes_names_a_rule_whose_route_does_not_exist(backend: types.SimpleNamespace) -> None:
+    registry = RuleRegistry(
+        [RateLimitRule("typo", "*", "/", "ip", "token_bucket", 5, 60.0, routes=("/logn",))]
+    )
+    limiter = _limiter(backend, rules=registry)
+    app = Flask("typo")
+
+    @app.post("/login")
+    def login() -> str:
+        return "ok"
+
+    limiter.init_app(app)
+    with pytest.raises(RuleValidationError, match="typo") as info:
+        limiter.check_routes(app)
+    assert "'/logn' matches no route of the app" in str(info.value)
+    assert info.value.rule == "typo"
+
+
+def test_routes_added_after_init_app_are_bound_on_the_first_request(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    app = Flask("late")
+    limiter.init_app(app)
+
+    @app.get("/late")
+    @limiter.limit("1/minute")
+    def late() -> str:
+        return "late"
+
+    assert _statuses(app.test_client(), "/late", 2) == [200, 429]
+
+
+# ---------------------------------------------------------------------------
+# The user scope
+
+
+def test_flask_login_current_user_is_the_user_scope(backend: types.SimpleNamespace) -> None:
+    flask_login = pytest.importorskip("flask_login")
+
+    class User(flask_login.UserMixin):
+        def __init__(self, uid: str) -> None:
+            self.id = uid
+
+    limiter = _limiter(backend)
+    app = Flask("users")
+    app.secret_key = "test"
+    manager = flask_login.LoginManager(app)
+    manager.user_loader(User)
+
+    @app.post("/login/<uid>")
+    def login(uid: str) -> str:
+        flask_login.login_user(User(uid))
+        return "in"
+
+    @app.get("/me")
+    @limiter.limit("2/minute", scope="user")
+    def me() -> str:
+        return str(getattr(flask_login.current_user, "id", "anonymous"))
+
+    limiter.init_app(app)
+    alice = app.test_client()
+    alice.post("/login/alice", environ_base=IP_A)
+    # one user from two addresses: one budget
+    assert alice.get("/me", environ_base=IP_A).status_code == 200
+    assert alice.get("/me", environ_base=IP_B).status_code == 200
+    assert alice.get("/me", environ_base=IP_A).status_code == 429
+    # another user from the same address: a budget of their own
+    bob = app.test_client()
+    bob.post("/login/bob", environ_base=IP_A)
+    assert bob.get("/me", environ_base=IP_A).status_code == 200
+    # an anonymous caller is keyed by its IP, and a header names nobody
+    anon = app.test_client()
+    statuses = [
+        anon.get("/me", environ_base={"REMOTE_ADDR": "192.0.2.50"}, headers={"X-User": f"u{i}"}).status_code
+        for i in range(3)
+    ]
+    assert statuses == [200, 200, 429]
+
+
+def test_remote_user_without_flask_login(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    app = Flask("remote-user")
+
+    @app.get("/")
+    @limiter.limit("1/minute", scope="user")
+    def home() -> str:
+        return "home"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert client.get("/", environ_base={**IP_A, "REMOTE_USER": "carol"}).status_code == 200
+    assert client.get("/", environ_base={**IP_B, "REMOTE_USER": "carol"}).status_code == 429
+    assert client.get("/", environ_base={**IP_A, "REMOTE_USER": "dave"}).status_code == 200
+
+
+def test_metrics_count_the_apps_decisions(backend: types.SimpleNamespace) -> None:
+    metrics = nanolimit.Metrics()
+    limiter = _limiter(backend, metrics=metrics)
+    app = Flask("metrics")
+
+    @app.get("/")
+    @limiter.limit("1/minute")
+    def home() -> str:
+        return "home"
+
+    limiter.init_app(app)
+    _statuses(app.test_client(), "/", 3)
+    assert limiter.pipeline(app).metrics is metrics
+    (counts,) = metrics.snapshot().values()
+    assert counts["allowed"] == 1 and counts["denied"] == 2
+
+
+def test_the_429_body_is_the_pipelines(backend: types.SimpleNamespace) -> None:
+    limiter = _limiter(backend)
+    app = Flask("body")
+
+    @app.get("/")
+    @limiter.limit("1/minute")
+    def home() -> str:
+        return "home"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    client.get("/")
+    denied = client.get("/")
+    assert json.loads(denied.data) == {
+        "error": "rate_limit_exceeded",
+        "rule": denied.get_json()["rule"],
+        "retry_after": int(denied.headers["Retry-After"]),
+    }
