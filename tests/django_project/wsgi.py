@@ -1,0 +1,8 @@
+"""gunicorn django_project.wsgi:application"""
+
+import os
+
+from django.core.wsgi import get_wsgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "django_project.settings")
+application = get_wsgi_application()
