@@ -460,12 +460,18 @@ def test_unknown_settings_key_is_improperly_configured(nano: Any) -> None:
         ({"LOG_DENIALS": -1}, "LOG_DENIALS"),
         ({"RULES": "/nonexistent/rules.toml"}, "RULES"),
         ({"STORAGE": "nosuch://x"}, "STORAGE"),
+        ({"HEADER_NAMES": {"X-Unknown": "X-Other"}}, "HEADER_NAMES"),
+        ({"LIMITS": "django_project.views.hello"}, "LIMITS"),
+        ({"DEFAULT": ["5/minute", "bogus"]}, "DEFAULT"),
+        ({"DEFAULT": 5}, "DEFAULT"),
     ],
 )
 def test_bad_setting_values_are_improperly_configured(nano: Any, conf: dict[str, Any], named: str) -> None:
+    before = nd.limits.registry.ruleset
     nano(**conf)
-    with pytest.raises(ImproperlyConfigured, match=named):
+    with pytest.raises(ImproperlyConfigured, match=rf"NANOLIMIT\['{named}'\]"):
         Client().get("/hello")
+    assert nd.limits.registry.ruleset is before  # a bad setting changes nothing
 
 
 def test_system_check_catches_a_template_matching_no_route(nano: Any) -> None:
@@ -625,3 +631,12 @@ def test_gunicorn_never_admits_more_failed_logins_than_the_budget(tmp_path: Path
         print(f"\ndjango-gunicorn: {json.dumps({str(k): v for k, v in sorted(tally.items())})}")
     finally:
         _stop(proc)
+
+
+def test_scope_and_algorithm_settings_are_the_declarations_defaults(nano: Any) -> None:
+    nano(SCOPE="user", ALGORITHM="fixed-window")
+    declared = nd.limit("1/hour")
+    assert declared.scope.value == "user" and declared.algorithm.value == "fixed_window"
+    assert nd.limit("1/hour", scope="ip").scope.value == "ip"
+    nano(DEFAULT="1/hour", SCOPE="api_key")
+    assert nd.pipeline().registry.ruleset.default.scope.value == "api_key"  # type: ignore[union-attr]

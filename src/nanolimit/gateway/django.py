@@ -281,19 +281,6 @@ class _Live:
             default = defaults[0]
         elif defaults:
             rules = (*rules, *defaults)
-        if conf.limits is None or loaded is not None or defaults:
-            # our own registry always follows the settings; one you pass
-            # keeps its rules unless RULES or DEFAULT replace them
-            replace: dict[str, Any] = {"default": default}
-            if loaded is not None:
-                replace["stacked"] = loaded.stacked
-                exempt = getattr(loaded, "exempt", ())
-                if exempt:
-                    replace["exempt"] = exempt
-            try:
-                registry.replace(rules, **replace)
-            except ValidationError as exc:
-                raise _bad("RULES" if loaded is not None else "DEFAULT", str(exc)) from None
         try:
             if loaded is not None and loaded.storage is not None:
                 factory = loaded.factory()
@@ -303,6 +290,9 @@ class _Live:
             raise _bad("STORAGE" if conf.storage is not None else "RULES", str(exc)) from None
         try:
             extractor = DefaultKeyExtractor(trusted_proxies=conf.trusted_proxies)
+        except ValidationError as exc:
+            raise _bad("TRUSTED_PROXIES", str(exc)) from None
+        try:
             self.core = Pipeline(
                 registry,
                 factory,
@@ -313,7 +303,18 @@ class _Live:
                 log_denials=conf.log_denials,
             )
         except ValidationError as exc:
-            raise ImproperlyConfigured(f"settings.NANOLIMIT: {exc}") from None
+            raise _bad("HEADER_NAMES", str(exc)) from None  # the one check left to the pipeline
+        # last, once everything else stood: a bad setting changes no registry
+        if conf.limits is None or loaded is not None or defaults:
+            # our own registry always follows the settings; one you pass
+            # keeps its rules unless RULES or DEFAULT replace them
+            replace: dict[str, Any] = {"default": default, "exempt": getattr(loaded, "exempt", ())}
+            if loaded is not None:
+                replace["stacked"] = loaded.stacked
+            try:
+                registry.replace(rules, **replace)
+            except ValidationError as exc:
+                raise _bad("RULES" if loaded is not None else "DEFAULT", str(exc)) from None
         storage = factory.storage
         self.network = any(type(storage).__module__.startswith(m) for m in _NETWORK_MODULES)
         self.bound = False
