@@ -513,19 +513,22 @@ class Limiter:
         outcome: Outcome | None = g.pop(_OUTCOME, None)
         if outcome is None:
             return response
-        if outcome.allowed:
+        if outcome.allowed and outcome.charge is not None:
             _settle(self._state().pipeline, outcome, response.status_code)
         # the outcome's headers on whatever answered, a 429 built by the
         # app's own handler or deny included, unless it wrote them itself
-        out = response.headers
-        for name, value in outcome.headers.items():
-            if name not in out:
-                out[name] = value
+        headers = outcome.headers
+        if headers:
+            out = response.headers
+            present = {name.lower() for name, _ in out.items()}  # one pass, not one per header
+            for name, value in headers.items():
+                if name.lower() not in present:
+                    out.add(name, value)
         return response
 
     def _teardown_request(self, exc: BaseException | None) -> None:
         outcome: Outcome | None = g.pop(_OUTCOME, None)
-        if outcome is not None and outcome.allowed:
+        if outcome is not None and outcome.allowed and outcome.charge is not None:
             # after_request never ran: the view raised past every handler
             _settle(self._state().pipeline, outcome, 500)
 
