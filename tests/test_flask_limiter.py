@@ -973,3 +973,24 @@ def test_the_429_body_is_the_pipelines(backend: types.SimpleNamespace) -> None:
         "rule": denied.get_json()["rule"],
         "retry_after": int(denied.headers["Retry-After"]),
     }
+
+
+def test_abort_401_counts_and_head_spends_the_get_budget(backend: types.SimpleNamespace) -> None:
+    """A failure answered by ``abort(401)`` (an HTTPException Flask turns
+    into the response) is the status after_request settles on; a ``GET``
+    limit covers ``HEAD``, which Flask answers with the GET view."""
+    from flask import abort
+
+    limiter = _limiter(backend)
+    app = Flask("abort")
+
+    @app.get("/token")
+    @limiter.limit("2/hour", methods=["GET"], count_when={401})
+    def token() -> str:
+        abort(401)
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert client.head("/token").status_code == 401
+    assert client.get("/token").status_code == 401
+    assert client.get("/token").status_code == 429
