@@ -25,6 +25,7 @@ from typing import Any, Final
 from urllib.parse import unquote, unquote_plus
 
 from .._errors import ValidationError
+from .._protocols import Storage
 
 __all__ = ["DEFAULT_MEMORY_MAX_KEYS", "SCHEMES", "redact_uri", "storage_from_uri", "storage_kind"]
 
@@ -389,7 +390,7 @@ def _no_path(parts: _Parts, form: str) -> None:
 
 
 # -- the storages ------------------------------------------------------------------
-def storage_from_uri(uri: str, **options: Any) -> Any:
+def storage_from_uri(uri: str, **options: Any) -> Storage:
     """The storage ``uri`` names, with its options.
 
     ``memory://`` — an ``InMemoryStorage`` of this process (bounded at
@@ -407,10 +408,12 @@ def storage_from_uri(uri: str, **options: Any) -> Any:
     """
     parts = _split(uri)
     if parts.base == "memory":
-        return _memory(parts, options)
-    if parts.base == "shm":
-        return _zone(parts, options)
-    return _redis(parts, options)
+        storage = _memory(parts, options)
+    elif parts.base == "shm":
+        storage = _zone(parts, options)
+    else:
+        storage = _redis(parts, options)
+    return storage  # type: ignore[no-any-return]
 
 
 def storage_kind(uri: str) -> str:
