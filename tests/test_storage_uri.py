@@ -89,6 +89,7 @@ def test_redis_standalone_decides_and_every_option_is_applied(redis_server: Serv
         "&prefix=cfg:&breaker_threshold=7&breaker_cooldown=2.5&near_cache=yes&keep_connections=3"
         "&batch=pipeline&deny_retry_after=4&clock=client&hash_identities=false"
         "&max_identity_bytes=32&client_name=urier&health_check_interval=0&socket_keepalive=1"
+        "&near_cache_size=99&near_cache_ttl=0.5&max_key_bytes=512&max_connections=20"
     )
     storage = storage_from_uri(uri)
     direct = redis_server.client(db=3)
@@ -100,6 +101,8 @@ def test_redis_standalone_decides_and_every_option_is_applied(redis_server: Serv
         assert storage.timeout == 0.25 and storage.on_error == "deny" and storage.prefix == "cfg:"
         assert storage._breaker.threshold == 7 and storage._breaker.cooldown == 2.5
         assert storage._near is not None and storage.batch == "pipeline"
+        assert storage._near.max_entries == 99 and storage._near.max_ttl == 0.5
+        assert storage.max_key_bytes == 512 and storage.client.connection_pool.max_connections == 20
         assert storage.deny_retry_after == 4.0 and storage.clock == "client"
         assert storage.max_identity_bytes == 32 and storage.hash_identities is False
         assert direct_path(storage.client) == "kept" and storage._spares._keep == 3
@@ -480,6 +483,41 @@ def test_the_tls_options_reach_the_connection() -> None:
     plain = storage_from_uri(f"redis://{HOST}:1")
     assert plain.client.connection_pool.connection_class.__name__ == "Connection"
     plain.close()
+
+
+def test_the_remaining_client_options_reach_the_client() -> None:
+    """Read back from what was built (nothing here connects)."""
+    storage = storage_from_uri(
+        f"rediss://{HOST}:1?protocol=3&health_check_interval=7&ssl_certfile=/c.pem&ssl_keyfile=/k.pem"
+        f"&ssl_ca_path=/ca&ssl_password={SECRET}"
+    )
+    kwargs = storage.client.connection_pool.connection_kwargs
+    assert kwargs["protocol"] == 3 and kwargs["health_check_interval"] == 7.0
+    assert (kwargs["ssl_certfile"], kwargs["ssl_keyfile"], kwargs["ssl_ca_path"]) == (
+        "/c.pem",
+        "/k.pem",
+        "/ca",
+    )
+    assert kwargs["ssl_password"] == SECRET
+    storage.close()
+    watched = storage_from_uri(
+        f"redis+sentinel://{HOST}:1/svc?sentinel_username=watch&sentinel_password={SECRET}&password=m"
+    )
+    pool = watched.client.connection_pool
+    watcher = pool.sentinel_manager.sentinels[0].connection_pool.connection_kwargs
+    assert watcher["username"] == "watch" and watcher["password"] == SECRET
+    assert pool.connection_kwargs["password"] == "m" and pool.service_name == "svc"
+    assert watcher["port"] == 1
+    _no_secret(repr(watched), repr(watched.client))
+    watched.close()
+    default_port = storage_from_uri("redis+sentinel://127.0.0.1/svc")
+    assert (
+        default_port.client.connection_pool.sentinel_manager.sentinels[0].connection_pool.connection_kwargs[
+            "port"
+        ]
+        == 26379
+    )
+    default_port.close()
 
 
 def test_storage_from_uri_is_a_lazy_top_level_name() -> None:
