@@ -236,6 +236,22 @@ def test_a_view_that_raises_is_settled_by_djangos_500(nano: Any) -> None:
     assert get(client, "/boom?ok=1").status_code == 429
 
 
+def test_an_exception_that_propagates_is_settled_as_a_500(nano: Any) -> None:
+    """DEBUG_PROPAGATE_EXCEPTIONS: Django sends no response; the exception
+    leaves through the middleware, which settles it as the 500 it is."""
+    with override_settings(DEBUG_PROPAGATE_EXCEPTIONS=True):
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="the view failed"):
+                get(Client(), "/boom")  # (a client keeps a propagated exception: one each)
+    assert get(Client(), "/boom?ok=1").status_code == 429  # both counted
+
+
+def test_a_permission_denied_view_is_settled_by_its_403(nano: Any) -> None:
+    client = Client()
+    assert statuses(client, "/login", 5, method="post", data={"deny": "1"}) == [403] * 5
+    assert _login(client, views.PASSWORD) == 429  # the five 403s spent the budget
+
+
 # ---------------------------------------------------------------------------
 # Denials the app controls
 

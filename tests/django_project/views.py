@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views import View
 
@@ -112,7 +113,10 @@ def fanout(request: HttpRequest) -> HttpResponse:
 
 @limit("5/hour", count_when={401, 403}, methods="POST")
 def login(request: HttpRequest) -> HttpResponse:
-    """Failed logins only spend the budget."""
+    """Failed logins only spend the budget (a 401, or Django's 403 for a
+    PermissionDenied)."""
+    if request.POST.get("deny"):
+        raise PermissionDenied("locked out")
     try:
         password = json.loads(request.body or b"{}").get("password")
     except ValueError:

@@ -523,7 +523,10 @@ class RateLimitMiddleware:
 
     Sync and async (Django picks the mode of the chain it sits in): the
     decision is in ``process_view``; the response gets the headers, and its
-    status settles ``count_when`` rules, in ``__call__``. Settings problems
+    status settles ``count_when`` rules, in ``__call__``: the status Django
+    sends, so a view that raised is settled by the 500 (or the 403, 404 or
+    400 of the exceptions Django maps) it answers, and no
+    ``process_exception`` is needed. Settings problems
     are ``ImproperlyConfigured`` when Django loads the middleware;
     ``ENABLED: False`` takes it out of the chain (``MiddlewareNotUsed``).
     """
@@ -547,7 +550,14 @@ class RateLimitMiddleware:
     def __call__(self, request: Any) -> Any:
         if self.is_async:
             return self.__acall__(request)
-        response = self.get_response(request)
+        try:
+            response = self.get_response(request)
+        except BaseException:
+            # Django turns a view's exception into its 500 (or 403, 404, 400)
+            # response, which is settled below; one that still propagates
+            # (DEBUG_PROPAGATE_EXCEPTIONS) is a 500 that never went out
+            self._settle_raised(request)
+            raise
         outcome = getattr(request, _ATTR, _UNDECIDED)
         if outcome is _UNDECIDED:  # never reached a view: decide now
             live = _state()
@@ -602,7 +612,11 @@ class RateLimitMiddleware:
 
     # -- async --------------------------------------------------------------
     async def __acall__(self, request: Any) -> Any:
-        response = await self.get_response(request)
+        try:
+            response = await self.get_response(request)
+        except BaseException:
+            await sync_to_async(self._settle_raised, thread_sensitive=False)(request)
+            raise
         outcome = getattr(request, _ATTR, _UNDECIDED)
         if outcome is _UNDECIDED:
             live = _state()
@@ -655,12 +669,11 @@ class RateLimitMiddleware:
             return response
         return _json_denial(outcome)
 
-    def process_exception(self, request: Any, exception: BaseException) -> None:
-        """A view that raised is settled by the status Django answers for it
-        (500, or 403/404/400 for the exceptions Django maps), read from the
-        converted response in ``__call__``: nothing to do here but let the
-        exception go on to Django's handlers."""
-        return None
+    @staticmethod
+    def _settle_raised(request: Any) -> None:
+        outcome = getattr(request, _ATTR, None)
+        if outcome is not None and outcome.charge is not None:
+            _state().core.settle(outcome, 500)
 
 
 # ---------------------------------------------------------------------------
