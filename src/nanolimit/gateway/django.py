@@ -33,7 +33,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -98,6 +98,7 @@ SETTINGS: Mapping[str, Any] = {
 # the outcome of a request, kept on Django's request between the hooks
 _ATTR = "_nanolimit_outcome"
 _DENIED = "_nanolimit_denied"
+_USER = "_nanolimit_user"
 _UNDECIDED: Any = object()
 # stores whose operations cross the network: the async path calls them in a thread
 _NETWORK_MODULES = ("nanolimit.storage.redis", "nanolimit.storage.two_tier")
@@ -289,7 +290,7 @@ class _Live:
         except ValidationError as exc:
             raise _bad("STORAGE" if conf.storage is not None else "RULES", str(exc)) from None
         try:
-            extractor = DefaultKeyExtractor(trusted_proxies=conf.trusted_proxies)
+            extractor = DefaultKeyExtractor(user_id=_lazy_user, trusted_proxies=conf.trusted_proxies)
         except ValidationError as exc:
             raise _bad("TRUSTED_PROXIES", str(exc)) from None
         try:
@@ -321,8 +322,9 @@ class _Live:
         self._users: tuple[RuleSet | None, bool] = (None, False)
 
     def needs_user(self) -> bool:
-        """Does any rule read the user (a user scope, or tiers)? Only then is
-        ``request.user`` touched, which may load the session and the user."""
+        """Does any rule read the user (a user scope, or tiers)? Only then
+        does the async path read ``await request.auser()`` before deciding
+        (the sync path reads ``request.user`` when a rule asks for it)."""
         ruleset = self.core.registry.ruleset
         seen = self._users
         if seen[0] is not ruleset:
@@ -492,12 +494,64 @@ def _user_id(user: Any) -> str | None:
     return None if pk is None else str(pk)
 
 
-def _request(request: Any, user: str | None) -> Request:
+def _lazy_user(request: Request) -> str | None:
+    """The extractor's user: read from Django's ``request.user`` only when a
+    rule asks for it (reading it may load the session and the user), once
+    per request, and kept in ``Request.user`` for the hooks."""
+    user = request.user
+    if user is not None:
+        return user
+    native = request.native
+    user = getattr(native, _USER, _UNDECIDED)
+    if user is _UNDECIDED:
+        user = _user_id(getattr(native, "user", None))
+        setattr(native, _USER, user)
+    request.user = user
+    return user
+
+
+class _MetaHeaders(Mapping[str, str]):
+    """``request.META``'s ``HTTP_*`` keys as the lower-case header mapping
+    keys read, looked up one at a time: ``request.headers`` would copy
+    every header of every request, and most are never read."""
+
+    __slots__ = ("_meta",)
+
+    def __init__(self, meta: Mapping[str, Any]) -> None:
+        self._meta = meta
+
+    @staticmethod
+    def _cgi(key: str) -> str:
+        name = key.upper().replace("-", "_")
+        return name if name in ("CONTENT_TYPE", "CONTENT_LENGTH") else "HTTP_" + name
+
+    def __getitem__(self, key: str) -> str:
+        value = self._meta[self._cgi(key)]
+        if not isinstance(value, str):
+            raise KeyError(key)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self._meta.get(self._cgi(key), default)
+        return value if isinstance(value, str) else default
+
+    def __iter__(self) -> Iterator[str]:
+        for key in self._meta:
+            if key.startswith("HTTP_"):
+                yield key[5:].lower().replace("_", "-")
+            elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+                yield key.lower().replace("_", "-")
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _request(request: Any, user: str | None = None) -> Request:
     match = getattr(request, "resolver_match", None)
     return Request(
         request.method or "GET",
         request.path,
-        request.headers,
+        _MetaHeaders(request.META),
         request.META.get("REMOTE_ADDR") or None,
         user,
         route=None if match is None else match.route or "/",
@@ -561,7 +615,7 @@ class RateLimitMiddleware:
         outcome = getattr(request, _ATTR, _UNDECIDED)
         if outcome is _UNDECIDED:  # never reached a view: decide now
             live = _state()
-            outcome = live.core.check(_request(request, self._user(live, request)))
+            outcome = live.core.check(_request(request))
             if outcome is not None and not outcome.allowed:
                 setattr(request, _ATTR, outcome)
                 return self._deny(live, request, outcome)
@@ -571,7 +625,7 @@ class RateLimitMiddleware:
 
     def process_view(self, request: Any, view: Any, args: Any, kwargs: Any) -> Any:
         live = _state()
-        outcome = live.core.check(_request(request, self._user(live, request)))
+        outcome = live.core.check(_request(request))
         setattr(request, _ATTR, outcome)
         if outcome is None:
             return None
@@ -580,10 +634,6 @@ class RateLimitMiddleware:
         if outcome.delay > 0.0:
             time.sleep(outcome.delay)
         return None
-
-    @staticmethod
-    def _user(live: _Live, request: Any) -> str | None:
-        return _user_id(getattr(request, "user", None)) if live.needs_user() else None
 
     @staticmethod
     def _finish(request: Any, response: Any, outcome: Outcome | None) -> Any:
@@ -634,12 +684,13 @@ class RateLimitMiddleware:
 
     async def _acheck(self, live: _Live, request: Any) -> Outcome | None:
         user = None
-        if live.needs_user():
+        if live.needs_user():  # read before deciding: the loop must not touch the database
             auser = getattr(request, "auser", None)  # Django 5's async user
             if auser is not None:
                 user = _user_id(await auser())
             elif hasattr(request, "user"):
                 user = await sync_to_async(_user_id)(request.user)
+            setattr(request, _USER, user)
         req = _request(request, user)
         if live.network:
             return await sync_to_async(live.core.check, thread_sensitive=False)(req)
