@@ -183,6 +183,13 @@ def test_route_template_ids_share_one_budget(nano: Any) -> None:
     assert rule.routes == ("/api/users/{}/avatar",)
 
 
+def test_root_view_and_re_path_routes(nano: Any) -> None:
+    client = Client()
+    assert statuses(client, "/", 3) == [200, 200, 429]
+    routes = {r.template for r in nd.routes_of()}
+    assert {"/", "hello", "api/users/<int:id>/avatar", "api/files/(?P<name>[a-z]+)$"} <= routes
+
+
 def test_methods_limit_only_the_declared_method(nano: Any) -> None:
     client = Client()
     assert statuses(client, "/api/items", 2, method="post") == [200, 429]

@@ -13,6 +13,7 @@ api = [
 ]
 
 urlpatterns = [
+    path("", views.index),
     path("hello", views.hello),
     path("ahello", views.ahello),
     path("report", views.Report.as_view()),

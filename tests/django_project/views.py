@@ -20,6 +20,12 @@ def _pid(response: HttpResponse) -> HttpResponse:
     return response
 
 
+@limit("2/hour")
+def index(request: HttpRequest) -> HttpResponse:
+    """The root view: route "" (template "/")."""
+    return HttpResponse("index")
+
+
 @limit("3/hour")
 def hello(request: HttpRequest) -> HttpResponse:
     return _pid(HttpResponse("hello", content_type="text/plain"))

@@ -411,16 +411,16 @@ def routes_of(resolver: Any = None) -> list[RouteInfo]:
     root = get_resolver() if resolver is None else resolver
     out: list[RouteInfo] = []
 
-    def walk(patterns: Iterable[Any], prefix: str, marked: tuple[Any, ...]) -> None:
+    def walk(patterns: Iterable[Any], prefix: str) -> None:
         for p in patterns:
             route = _join(prefix, str(p.pattern))
             if isinstance(p, URLResolver):
-                module = p.urlconf_module
-                walk(p.url_patterns, route, (*marked, module) if module is not None else marked)
+                walk(p.url_patterns, route)
             elif isinstance(p, URLPattern):
-                out.append(RouteInfo(route or "/", frozenset(), p.callback, marked))
+                # "" (a root view) is the template "/", as the request reports it
+                out.append(RouteInfo(route or "/", frozenset(), p.callback))
 
-    walk(root.url_patterns, "", ())
+    walk(root.url_patterns, "")
     return out
 
 
