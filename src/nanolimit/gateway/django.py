@@ -580,9 +580,9 @@ class RateLimitMiddleware:
     status settles ``count_when`` rules, in ``__call__``: the status Django
     sends, so a view that raised is settled by the 500 (or the 403, 404 or
     400 of the exceptions Django maps) it answers, and no
-    ``process_exception`` is needed. Settings problems
-    are ``ImproperlyConfigured`` when Django loads the middleware;
-    ``ENABLED: False`` takes it out of the chain (``MiddlewareNotUsed``).
+    ``process_exception`` is needed. Settings problems are
+    ``ImproperlyConfigured`` when Django loads the middleware; ``ENABLED:
+    False`` takes it out of the chain (``MiddlewareNotUsed``).
     """
 
     sync_capable = True
