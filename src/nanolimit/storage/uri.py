@@ -229,12 +229,7 @@ def redact_uri(uri: str) -> str:
     scheme, sep, rest = uri.partition("://")
     if not sep:
         return "***" if "@" in uri else uri
-    end = len(rest)
-    for mark in "/?":
-        found = rest.find(mark)
-        if found != -1:
-            end = min(end, found)
-    authority, tail = rest[:end], rest[end:]
+    authority, tail = _authority(rest)
     userinfo, at, hosts = authority.rpartition("@")
     if at:
         user, colon, _ = userinfo.partition(":")
@@ -254,10 +249,16 @@ class _Parts:
     topology: str  # "", unix, sentinel, cluster
     username: str | None
     password: str | None
-    hosts: list[tuple[str, int]]
     authority: str  # the host part as written (shm's name)
     path: str
     query: dict[str, str]
+
+
+def _authority(rest: str) -> tuple[str, str]:
+    """What follows ``scheme://`` split where the path or the query starts."""
+    ends = [i for i in (rest.find("/"), rest.find("?")) if i != -1]
+    end = min(ends, default=len(rest))
+    return rest[:end], rest[end:]
 
 
 def _schemes_line() -> str:
@@ -279,14 +280,8 @@ def _split(uri: str) -> _Parts:
     base, _, topology = name.partition("+")
     known = name in SCHEMES and not (asyncio and base in ("memory", "shm"))
     if not known:
-        shown = scheme if len(scheme) <= 40 and scheme.isprintable() else scheme[:40].encode().hex()
-        raise ValidationError(f"unknown storage scheme {shown!r}://; {_schemes_line()}")
-    end = len(rest)
-    for mark in "/?":
-        found = rest.find(mark)
-        if found != -1:
-            end = min(end, found)
-    authority, tail = rest[:end], rest[end:]
+        raise ValidationError(f"unknown storage scheme {_shown(scheme)}://; {_schemes_line()}")
+    authority, tail = _authority(rest)
     path, _, query_text = tail.partition("?")
     userinfo, at, hostpart = authority.rpartition("@")
     username = password = None
@@ -294,9 +289,9 @@ def _split(uri: str) -> _Parts:
         user, colon, secret = userinfo.partition(":")
         username = unquote(user) or None
         password = unquote(secret) if colon else None
-    parts = _Parts(scheme, asyncio, base, topology, username, password, [], hostpart, path, {})
-    parts.query = _query(query_text, scheme)
-    return parts
+    return _Parts(
+        scheme, asyncio, base, topology, username, password, hostpart, path, _query(query_text, scheme)
+    )
 
 
 def _query(text: str, scheme: str) -> dict[str, str]:
