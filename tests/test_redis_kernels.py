@@ -282,7 +282,7 @@ def test_reply_fields_are_exact_17g_strings(make_storage: Any, algorithm: str) -
             keys, args = storage._single_args(cfg, "k", cost, now + i * 1e-7, commit)
             reply = storage._evalsha(SCRIPTS[Algorithm(algorithm)], keys, args)
             fields = reply.decode().split(" ")
-            assert len(fields) == 5, reply
+            assert len(fields) == 6, reply  # ... delay, then the decision's time (Decision.at)
             assert fields[0] in ("0", "1")
             seen.add(fields[0])
             for text in fields[1:]:

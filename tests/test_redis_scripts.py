@@ -9,29 +9,39 @@ from __future__ import annotations
 from importlib import resources
 
 from nanolimit._shared import Algorithm
-from nanolimit.storage.redis import BATCH_SCRIPTS, COMPOUND_SCRIPT, SCRIPTS
+from nanolimit.storage.redis import BATCH_SCRIPTS, COMPOUND_SCRIPT, REFUND_SCRIPTS, SCRIPTS
 
 # SHA1s computed from the inline Lua strings of storage/redis.py just before
 # the Lua moved into .lua files (commit 3bd93b1). They pin the move as
 # byte-identical; a deliberate change to a script updates them here, in the
-# commit that changes the Lua, saying why.
+# commit that changes the Lua, saying why. Changed since: every reply ends
+# with the decision's time (Decision.at), and each kernel's state check moved
+# into lua/<algorithm>_state.lua, which the refund scripts share.
 SINGLE_SHA = {
-    Algorithm.TOKEN_BUCKET: "a839467526f658dea4aa4eb15965a063e0cd81ff",
-    Algorithm.LEAKY_BUCKET: "2b49e20f34ee7bfae4b403fe1ce43d50c0b9bcf2",
-    Algorithm.FIXED_WINDOW: "c24134e1a0243a9e7b8b43f17774373fbfe56123",
-    Algorithm.SLIDING_COUNTER: "99f290e69c0dde6a46b306d213a8be6049849e47",
-    Algorithm.GCRA: "c178c60ba4458bab26c6a340a41533a07938c55c",
-    Algorithm.SLIDING_LOG: "317f3a244008d954de97b8e6d16c82147a96f156",
+    Algorithm.TOKEN_BUCKET: "ea1db098257c72d7ffa78771ad36817b3dc9b33d",
+    Algorithm.LEAKY_BUCKET: "2568e412706d80bb147956a8e28ea73e3ce400c2",
+    Algorithm.FIXED_WINDOW: "466f21fb23fd325b94c4bc5b05ce4ecad0782f12",
+    Algorithm.SLIDING_COUNTER: "efa3c533dde4ee0d080ee85ddb3b71d5abb5b572",
+    Algorithm.GCRA: "039fbc863cee1e700b4cde70e104b21b6a23bb5d",
+    Algorithm.SLIDING_LOG: "001c193e7aecfbbfb6c6bbf6f7de3786a0e63dea",
 }
 BATCH_SHA = {
-    Algorithm.TOKEN_BUCKET: "c68a3d215af9d456bc2f472807a8ff52ffccd7a0",
-    Algorithm.LEAKY_BUCKET: "386be8cb27d6e8068a100d34050568308eac9eb3",
-    Algorithm.FIXED_WINDOW: "007b3f638e75381d3c1bb6cf3e8f68ff612c3498",
-    Algorithm.SLIDING_COUNTER: "f3afd992f54507f3e54feeb68aeb73b0a522083d",
-    Algorithm.GCRA: "17026837a01f7f9feb60b9a388e2f1c52bc2ec7f",
-    Algorithm.SLIDING_LOG: "2a56799ab87b437764544774cd3f70da48551c93",
+    Algorithm.TOKEN_BUCKET: "1ff0e42777bcb63d8f3bd92d7e5bc2efae622288",
+    Algorithm.LEAKY_BUCKET: "491b565da205a0f0d60d6d1b1e76c82d38b95101",
+    Algorithm.FIXED_WINDOW: "41fcee0590c9b17b8e2520904caf1199e162dda3",
+    Algorithm.SLIDING_COUNTER: "29c68505e0913d19e7820ebd1f8a83b561f4c0cb",
+    Algorithm.GCRA: "0576dcbb19bf44017bd5058e6efb1e5ef9a26e3c",
+    Algorithm.SLIDING_LOG: "d3b1285682f9ae1490f4f4abcfee7cb06f75ad69",
 }
-COMPOUND_SHA = "2fbd2e90be896d15ed1a08acad0487383f8e5f1d"
+REFUND_SHA = {
+    Algorithm.TOKEN_BUCKET: "816aeb4e8338f0b8308a5c6d2f8410e3d0829c77",
+    Algorithm.LEAKY_BUCKET: "8cad2c08df9e6d4879baab4504ad2949b392cf85",
+    Algorithm.FIXED_WINDOW: "673b30d284b9e2b28bbe527acb3c703e633764e7",
+    Algorithm.SLIDING_COUNTER: "795f4332165cd6f4c91683f9fa940b763b84b541",
+    Algorithm.GCRA: "0e1c8e0432fce5ebd3c2cb37b94507d0d910335e",
+    Algorithm.SLIDING_LOG: "15b2c3c14d3b868f02cd63e73df7d1f6cc5c21cf",
+}
+COMPOUND_SHA = "8abfe7cd83c0b5b09411b84b53fa8be49701b011"
 
 
 def test_single_decision_scripts_are_unchanged() -> None:
@@ -46,16 +56,24 @@ def test_compound_script_is_unchanged() -> None:
     assert COMPOUND_SCRIPT.sha == COMPOUND_SHA
 
 
+def test_refund_scripts_are_unchanged() -> None:
+    assert {algo: script.sha for algo, script in REFUND_SCRIPTS.items()} == REFUND_SHA
+
+
 def test_every_placeholder_is_filled_and_every_file_is_used() -> None:
     """No ``@NAME@`` reaches a server, and no .lua file ships unused (a
     kernel file the scripts forgot would be dead package data)."""
-    sources = [s.source for s in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), COMPOUND_SCRIPT)]
+    sources = [
+        s.source
+        for s in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), COMPOUND_SCRIPT, *REFUND_SCRIPTS.values())
+    ]
     assert not any("@" in source for source in sources)
     lua = resources.files("nanolimit.storage.redis").joinpath("lua")
     names = sorted(entry.name for entry in lua.iterdir() if entry.name.endswith(".lua"))
     assert names == sorted(
-        [f"{algo.value}.lua" for algo in Algorithm]
+        [f"{algo.value}{part}.lua" for algo in Algorithm for part in ("", "_state", "_refund")]
         + ["prelude.lua", "error_text.lua", "single_main.lua", "batch_main.lua", "compound_main.lua"]
+        + ["refund_main.lua"]
     )
     whole = COMPOUND_SCRIPT.source
     for name in names:

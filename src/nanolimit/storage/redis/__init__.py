@@ -118,6 +118,7 @@ from ._scripts import (
     BATCH_SCRIPTS,
     COMPOUND_SCRIPT,
     INJECTED_EXPIRY_FLOOR_MS,  # noqa: F401
+    REFUND_SCRIPTS,
     SCRIPTS,
     _params,
     _parse_verdict,
@@ -197,7 +198,7 @@ class RedisStorage(_RedisBase):
     # -- script calls -------------------------------------------------------------
     def load_scripts(self) -> None:
         """``SCRIPT LOAD`` every script (on every primary of a cluster)."""
-        for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), COMPOUND_SCRIPT):
+        for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), COMPOUND_SCRIPT, *REFUND_SCRIPTS.values()):
             self._load(script)
 
     def _load(self, script: _Script) -> None:
@@ -328,7 +329,7 @@ class RedisStorage(_RedisBase):
                 down = down or failed
         if not down:
             self._breaker.success()
-        self._count("decisions", sum(1 for v in out if len(v) < 7))
+        self._count("decisions", sum(1 for v in out if not v[5]))  # not answered by a policy
         return out
 
     def _check_one_slot(self, keys: Sequence[str]) -> None:
@@ -340,6 +341,27 @@ class RedisStorage(_RedisBase):
                 "the identity's hash tag and must share one slot (a global key cannot join a per-user "
                 "compound on a cluster; decide it separately)"
             )
+
+    def refund_kernel(
+        self, config: LimiterConfig, key: str, units: int, at: float | None, now: float | None
+    ) -> None:
+        """Give back ``units`` that a decision made at ``at`` (its
+        ``Decision.at``; None: the key's latest decision) charged: one
+        ``EVALSHA`` (two after a ``SCRIPT FLUSH``), read, give back and write
+        atomically, at ``now`` (None: the server's ``TIME``, as decisions).
+        A key that does not exist is left unmade. A failure is classified and
+        counted as a decision's; under ``"allow"``/``"deny"`` the refund is
+        then dropped (``refunds_dropped``), never raised into a request;
+        ``"raise"`` raises as a decision would (docs/redis.md, "Refunds")."""
+        call = self._refund_start(config, key, units, at, now)
+        if call is None:
+            return
+        try:
+            self._evalsha(*call)
+        except self._errors as exc:
+            self._refund_failed(config, exc)
+            return
+        self._refunded()
 
     def forget(self, config: LimiterConfig, key: str) -> None:
         """``DEL`` the key (a reset is an admin action: errors raise)."""
@@ -440,7 +462,7 @@ class AsyncRedisStorage(_RedisBase):
     # -- script calls -------------------------------------------------------------
     async def load_scripts(self) -> None:
         """``SCRIPT LOAD`` every script (on every primary of a cluster)."""
-        for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values()):
+        for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), *REFUND_SCRIPTS.values()):
             await self._load(script)
 
     async def _load(self, script: _Script) -> None:
@@ -521,6 +543,21 @@ class AsyncRedisStorage(_RedisBase):
             return run.abort(exc)
         return run.result()
 
+    async def refund_kernel_async(
+        self, config: LimiterConfig, key: str, units: int, at: float | None, now: float | None
+    ) -> None:
+        """``RedisStorage.refund_kernel``, awaited (what ``refund_async``
+        awaits): one ``EVALSHA``, two after a ``SCRIPT FLUSH``."""
+        call = self._refund_start(config, key, units, at, now)
+        if call is None:
+            return
+        try:
+            await self._evalsha(*call)
+        except self._errors as exc:
+            self._refund_failed(config, exc)
+            return
+        self._refunded()
+
     async def forget_async(self, config: LimiterConfig, key: str) -> None:
         """``DEL`` the key (a reset is an admin action: errors raise)."""
         await self.client.delete(self._forget_local(config, key))
@@ -575,6 +612,12 @@ class AsyncRedisStorage(_RedisBase):
     ) -> list[KernelVerdict]:
         """Refused: compound limits are synchronous only (``RedisStorage.allow_all``)."""
         raise TypeError("AsyncRedisStorage has no compound decisions yet; use RedisStorage.allow_all")
+
+    def refund_kernel(
+        self, config: LimiterConfig, key: str, units: int, at: float | None, now: float | None
+    ) -> None:
+        """Refused: ``await limiter.refund_async(key, cost, at=at)``."""
+        raise TypeError(_ASYNC_ONLY + "; a refund: `await limiter.refund_async(key, cost, at=at)`")
 
     def forget(self, config: LimiterConfig, key: str) -> None:
         """Refused: ``await storage.forget_async(limiter.config, key)``."""

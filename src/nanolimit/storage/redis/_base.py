@@ -18,7 +18,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NoReturn
 
 from ..._shared import (
     MAX_KEY_BYTES,
@@ -62,6 +62,7 @@ from ._scripts import (
     BATCH_CHUNK,
     BATCH_SCRIPTS,
     INJECTED_EXPIRY_FLOOR_MS,
+    REFUND_SCRIPTS,
     SCRIPTS,
     _params,
     _parse_verdict,
@@ -224,6 +225,8 @@ class _RedisBase:
             "write_refused": 0,
             "script_loads": 0,
             "breaker_open_skips": 0,
+            "refunds": 0,
+            "refunds_dropped": 0,
         }
         self._count_lock = threading.Lock()
         self._near_hits = event_counter()  # counted on the near-cache's hot path: no lock
@@ -367,7 +370,10 @@ class _RedisBase:
         one call's key: a foreign value, a bad state, a refused write),
         ``write_refused`` (of those, ``OOM``/``MISCONF``), ``degraded``
         (answered by the failure policy), ``script_loads``,
-        ``breaker_open_skips``, ``near_cache_hits``, plus the breaker's
+        ``breaker_open_skips``, ``near_cache_hits``, ``refunds`` (made by
+        the store; one of a key it does not hold is a no-op) and
+        ``refunds_dropped`` (failed, or skipped by the open breaker, and
+        dropped by the policy), plus the breaker's
         ``breaker_state`` and how often it ``breaker_opened``."""
         with self._count_lock:
             out: dict[str, Any] = dict(self._counts)
@@ -406,17 +412,24 @@ class _RedisBase:
         """The failure policy's verdict (or raise)."""
         policy = self._policy(cfg.rule)
         if policy == "raise":
-            if isinstance(exc, RedisUnavailableError):
-                raise exc
-            if exc is None:
-                raise CircuitOpenError("circuit breaker open: Redis is not being asked")
-            # redis-py's repr of its errors drops the message: name and text
-            raise RedisUnavailableError(f"Redis decision failed: {type(exc).__name__}: {exc}") from exc
+            self._raise(exc, "decision")
         self._count("degraded")
         if policy == "allow":
-            return (True, 0.0, 0.0, 0.0, 0.0, True, reason)
+            return (True, 0.0, 0.0, 0.0, 0.0, True, reason, 0.0)
         wait = self.deny_retry_after
-        return (False, 0.0, wait, wait, 0.0, True, reason)
+        return (False, 0.0, wait, wait, 0.0, True, reason, 0.0)
+
+    @staticmethod
+    def _raise(exc: BaseException | None, what: str) -> NoReturn:
+        """What ``on_error="raise"`` raises for a failed ``what`` (a
+        decision, a refund): ``exc`` itself when it is ours already,
+        :class:`CircuitOpenError` when the breaker did not ask (``None``)."""
+        if isinstance(exc, RedisUnavailableError):
+            raise exc
+        if exc is None:
+            raise CircuitOpenError("circuit breaker open: Redis is not being asked")
+        # redis-py's repr of its errors drops the message: name and text
+        raise RedisUnavailableError(f"Redis {what} failed: {type(exc).__name__}: {exc}") from exc
 
     def _failed(self, exc: BaseException) -> None:
         """The server or the connection failed: count it, feed the breaker."""
@@ -449,6 +462,10 @@ class _RedisBase:
         """One key's error reply: counted on its own, never the breaker's
         business (the server answered, so it is up: a half-open breaker
         closes), answered by that key's policy, nothing written to it."""
+        self._count_key_error(error)
+        return self._fallback(cfg, error, REASON_STORE_ERROR)
+
+    def _count_key_error(self, error: RedisKeyError) -> None:
         with self._count_lock:
             counts = self._counts
             counts["errors"] += 1
@@ -456,7 +473,6 @@ class _RedisBase:
             if error.code in WRITE_REFUSED_CODES:
                 counts["write_refused"] += 1
         self._breaker.success()
-        return self._fallback(cfg, error, REASON_STORE_ERROR)
 
     def _error_verdict(self, cfg: LimiterConfig, exc: BaseException) -> KernelVerdict:
         """A decision call failed: a key's error answers that key by its
@@ -502,7 +518,7 @@ class _RedisBase:
             hit = near.lookup((config.algorithm, config.rule, key, now is None), cost, t)
             if hit is not None:
                 self._near_hits.add()
-                return (False, 0.0, hit[0], hit[1], 0.0, False)
+                return (False, 0.0, hit[0], hit[1], 0.0, False, "", 0.0)  # the store made no decision
         if not self._breaker.allow_call():
             self._count("breaker_open_skips")
             return self._fallback(config, None)
@@ -577,6 +593,58 @@ class _RedisBase:
             for server_time in (True, False):  # entries are per time base (monotonic or injected)
                 self._near.forget((config.algorithm, config.rule, key, server_time))
         return self.redis_key(config, key)
+
+    # -- refunds ------------------------------------------------------------------
+    def _refund_start(
+        self, config: LimiterConfig, key: str, units: int, at: float | None, now: float | None
+    ) -> tuple[_Script, tuple[str], tuple[str, ...]] | None:
+        """A refund's script, ``KEYS`` and ``ARGV``, or None when the open
+        breaker answers it (under ``"raise"`` it raises
+        :class:`CircuitOpenError`, as a decision would). Like ``run_kernel``
+        it takes what the limiter has checked. The key's near-cache denials
+        are dropped first: the units given back may let it pass sooner."""
+        near = self._near
+        if near is not None:
+            near.forget((config.algorithm, config.rule, key, now is None))
+        if not self._breaker.allow_call():
+            self._count("breaker_open_skips")
+            self._refund_dropped(config, None)
+            return None
+        p1, p2 = self._params(config)
+        args = (
+            self._now_arg(now),
+            "" if at is None else repr(at),
+            str(units),
+            self._floor_ms(now),
+            p1,
+            p2,
+        )
+        return REFUND_SCRIPTS[config.algorithm], (self.redis_key(config, key),), args
+
+    def _refund_failed(self, config: LimiterConfig, exc: BaseException) -> None:
+        """A refund's call failed: counted and classified as a decision's
+        failure is (a key's error reply never feeds the breaker), then the
+        policy: ``"raise"`` raises, any other drops the refund."""
+        key_error = self._key_error(exc)
+        if key_error is not None:
+            self._count_key_error(key_error)
+            exc = key_error
+        else:
+            self._failed(exc)
+        self._refund_dropped(config, exc)
+
+    def _refund_dropped(self, config: LimiterConfig, exc: BaseException | None) -> None:
+        """Why a refund that the store did not make never raises into a
+        request under ``"allow"``/``"deny"``: the request was answered
+        already, and a refund is a correction the next decision does not
+        need; it is counted (``refunds_dropped``) instead."""
+        if self._policy(config.rule) == "raise":
+            self._raise(exc, "refund")
+        self._count("refunds_dropped")
+
+    def _refunded(self) -> None:
+        self._breaker.success()
+        self._count("refunds")
 
     def _snapshot_command(self, config: LimiterConfig, key: str) -> tuple[str, ...]:
         """The one read command that fetches ``key``'s raw state."""

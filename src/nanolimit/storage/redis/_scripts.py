@@ -68,14 +68,17 @@ _PRELUDE: Final = _fragment(
 )
 
 # Each kernel: (key, clock, cost, commit, floor_ms, p1, p2) -> allowed (bool),
-# and the reply string "allowed remaining retry_after reset_after delay".
+# and the reply string "allowed remaining retry_after reset_after delay at"
+# (``at``: the key's time it decided at, the ``now`` a sliding log stamps).
+# Its stored state is read and checked by ``lua/<algorithm>_state.lua``,
+# which the refunds share.
 # Each branch has its own format: a value known to be 0 there is a literal '0'
 # (what '%.17g' prints for it), every other one '%.17g'. ('%d' would be cheaper
 # still for whole numbers, but Lua 5.1 casts it to a C long: 32 bits on a
 # 32-bit server build.)
 # The order is the algorithm ids of the compound script (its ``kernels`` table).
 _KERNEL_LUA: Final[dict[Algorithm, str]] = {
-    algo: _fragment(algo.value)
+    algo: _fragment(f"{algo.value}_state") + _fragment(algo.value)
     for algo in (
         Algorithm.TOKEN_BUCKET,
         Algorithm.LEAKY_BUCKET,
@@ -130,6 +133,21 @@ BATCH_SCRIPTS: Final[dict[Algorithm, _Script]] = {
 BATCH_CHUNK: Final = 200
 COMPOUND_SCRIPT: Final = _Script(_PRELUDE + "".join(_KERNEL_LUA.values()) + _ERROR_TEXT + _COMPOUND_MAIN)
 
+# A refund (docs/redis.md, "Refunds"): KEYS[1]; ARGV: now ('' = server TIME),
+# at ('' = the key's own u), cost, floor_ms, p1, p2. Reads the state as a
+# decision does (``<algorithm>_state.lua``), gives back, stamps u = now and
+# sets the expiry a decision would; a key that does not exist is left
+# unmade (the reply is 0, else 1).
+REFUND_SCRIPTS: Final[dict[Algorithm, _Script]] = {
+    algo: _Script(
+        _PRELUDE
+        + _fragment(f"{algo.value}_state")
+        + _fragment(f"{algo.value}_refund")
+        + _fragment("refund_main", ALGORITHM=algo.value)
+    )
+    for algo in _KERNEL_LUA
+}
+
 # Real milliseconds an injected-clock key lives at least (docs/redis.md).
 INJECTED_EXPIRY_FLOOR_MS: Final = 3_600_000
 
@@ -145,12 +163,13 @@ def _params(cfg: LimiterConfig) -> tuple[str, str]:
 
 
 def _parse_verdict(reply: Any) -> KernelVerdict:
-    """A script's reply: one string, ``"allowed remaining retry reset delay"``
-    (one ``string.format`` in Lua is cheaper than five, and a Lua number
-    would be truncated to an integer on the way out). A multi-key script's
-    ``"E <error reply>"`` for one key raises ``ValueError`` here (see
-    :meth:`_RedisBase._part_verdict`)."""
-    allowed, remaining, retry_after, reset_after, delay = reply.split()
+    """A script's reply: one string, ``"allowed remaining retry reset delay
+    at"`` (one ``string.format`` in Lua is cheaper than six, and a Lua number
+    would be truncated to an integer on the way out), as the 8-element
+    verdict whose last element is the decision's time (``Decision.at``, what
+    a refund names). A multi-key script's ``"E <error reply>"`` for one key
+    raises ``ValueError`` here (see :meth:`_RedisBase._part_error`)."""
+    allowed, remaining, retry_after, reset_after, delay, at = reply.split()
     return (
         allowed == b"1" or allowed == "1",
         float(remaining),
@@ -158,4 +177,6 @@ def _parse_verdict(reply: Any) -> KernelVerdict:
         float(reset_after),
         float(delay),
         False,
+        "",
+        float(at),
     )

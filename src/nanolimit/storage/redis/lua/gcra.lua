@@ -1,20 +1,12 @@
 local function k_gcra(key, clock, cost, commit, floor_ms, interval, tolerance)
   local rebased = false  -- moved back by the clock-lead rule (a denied compound stores it)
-  local v = redis.call('GET', key)
-  local tat, updated
-  if v then
-    local sp = string.find(v, ' ', 1, true)
-    if sp then tat = tonumber(string.sub(v, 1, sp - 1)); updated = tonumber(string.sub(v, sp + 1)) end
-    if not (tat and updated and tat % 1 == 0 and tat > -MAX_EXACT and tat < MAX_EXACT
-        and updated > -MAX_STAMP and updated < MAX_STAMP) then
-      error({err = 'BADSTATE gcra: the stored state is not one this limiter writes'})
-    end
-    if updated - clock > MAX_LEAD then  -- the clock's error: back by as many whole µs, backlog kept
-      rebased = true
-      tat = tat - (math.floor(updated * 1000000.0) - math.floor(clock * 1000000.0))
-      updated = clock
-    end
-  else tat = math.floor(clock * 1000000.0); updated = clock end
+  local tat, updated = s_gcra(key)
+  if not tat then tat = math.floor(clock * 1000000.0); updated = clock
+  elseif updated - clock > MAX_LEAD then  -- the clock's error: back by as many whole µs, backlog kept
+    rebased = true
+    tat = tat - (math.floor(updated * 1000000.0) - math.floor(clock * 1000000.0))
+    updated = clock
+  end
   local now = clock
   if updated > now then now = updated end
   local now_us = math.floor(now * 1000000.0)
@@ -40,9 +32,10 @@ local function k_gcra(key, clock, cost, commit, floor_ms, interval, tolerance)
     if retry > 0 then retry = retry + extra end
     if reset > 0 then reset = reset + extra end
   end
+  local u = string.format('%.17g', now)  -- stored and answered: formatted once
   if commit then
-    redis.call('SET', key, string.format('%.17g %.17g', tat, now), 'PX', expiry_ms(reset, floor_ms))
+    redis.call('SET', key, string.format('%.17g %s', tat, u), 'PX', expiry_ms(reset, floor_ms))
   end
-  if allowed then return true, string.format('1 %.17g 0 %.17g 0', remaining, reset), rebased end
-  return false, string.format('0 %.17g %.17g %.17g 0', remaining, retry, reset), rebased
+  if allowed then return true, string.format('1 %.17g 0 %.17g 0 %s', remaining, reset, u), rebased end
+  return false, string.format('0 %.17g %.17g %.17g 0 %s', remaining, retry, reset, u), rebased
 end

@@ -1,19 +1,10 @@
 local function k_leaky_bucket(key, clock, cost, commit, floor_ms, capacity, rate)
   local rebased = false  -- moved back by the clock-lead rule (a denied compound stores it)
-  local v = redis.call('HMGET', key, 'l', 'u')
-  local level, updated
-  if v[1] then
-    level = tonumber(v[1]); updated = tonumber(v[2])
-    if not (level and updated and level >= 0 and level <= MAX_COUNT
-        and updated > -MAX_STAMP and updated < MAX_STAMP) then
-      error({err = 'BADSTATE leaky_bucket: the stored state is not one this limiter writes'})
-    end
-    if updated - clock > MAX_LEAD then  -- the clock's error: the level (debt) stays
-      updated = clock; rebased = true
-    end
-  elseif v[2] or redis.call('EXISTS', key) == 1 then
-    error({err = 'BADSTATE leaky_bucket: a hash without the limiter fields'})
-  else level = 0.0; updated = clock end
+  local level, updated = s_leaky_bucket(key)
+  if not level then level = 0.0; updated = clock
+  elseif updated - clock > MAX_LEAD then  -- the clock's error: the level (debt) stays
+    updated = clock; rebased = true
+  end
   local now = clock
   if updated > now then now = updated end
   local elapsed = now - updated
@@ -39,10 +30,11 @@ local function k_leaky_bucket(key, clock, cost, commit, floor_ms, capacity, rate
     if reset > 0 then reset = reset + extra end
     if delay > 0 then delay = delay + extra end
   end
+  local u = string.format('%.17g', now)  -- stored and answered: formatted once
   if commit then
-    redis.call('HSET', key, 'l', level, 'u', now)
+    redis.call('HSET', key, 'l', level, 'u', u)
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
   end
-  if allowed then return true, string.format('1 %.17g 0 %.17g %.17g', remaining, reset, delay), rebased end
-  return false, string.format('0 %.17g %.17g %.17g 0', remaining, retry, reset), rebased
+  if allowed then return true, string.format('1 %.17g 0 %.17g %.17g %s', remaining, reset, delay, u), rebased end
+  return false, string.format('0 %.17g %.17g %.17g 0 %s', remaining, retry, reset, u), rebased
 end

@@ -1,24 +1,10 @@
--- One stored stamp, checked (a number, within ±MAX_STAMP and at most
--- MAX_LEAD past its key's own stored time), then moved back by the
--- clock-lead rebase's ``shift`` when there is one.
-local function log_stamp(raw, limit, shift)
-  local s = tonumber(raw)
-  if not (s and s > -MAX_STAMP and s <= limit) then
-    error({err = 'BADSTATE sliding_log: a stored stamp is not one this limiter writes'})
-  end
-  if shift then s = s - shift end
-  return s
-end
 local function k_sliding_log(key, clock, cost, commit, floor_ms, capacity, window)
-  local total = redis.call('LLEN', key)
-  local updated, n
+  local total, updated = s_sliding_log(key)
+  local n = 0
   local limit, shift = 0, nil
-  if total == 0 then updated = clock; n = 0
+  if total == 0 then updated = clock
   else
-    updated = tonumber(redis.call('LINDEX', key, 0)); n = total - 1
-    if not (updated and updated > -MAX_STAMP and updated < MAX_STAMP) then
-      error({err = 'BADSTATE sliding_log: the stored state is not one this limiter writes'})
-    end
+    n = total - 1
     limit = updated + MAX_LEAD
     if updated - clock > MAX_LEAD then  -- the clock's error: every stamp back by the lead
       shift = updated - clock
@@ -27,19 +13,10 @@ local function k_sliding_log(key, clock, cost, commit, floor_ms, capacity, windo
   end
   local now = clock
   if updated > now then now = updated end
-  -- entries sit at list indices 1..n; drop those over the capacity, then the expired
+  -- drop the entries over the capacity, then the expired
   local pos = 1
   if n > capacity then pos = 1 + n - capacity end
-  local cutoff = now - window
-  -- the common case, nothing expired, costs one LINDEX; else scan in chunks
-  local scan = pos <= n and log_stamp(redis.call('LINDEX', key, pos), limit, shift) <= cutoff
-  while scan and pos <= n do
-    local chunk = redis.call('LRANGE', key, pos, pos + 63)
-    local i = 1
-    while i <= #chunk and log_stamp(chunk[i], limit, shift) <= cutoff do i = i + 1 end
-    pos = pos + i - 1
-    if i <= #chunk then break end
-  end
+  pos = log_live(key, pos, n, now - window, limit, shift)
   local drop = pos - 1
   local len = n - drop
   local retry = 0.0
@@ -61,8 +38,8 @@ local function k_sliding_log(key, clock, cost, commit, floor_ms, capacity, windo
     if retry > 0 then retry = retry + extra end
     if reset > 0 then reset = reset + extra end
   end
+  local stamp = string.format('%.17g', now)  -- stored and answered: formatted once
   if commit then
-    local stamp = string.format('%.17g', now)
     if total == 0 then redis.call('RPUSH', key, stamp)
     elseif shift then
       -- rebased: the kept entries (list indices pos..n) go to the tail moved
@@ -104,6 +81,6 @@ local function k_sliding_log(key, clock, cost, commit, floor_ms, capacity, windo
     end
     redis.call('PEXPIRE', key, expiry_ms(reset, floor_ms))
   end
-  if allowed then return true, string.format('1 %.17g 0 %.17g 0', remaining, reset), shift ~= nil end
-  return false, string.format('0 0 %.17g %.17g 0', retry, reset), shift ~= nil
+  if allowed then return true, string.format('1 %.17g 0 %.17g 0 %s', remaining, reset, stamp), shift ~= nil end
+  return false, string.format('0 0 %.17g %.17g 0 %s', retry, reset, stamp), shift ~= nil
 end
