@@ -35,9 +35,15 @@ class Decision:
     ``degraded`` is true when the store could not decide normally and a policy
     answered instead; ``reason`` then says which ("storage_full",
     "store_unavailable"); it is "" for an ordinary decision.
+
+    ``at`` is the limiter-clock time the decision was made at (the key's own
+    time, which a sliding log stamps): the name a ``refund`` gives the charge
+    back by. 0.0 when a policy answered or the Decision was built by hand.
+    It is a receipt, not part of the answer: equality, hashing and repr
+    leave it out, pickling keeps it.
     """
 
-    __slots__ = _FIELDS
+    __slots__ = (*_FIELDS, "at")
 
     allowed: bool
     limit: int
@@ -49,6 +55,7 @@ class Decision:
     delay: float
     degraded: bool
     reason: str
+    at: float
 
     def __init__(
         self,
@@ -62,6 +69,7 @@ class Decision:
         delay: float = 0.0,
         degraded: bool = False,
         reason: str = "",
+        at: float = 0.0,
     ) -> None:
         setter = object.__setattr__
         setter(self, "allowed", bool(allowed))
@@ -74,6 +82,7 @@ class Decision:
         setter(self, "delay", float(delay))
         setter(self, "degraded", bool(degraded))
         setter(self, "reason", str(reason))
+        setter(self, "at", float(at))
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Decision is frozen; cannot set {name!r}")
@@ -102,7 +111,7 @@ class Decision:
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), self._astuple())
+        return (type(self), (*self._astuple(), self.at))
 
     def headers(self, wall_now: float | None = None) -> dict[str, str]:
         """HTTP headers for this decision; ``wall_now`` defaults to ``time.time()``."""
@@ -241,9 +250,12 @@ def render_headers(
 
 # What a kernel answers: (allowed, remaining before floor, retry_after,
 # reset_after, delay, degraded), and, when a policy answered, its reason
-# ("store_unavailable", "storage_full") seventh.
+# ("store_unavailable", "storage_full") seventh; eighth, when the store says
+# it, the key's time the decision was made at (Decision.at, what a refund names).
 KernelVerdict = (
-    tuple[bool, float, float, float, float, bool] | tuple[bool, float, float, float, float, bool, str]
+    tuple[bool, float, float, float, float, bool]
+    | tuple[bool, float, float, float, float, bool, str]
+    | tuple[bool, float, float, float, float, bool, str, float]
 )
 
 
@@ -256,8 +268,9 @@ REASON_STORE_ERROR = "store_error"
 
 def decision_from_verdict(decision_type: Callable[..., Any], cfg: LimiterConfig, v: Sequence[Any]) -> Any:
     """A ``decision_type`` (either twin's Decision) from a kernel verdict:
-    remaining floored and never below 0 (docs/spec.md §2), and the degraded flag and
-    reason when a policy answered."""
+    remaining floored and never below 0 (docs/spec.md §2), the degraded flag and
+    reason when a policy answered, and the decision's time when the verdict
+    carries one (an eighth element)."""
     return decision_type(
         v[0],
         cfg.capacity,
@@ -269,6 +282,7 @@ def decision_from_verdict(decision_type: Callable[..., Any], cfg: LimiterConfig,
         v[4],
         len(v) > 5 and bool(v[5]),
         v[6] if len(v) > 6 else "",
+        v[7] if len(v) > 7 else 0.0,
     )
 
 

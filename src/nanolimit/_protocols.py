@@ -4,16 +4,28 @@ glue both twins share: the async decision path and the hot-path counter.
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from ._clocks import SystemClock, check_now
+from ._clocks import MAX_TIME, SystemClock, check_now
 from ._decision_py import BatchResult, KernelVerdict
+from ._errors import ValidationError
 from ._limiter_config import LimiterConfig, LimiterState
 from ._validation import MAX_KEY_BYTES, check_cost, check_key
 
-__all__ = ["KernelStorage", "LockedCounter", "RateLimiter", "Storage", "decide_async", "event_counter"]
+__all__ = [
+    "KernelStorage",
+    "LockedCounter",
+    "RateLimiter",
+    "Storage",
+    "check_at",
+    "decide_async",
+    "event_counter",
+    "refund_async",
+]
 
 
 @runtime_checkable
@@ -55,6 +67,57 @@ class KernelStorage(Storage, Protocol):
     def forget(self, config: LimiterConfig, key: str) -> None: ...
 
     def snapshot(self, config: LimiterConfig, key: str, now: float | None) -> LimiterState | None: ...
+
+    # Optional, and so not part of the runtime check (a store written before
+    # refunds stays a KernelStorage): ``refund_kernel(config, key, cost, at,
+    # now) -> None`` gives back ``cost`` units a decision made at ``at``
+    # (None: the key's latest) charged, and ``refund_kernel_async`` the same
+    # awaitable. ``_Limiter.refund`` calls them.
+
+
+def check_at(at: object) -> float | None:
+    """A refund's ``at``: None (the key's latest decision) or a finite real
+    number of seconds, as a float. Bounded like a clock reading, since no
+    decision is ever made outside those bounds, and a stamp beyond them
+    would overflow a window index in the kernels."""
+    if at is None:
+        return None
+    if isinstance(at, bool) or not isinstance(at, numbers.Real):
+        raise ValidationError(f"at must be a Decision.at time in seconds or None, got {type(at).__name__}")
+    value = float(at)
+    if not math.isfinite(value):
+        raise ValidationError(f"at must be a finite time, got {value!r}")
+    if not -MAX_TIME < value < MAX_TIME:
+        raise ValidationError(f"at {value!r} is outside ±{MAX_TIME:.0f} s")
+    return value
+
+
+def refund_kernel_of(storage: Any) -> Callable[..., None]:
+    """The ``refund_kernel`` of a KernelStorage, or a clear error when it has
+    none: its kernels run where this process cannot reach them."""
+    run = getattr(storage, "refund_kernel", None)
+    if run is None:
+        raise TypeError(
+            f"{type(storage).__name__} runs its own kernels but has no refund_kernel(): it cannot refund"
+        )
+    return run  # type: ignore[no-any-return]
+
+
+async def refund_async(limiter: Any, key: str, cost: int, at: float | None) -> None:
+    """``refund_async`` of either twin: a storage with ``refund_kernel_async``
+    (``AsyncRedisStorage``) is awaited, checked first exactly as ``refund``
+    checks; any other is refunded at once through ``refund``."""
+    storage = limiter.storage
+    run = getattr(storage, "refund_kernel_async", None)
+    if run is None:
+        limiter.refund(key, cost, at=at)
+        return
+    check_key(key, getattr(storage, "max_key_bytes", MAX_KEY_BYTES))
+    cost = check_cost(cost, limiter.capacity)
+    stamp = check_at(at)
+    clock = limiter.clock
+    now = None if type(clock) is SystemClock else check_now(clock.now())
+    await run(limiter.config, key, cost, stamp, now)
 
 
 async def decide_async(limiter: Any, key: str, cost: int, commit: bool) -> Any:

@@ -19,6 +19,7 @@ from itertools import islice
 from typing import Any, ClassVar
 
 from ._decision_py import Decision
+from ._protocols import check_at, refund_async, refund_kernel_of
 from ._shared import (
     DUPLICATE_COMPOUND,
     MAX_CLOCK_LEAD,
@@ -137,7 +138,8 @@ def _restore_state(updated_at: float, a: Any, b: int, c: int, log: Any) -> _KeyS
     return state
 
 
-# (allowed, remaining before floor, retry_after, reset_after, delay[, degraded, reason])
+# (allowed, remaining before floor, retry_after, reset_after, delay[, degraded,
+# reason[, at]]): a kernel answers the first five; ``_decide`` adds the rest.
 Verdict = tuple[Any, ...]
 
 # What a bounded table answers for a new key it has no room for.
@@ -347,7 +349,102 @@ def _decide(
     state.updated_at = now
     if now > clock_now:
         verdict = _add_lead(verdict, now - clock_now)
-    return state, verdict
+    return state, (*verdict, False, "", now)
+
+
+# --------------------------------------------------------------------------
+# Refunds: give back what an admitted decision made at ``at`` charged
+# (docs/algorithms.md, Refunds). ``now`` is max(clock, updated_at), as for a
+# decision; the caller stamps ``updated_at = now`` afterwards. The native
+# twin's ``refund_kernel`` (``_kernels.pxd``) is this, operation for operation.
+
+
+def _refund_token_bucket(s: _KeyState, now: float, cost: int, at: float, cfg: LimiterConfig) -> None:
+    capacity = float(cfg.capacity)
+    level = s.level + (now - s.updated_at) * cfg.rate
+    if level > capacity:
+        level = capacity
+    level = level + cost
+    if level > capacity:
+        level = capacity
+    s.level = level
+
+
+def _refund_leaky_bucket(s: _KeyState, now: float, cost: int, at: float, cfg: LimiterConfig) -> None:
+    level = s.level - (now - s.updated_at) * cfg.rate
+    if level < 0.0:
+        level = 0.0
+    level = level - cost
+    if level < 0.0:
+        level = 0.0
+    s.level = level
+
+
+def _refund_gcra(s: _KeyState, now: float, cost: int, at: float, cfg: LimiterConfig) -> None:
+    tat = s.tat - cfg.gcra_interval_us * cost
+    now_us = math.floor(now * 1000000.0)
+    s.tat = max(tat, now_us)  # never more room than a fresh key's
+
+
+def _refund_fixed_window(s: _KeyState, now: float, cost: int, at: float, cfg: LimiterConfig) -> None:
+    window = cfg.window_seconds
+    index = math.floor(now / window)
+    if index != s.window_index:
+        s.window_index = index
+        s.count = 0
+    if math.floor(at / window) == s.window_index:  # else it expired with its window
+        s.count -= min(cost, s.count)
+
+
+def _refund_sliding_counter(s: _KeyState, now: float, cost: int, at: float, cfg: LimiterConfig) -> None:
+    window = cfg.window_seconds
+    index = math.floor(now / window)
+    if index != s.window_index:
+        s.previous = s.count if index == s.window_index + 1 else 0
+        s.count = 0
+        s.window_index = index
+    charged = math.floor(at / window)
+    if charged == s.window_index:
+        s.count -= min(cost, s.count)
+    elif charged == s.window_index - 1:
+        s.previous -= min(cost, s.previous)
+
+
+def _refund_sliding_log(s: _KeyState, now: float, cost: int, at: float, cfg: LimiterConfig) -> None:
+    log = s.log
+    assert log is not None
+    while len(log) > cfg.capacity:  # as the kernel trims after a lowered capacity
+        log.popleft()
+    cutoff = now - cfg.window_seconds
+    while log and log[0] <= cutoff:
+        log.popleft()
+    stamps = list(log)
+    # the oldest first, so the stamps equal to ``at`` are one run
+    first = next((i for i, stamp in enumerate(stamps) if stamp == at), len(stamps))
+    run = 0
+    while run < cost and first + run < len(stamps) and stamps[first + run] == at:
+        run += 1
+    if run:
+        del stamps[first : first + run]
+        s.log = deque(stamps)
+
+
+_REFUNDS: dict[Algorithm, Callable[[_KeyState, float, int, float, LimiterConfig], None]] = {
+    Algorithm.TOKEN_BUCKET: _refund_token_bucket,
+    Algorithm.LEAKY_BUCKET: _refund_leaky_bucket,
+    Algorithm.FIXED_WINDOW: _refund_fixed_window,
+    Algorithm.SLIDING_LOG: _refund_sliding_log,
+    Algorithm.SLIDING_COUNTER: _refund_sliding_counter,
+    Algorithm.GCRA: _refund_gcra,
+}
+
+
+def _refund(state: _KeyState, clock_now: float, cost: int, at: float | None, cfg: LimiterConfig) -> None:
+    """Refund a key that exists. No clock rebase: a refund corrects no clock
+    (the next decision does), and ``at`` names a time of the key as it is."""
+    now = max(clock_now, state.updated_at)
+    _REFUNDS[cfg.algorithm](state, now, cost, state.updated_at if at is None else at, cfg)
+    state.updated_at = now
 
 
 def _at_rest(s: _KeyState, cfg: LimiterConfig, now: float) -> bool:
@@ -635,6 +732,18 @@ class InMemoryStorage:
                 self._locks[i].release()
         return CompoundDecision([limiter._decision(v) for (limiter, _, _), v in zip(plan, verdicts)])
 
+    def _refund(
+        self, ns: tuple[str, str], key: str, now: float, cost: int, at: float | None, cfg: LimiterConfig
+    ) -> None:
+        """Refund a held key in place; a key not held is left unmade."""
+        full_key = (ns, key)
+        lock, table = self._slot(full_key)
+        with lock:
+            entry = table.get(full_key)
+            if entry is not None:
+                _refund(entry[1], now, cost, at, cfg)
+                entry[0] = entry[1].updated_at
+
     def _forget(self, ns: tuple[str, str], key: str) -> None:
         full_key = (ns, key)
         lock, table = self._slot(full_key)
@@ -853,6 +962,42 @@ class _Limiter:
             delay,
             reasons=reasons or None,
         )
+
+    def refund(self, key: str, cost: int = 1, *, at: float | None = None) -> None:
+        """Give back ``cost`` units that an admitted decision made at ``at``
+        (its ``Decision.at``; None: the key's latest decision) charged to
+        ``key``: counting by response charges on entry, atomically, and
+        refunds what the response says should not have counted.
+
+        The log and the windows end exactly as if the charge was never made
+        (a charge whose window has passed expired with it, and nothing is
+        given back); the buckets and GCRA get the units back, which is exact
+        unless the key refilled to full (went idle) in between. Never more
+        than a fresh key's budget; a key the storage does not hold is left
+        alone, not created.
+        """
+        check_key(key, self._max_key_bytes)
+        cost = check_cost(cost, self._cfg.capacity)
+        stamp = check_at(at)
+        cfg = self._cfg
+        if self._memory_store is not None:
+            self._memory_store._refund(self._ns, key, check_now(self._clock.now()), cost, stamp, cfg)
+        elif self._kernel_store is not None:
+            refund_kernel_of(self._kernel_store)(cfg, key, cost, stamp, self._kernel_now())
+        else:
+            now = check_now(self._clock.now())
+
+            def give_back(state: Any) -> tuple[Any, None]:
+                if state is not None:
+                    _refund(state, now, cost, stamp, cfg)
+                return state, None
+
+            self._storage.apply(self._storage_key(key), now, give_back)
+
+    def refund_async(self, key: str, cost: int = 1, *, at: float | None = None) -> Coroutine[Any, Any, None]:
+        """``await limiter.refund_async(key)``: awaits an async storage
+        (``AsyncRedisStorage``); on any other it refunds at once."""
+        return refund_async(self, key, cost, at)
 
     def reset(self, key: str) -> None:
         """Forget ``key``: its next request sees a full budget."""
