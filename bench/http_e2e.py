@@ -74,7 +74,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -87,11 +87,14 @@ from http_apps import VARIANT_ENV, VARIANTS, Variant  # noqa: E402
 ROUNDS, QUICK_ROUNDS = 7, 2
 DURATION, QUICK_DURATION = 4.0, 1.0  # seconds measured per variant per round
 WARMUP, QUICK_WARMUP = 1.0, 0.3
-# One wrk thread (it has one core). 4 connections: a single-threaded server
-# always finds the next request waiting while it writes the last answer,
-# and 4 requests in flight is no queue (--calibrate: 1 connection leaves the
-# server idle for a loopback round trip per request, more than 4 buy nothing).
-CONNECTIONS = 4
+# One wrk thread (it has one core). Keep-alive connections per server: with
+# 1 the server idles for a loopback round trip and wrk's turn per request;
+# uvicorn's event loop with 4 always finds the next request waiting while it
+# writes the last answer, and 4 in flight is no queue. gunicorn's sync worker
+# serves one connection at a time and closes it, so a second connection
+# waiting in the accept queue keeps it busy and more would only wait longer
+# (bench/README.md has --calibrate's figures).
+CONNECTIONS = {"uvicorn": 4, "gunicorn": 2}
 THREADS = 1
 SERVER_CPU, LOAD_CPU = 0, 1
 START_TIMEOUT = 30.0  # seconds a server may take to answer its first request
@@ -229,7 +232,15 @@ class LoadGen:
     def command(self, port: int, seconds: float, connections: int) -> list[str]:
         if self.name == "wrk":
             secs = f"{max(1, round(seconds))}s"
-            return [self.path, f"-t{THREADS}", f"-c{connections}", f"-d{secs}", f"http://127.0.0.1:{port}/"]
+            return [
+                self.path,
+                f"-t{THREADS}",
+                f"-c{connections}",
+                f"-d{secs}",
+                "--timeout",
+                "10s",
+                f"http://127.0.0.1:{port}/",
+            ]
         return [self.path, str(port), "/", str(connections), f"{seconds:g}"]
 
 
@@ -382,10 +393,41 @@ def check_answer(row: Variant, status: int, headers: dict[str, str], body: bytes
         raise RuntimeError(f"{row.framework}/{row.name} answered without {', '.join(lacking)}")
 
 
+class Running(NamedTuple):
+    port: int
+    pgid: int  # the server's process group (start_new_session: the leader's pid)
+
+
+def group_cpu_ns(pgid: int) -> int:
+    """CPU time every thread of the process group has run, in ns (the
+    scheduler's ``schedstat``; clock ticks where that is missing). A server
+    alone on its core burns what it serves: this reads the same figure as
+    wall time on a quiet machine, and stays put when other processes take
+    turns on that core, which wall time does not."""
+    total = 0
+    tick = 1e9 / os.sysconf("SC_CLK_TCK")
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) != pgid:  # state, ppid, pgrp
+                continue
+            try:
+                for task in os.scandir(Path(entry.path, "task")):
+                    total += int(Path(task.path, "schedstat").read_text().split()[0])
+            except FileNotFoundError:
+                total += round((int(fields[11]) + int(fields[12])) * tick)  # utime, stime
+        except (OSError, ValueError, IndexError):
+            continue  # it exited meanwhile
+    return total
+
+
 @contextlib.contextmanager
 def serve(
     row: Variant, lifetime: float, cpu: int | None = SERVER_CPU, log: Path | None = None
-) -> Iterator[int]:
+) -> Iterator[Running]:
     """The row's server on a free port, pinned to ``cpu``, under ``timeout``
     (``lifetime`` seconds, whatever this process does); yields the port once
     it answered as the row claims, stops it by its PID on the way out."""
@@ -421,7 +463,7 @@ def serve(
             if row.denied and answer[0] == 200:
                 answer = get(port)  # the first request of a limit-1 rule is admitted
             check_answer(row, *answer)
-            yield port
+            yield Running(port, proc.pid)
         finally:
             stop_server(proc)
 
@@ -436,6 +478,12 @@ class Load:
     requests: int
     non2xx: int
     socket_errors: int
+    cpu_ns: int = 0  # the server's CPU time over the run (measure() sets it)
+
+    @property
+    def cpu_us(self) -> float:
+        """Server CPU µs per answered request."""
+        return self.cpu_ns / 1e3 / self.requests if self.requests else 0.0
 
 
 _REQUESTS = re.compile(r"(\d+) requests in")
@@ -503,7 +551,7 @@ def measure(
     rounds: int,
     seconds: float,
     warmup: float,
-    connections: int,
+    connections: int | None = None,
     cpus: tuple[int | None, int | None] = (SERVER_CPU, LOAD_CPU),
 ) -> list[Cell]:
     cells = [Cell(row) for row in rows]
@@ -514,13 +562,16 @@ def measure(
             print(
                 f"round {n + 1}/{rounds} {i:2}/{len(order)} {cell.key}", end="", file=sys.stderr, flush=True
             )
-            with serve(cell.row, lifetime, cpus[0]) as port:
+            with serve(cell.row, lifetime, cpus[0]) as server:
+                conns = connections or CONNECTIONS[cell.row.server]
                 if warmup > 0:
-                    run_load(gen, port, warmup, connections, cpus[1])
-                load = run_load(gen, port, seconds, connections, cpus[1])
+                    run_load(gen, server.port, warmup, conns, cpus[1])
+                cpu0 = group_cpu_ns(server.pgid)
+                load = run_load(gen, server.port, seconds, conns, cpus[1])
+                load.cpu_ns = group_cpu_ns(server.pgid) - cpu0
             check_load(cell.row, load)
             cell.rounds.append(load)
-            print(f"  {load.rps:10,.0f} rps", file=sys.stderr)
+            print(f"  {load.rps:10,.0f} rps {load.cpu_us:8.1f} CPU µs/request", file=sys.stderr)
     return cells
 
 
@@ -528,7 +579,9 @@ def check_load(row: Variant, load: Load) -> None:
     """Nothing is reported that was measured on the wrong path."""
     if load.requests == 0:
         raise RuntimeError(f"{row.framework}/{row.name}: no request answered")
-    if load.socket_errors and row.server != "gunicorn":
+    if load.socket_errors > 0.01 * load.requests:
+        # a few at the end of a run (or a timeout on a loaded machine) are
+        # counted in the JSON; more means the server was not serving
         raise RuntimeError(f"{row.framework}/{row.name}: {load.socket_errors} socket errors")
     share = load.non2xx / load.requests
     if row.denied and share < DENIED_MIN_SHARE:
@@ -538,18 +591,23 @@ def check_load(row: Variant, load: Load) -> None:
 
 
 def summarise(cells: Sequence[Cell]) -> list[dict[str, Any]]:
+    """Per cell: wall figures (the brief's 1e6/rps) and the server's CPU
+    time per request, each as medians over the rounds, and each minus the
+    same framework's ``bare``."""
     bare = {c.row.framework: c for c in cells if c.row.name == "bare"}
     out = []
     for c in cells:
         rps = c.rps
+        cpu = [r.cpu_us for r in c.rounds]
         med = statistics.median(rps)
         us = 1e6 / med
         base = bare.get(c.row.framework)
-        added = None
+        added = cpu_added = None
         added_rounds: list[float] = []
         if base is not None and c is not base:
             added = us - 1e6 / statistics.median(base.rps)
             added_rounds = [1e6 / a - 1e6 / b for a, b in zip(rps, base.rps)]
+            cpu_added = statistics.median(cpu) - statistics.median(r.cpu_us for r in base.rounds)
         out.append(
             {
                 "framework": c.row.framework,
@@ -564,8 +622,14 @@ def summarise(cells: Sequence[Cell]) -> list[dict[str, Any]]:
                 "us_per_request": round(us, 2),
                 "us_added": None if added is None else round(added, 2),
                 "us_added_rounds": [round(a, 2) for a in added_rounds],
+                "cpu_us_median": round(statistics.median(cpu), 2),
+                "cpu_us_min": round(min(cpu), 2),
+                "cpu_us_max": round(max(cpu), 2),
+                "cpu_us_added": None if cpu_added is None else round(cpu_added, 2),
+                "socket_errors": sum(r.socket_errors for r in c.rounds),
                 "non2xx_share": round(sum(r.non2xx for r in c.rounds) / sum(r.requests for r in c.rounds), 4),
                 "rounds_rps": [round(r, 1) for r in rps],
+                "rounds_cpu_us": [round(x, 2) for x in cpu],
             }
         )
     return out
@@ -573,18 +637,19 @@ def summarise(cells: Sequence[Cell]) -> list[dict[str, Any]]:
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| framework | variant | rps (median) | rps min-max | spread | µs/request | µs added over bare "
-        "| added, per round min-max | 429 share |",
+        "| framework | variant | rps median (min-max) | spread | µs/request | µs added over bare "
+        "| server CPU µs/request (min-max) | CPU µs added over bare | 429 share |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         added = "" if r["us_added"] is None else f"{r['us_added']:+.1f}"
-        per_round = r["us_added_rounds"]
-        span = f"{min(per_round):+.1f} … {max(per_round):+.1f}" if per_round else ""
+        cpu_added = "" if r["cpu_us_added"] is None else f"{r['cpu_us_added']:+.1f}"
         lines.append(
-            f"| {r['framework']} | {r['variant']} | {r['rps_median']:,.0f} | "
-            f"{r['rps_min']:,.0f}-{r['rps_max']:,.0f} | {r['spread']:.1%} | {r['us_per_request']:.1f} | "
-            f"{added} | {span} | {r['non2xx_share']:.1%} |"
+            f"| {r['framework']} | {r['variant']} "
+            f"| {r['rps_median']:,.0f} ({r['rps_min']:,.0f}-{r['rps_max']:,.0f}) "
+            f"| {r['spread']:.0%} | {r['us_per_request']:.1f} | {added} "
+            f"| {r['cpu_us_median']:.1f} ({r['cpu_us_min']:.1f}-{r['cpu_us_max']:.1f}) | {cpu_added} "
+            f"| {r['non2xx_share']:.1%} |"
         )
     return "\n".join(lines)
 
@@ -615,9 +680,25 @@ def machine(gen: LoadGen | None = None) -> dict[str, Any]:
         "versions": {d: _version(d) for d in VERSIONS},
         "uvicorn": server_stack(),
     }
+    info["git"] = git_state()
     if gen is not None:
         info["load_generator"] = {"name": gen.name, "version": gen.version}
     return info
+
+
+def git_state() -> dict[str, Any]:
+    """The commit measured, and how many files under src/ differ from it
+    (the servers import the working tree, edits and built extension included)."""
+
+    def git(*argv: str) -> str:
+        try:
+            out = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        except OSError:
+            return ""
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    dirty = git("status", "--porcelain", "--", "src")
+    return {"commit": git("rev-parse", "HEAD") or None, "src_files_changed": len(dirty.splitlines())}
 
 
 def calibrate(gen: LoadGen, seconds: float, rounds: int) -> dict[str, dict[int, float]]:
@@ -628,8 +709,9 @@ def calibrate(gen: LoadGen, seconds: float, rounds: int) -> dict[str, dict[int, 
     seen: dict[str, dict[int, list[float]]] = {r.framework: {c: [] for c in counts} for r in bare}
     for _ in range(rounds):
         for row in bare:
-            with serve(row, START_TIMEOUT + len(counts) * (seconds + 5) + 60) as port:
-                run_load(gen, port, 1.0, CONNECTIONS)
+            with serve(row, START_TIMEOUT + len(counts) * (seconds + 5) + 60) as server:
+                port = server.port
+                run_load(gen, port, 1.0, CONNECTIONS[row.server])
                 for c in counts:
                     seen[row.framework][c].append(run_load(gen, port, seconds, c).rps)
     return {fw: {c: round(statistics.median(v), 1) for c, v in by.items()} for fw, by in seen.items()}
@@ -657,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--duration", type=float, help=f"seconds measured per variant per round ({DURATION:g})"
     )
     parser.add_argument("--warmup", type=float, help=f"seconds of load before each measurement ({WARMUP:g})")
-    parser.add_argument("--connections", type=int, default=CONNECTIONS)
+    parser.add_argument("--connections", type=int, help=f"connections, every server (default {CONNECTIONS})")
     parser.add_argument("--only", help="comma-separated framework/variant names, or frameworks")
     parser.add_argument("--calibrate", action="store_true", help="rps of the bare apps by connection count")
     parser.add_argument("--inprocess-only", action="store_true", help="only the in-process figures")
@@ -687,7 +769,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "rounds": rounds,
                     "seconds": seconds,
                     "warmup_seconds": warmup,
-                    "connections": args.connections,
+                    "connections": args.connections or CONNECTIONS,
                     "threads": THREADS,
                     "server_cpu": SERVER_CPU,
                     "load_cpu": LOAD_CPU,

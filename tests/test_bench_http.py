@@ -191,11 +191,16 @@ def test_server_starts_answers_and_is_stopped(apps: ModuleType, framework: str, 
     and after the block nothing of its process group is left."""
     e2e = _load("http_e2e")
     row = apps.variant(framework, name)
-    with e2e.serve(row, lifetime=60, cpu=None) as port:
+    with e2e.serve(row, lifetime=60, cpu=None) as server:
         (proc,) = e2e._LIVE.values()
-        status, headers, _ = e2e.get(port)
-        assert status == (429 if row.denied else 200)
-        assert all(h in headers for h in row.headers)
+        assert server.pgid == proc.pid
+        before = e2e.group_cpu_ns(server.pgid)
+        for _ in range(20):
+            status, headers, _ = e2e.get(server.port)
+            assert status == (429 if row.denied else 200)
+            assert all(h in headers for h in row.headers)
+        # the server's CPU time is read from its process group, and it served
+        assert e2e.group_cpu_ns(server.pgid) > before
     assert _gone(proc.pid)
     assert proc.returncode is not None
     assert not e2e._LIVE
