@@ -37,7 +37,8 @@ from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove, memset
 
 from nanolimit._kernels cimport (
-    add_clock_lead, clock_rebase, init_state, log_at, log_free, log_reserve, log_ring_size, run_kernel,
+    add_clock_lead, clock_rebase, init_state, log_at, log_drop_oldest, log_expire, log_free, log_reserve,
+    log_ring_size, log_run_of, refund_kernel, run_kernel,
 )
 from nanolimit._zone cimport *  # the zone layout and its nogil table (_core_zone.pxi)
 from nanolimit._table cimport (
@@ -50,7 +51,7 @@ from nanolimit._table cimport (
 from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET, ALG_SLIDING_COUNTER,
     ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_OK, NL_REENTRANT,
-    NL_TABLE_FULL, Entry, Params, Verdict, nl_hash_seeded, nl_lock_spin, nl_mum,
+    NL_TABLE_FULL, Entry, LogState, Params, Verdict, nl_hash_seeded, nl_lock_spin, nl_mum,
     nl_namespace_seed, nl_set_secrets, nl_add_u64_relaxed, nl_load_u64_relaxed,
     nl_cas_u64, nl_floor_i64, nl_load_pointer_relaxed, nl_load_u64_seq,
     nl_trylock, nl_unlock, nl_wall_now,
@@ -87,6 +88,8 @@ from nanolimit._shared import (
     render_headers,
     storage_key,
 )
+
+from nanolimit._protocols import check_at, refund_async
 
 cdef extern from "Python.h":
     bint PyUnicode_IS_COMPACT_ASCII(object o)

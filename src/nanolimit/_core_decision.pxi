@@ -11,6 +11,12 @@ cdef class Decision:
     ``degraded`` is true when the store could not decide normally and a policy
     answered instead; ``reason`` then says which ("storage_full",
     "store_unavailable"); it is "" for an ordinary decision.
+
+    ``at`` is the limiter-clock time the decision was made at (the key's own
+    time, which a sliding log stamps): the name a ``refund`` gives the charge
+    back by. 0.0 when a policy answered or the Decision was built by hand.
+    It is a receipt, not part of the answer: equality, hashing and repr
+    leave it out, pickling keeps it.
     """
 
     cdef readonly bint allowed
@@ -23,9 +29,10 @@ cdef class Decision:
     cdef readonly double delay
     cdef readonly bint degraded
     cdef readonly str reason
+    cdef readonly double at
 
     def __init__(self, allowed, limit, remaining, retry_after, reset_after,
-                 rule="", window=0.0, delay=0.0, degraded=False, reason=""):
+                 rule="", window=0.0, delay=0.0, degraded=False, reason="", at=0.0):
         self.allowed = bool(allowed)
         self.limit = limit
         self.remaining = remaining
@@ -36,6 +43,7 @@ cdef class Decision:
         self.delay = delay
         self.degraded = bool(degraded)
         self.reason = str(reason)
+        self.at = at
 
     def _astuple(self):
         return (self.allowed, self.limit, self.remaining, self.retry_after,
@@ -59,7 +67,7 @@ cdef class Decision:
         )
 
     def __reduce__(self):
-        return (Decision, self._astuple())
+        return (Decision, self._astuple() + (self.at,))
 
     def headers(self, wall_now=None):
         """HTTP headers for this decision; ``wall_now`` defaults to ``time.time()``."""
@@ -97,6 +105,7 @@ cdef inline Decision make_decision(const Verdict* v, int64_t limit, str rule, do
     d.rule = rule
     d.window = window
     d.delay = v.delay
+    d.at = v.at
     if v.storage_full:
         d.degraded = True
         d.reason = REASON_STORAGE_FULL

@@ -294,6 +294,7 @@ cdef class LeaseBook:
             reset_after = start + 2 * self.window - now
         v.storage_full = False
         v.delay = 0.0
+        v.at = now                      # the key's time, as TwoTierStorage._judge says it
         v.allowed = ok
         if ok:
             if commit:

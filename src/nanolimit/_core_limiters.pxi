@@ -187,7 +187,7 @@ cdef class _Limiter:
     cdef Decision foreign(self, object key, object cost, bint commit):
         d = self._fallback.allow(key, cost) if commit else self._fallback.peek(key, cost)
         return Decision(d.allowed, d.limit, d.remaining, d.retry_after, d.reset_after,
-                        d.rule, d.window, d.delay, d.degraded, d.reason)
+                        d.rule, d.window, d.delay, d.degraded, d.reason, d.at)
 
     def allow(self, key, cost=1):
         """Decide one request and spend its cost if it passes."""
@@ -206,6 +206,41 @@ cdef class _Limiter:
         """``await limiter.peek_async(key)``: ``peek`` for async code."""
         return decide_async(self, key, cost, False)
 
+    def refund(self, key, cost=1, *, at=None):
+        """Give back ``cost`` units that an admitted decision made at ``at``
+        (its ``Decision.at``; None: the key's latest decision) charged to
+        ``key``: counting by response charges on entry, atomically, and
+        refunds what the response says should not have counted.
+
+        The log and the windows end exactly as if the charge was never made
+        (a charge whose window has passed expired with it, and nothing is
+        given back); the buckets and GCRA get the units back, which is exact
+        unless the key refilled to full (went idle) in between. Never more
+        than a fresh key's budget; a key the storage does not hold is left
+        alone, not created.
+        """
+        cdef Py_ssize_t klen
+        cdef const char* data
+        cdef int64_t units
+        cdef double now, stamp = 0.0
+        cdef uint64_t h
+        if self.store is None:
+            self._fallback.refund(key, cost, at=at)     # a KernelStorage's refund_kernel, or apply
+            return
+        data = key_bytes(key, self.max_key_bytes, &klen)
+        units = cost_value(cost, self.p.capacity)
+        at = check_at(at)
+        if at is not None:
+            stamp = at
+        now = self.read_clock()
+        h = self.store.hash_key(self.seed, data, klen)
+        self.store.refund(h, self.ns, data, klen, now, units, stamp, at is None, &self.p)
+
+    def refund_async(self, key, cost=1, *, at=None):
+        """``await limiter.refund_async(key)``: awaits an async storage
+        (``AsyncRedisStorage``); on any other it refunds at once."""
+        return refund_async(self, key, cost, at)
+
     def _decision(self, verdict):
         """A Decision from a storage's KernelVerdict tuple."""
         return self.from_verdict(verdict)
@@ -216,17 +251,19 @@ cdef class _Limiter:
         cdef Verdict v
         cdef Py_ssize_t n
         cdef Decision d
-        if type(verdict) is not tuple or not 5 <= len(<tuple>verdict) <= 7 or not isfinite(verdict[1]):
+        if type(verdict) is not tuple or not 5 <= len(<tuple>verdict) <= 8 or not isfinite(verdict[1]):
             return Decision(verdict[0], self.p.capacity, max(0, floor(verdict[1])), verdict[2], verdict[3],
                             self._rule, self.p.window, verdict[4],
                             verdict[5] if len(verdict) > 5 else False,
-                            verdict[6] if len(verdict) > 6 else "")
+                            verdict[6] if len(verdict) > 6 else "",
+                            verdict[7] if len(verdict) > 7 else 0.0)
         n = len(<tuple>verdict)
         v.allowed = bool(verdict[0])
         v.remaining = verdict[1]
         v.retry_after = verdict[2]
         v.reset_after = verdict[3]
         v.delay = verdict[4]
+        v.at = verdict[7] if n > 7 else 0.0     # the store's stamp of the decision (Redis)
         v.storage_full = False
         d = make_decision(&v, self.p.capacity, self._rule, self.p.window)
         if n > 5:

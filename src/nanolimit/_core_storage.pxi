@@ -201,6 +201,14 @@ cdef class InMemoryStorage:
         nl_unlock(&s.lock)
         return status
 
+    cdef inline void refund(self, uint64_t h, uint32_t ns, const char* key, Py_ssize_t klen, double now,
+                            int64_t cost, double at, bint latest, const Params* p) noexcept:
+        """``_Limiter.refund`` under the key's stripe lock (``table_refund``)."""
+        cdef Stripe* s = self.stripe_for(h)
+        lock_stripe(s)
+        table_refund(s, h, ns, key, <uint32_t>klen, now, cost, at, latest, p)
+        nl_unlock(&s.lock)
+
     cdef int decide_batch(self, uint32_t ns, uint64_t seed, Py_ssize_t n, const char** keys,
                           const Py_ssize_t* sizes, const int64_t* costs, uint64_t* hashes,
                           double now, const double* times, const Params* p, uint8_t* allowed, int64_t* remaining,

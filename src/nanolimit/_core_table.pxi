@@ -38,6 +38,7 @@ cdef inline void refuse_new_key(Verdict* v) noexcept nogil:
     v.retry_after = 1.0
     v.reset_after = 0.0
     v.delay = 0.0
+    v.at = 0.0                  # a policy answered: no charge to name
 
 
 cdef int decide_new_key(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns, const char* key,
@@ -56,6 +57,7 @@ cdef int decide_new_key(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns, con
             refuse_new_key(v)   # what allow would answer, counting nothing
             return NL_OK
         init_state(&scratch, clock_now, p)
+        v.at = clock_now
         return run_kernel(&scratch, clock_now, cost, p, False, v)
     if b != NULL:
         if not room_for_new_key(s, b, clock_now):
@@ -65,6 +67,7 @@ cdef int decide_new_key(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns, con
     # Decided on a scratch state first: the key goes in only once its charge
     # has succeeded, so an out-of-memory leaves no key behind.
     init_state(&scratch, clock_now, p)
+    v.at = clock_now
     status = run_kernel(&scratch, clock_now, cost, p, True, v)
     if status != NL_OK:
         return status
@@ -97,6 +100,7 @@ cdef inline int table_decide(Stripe* s, const Bounds* b, uint64_t h, uint32_t ns
     if e.updated_at - clock_now > MAX_CLOCK_LEAD_C:
         return clock_fault_path(e, ns, clock_now, cost, p, commit, v)
     now = e.updated_at if e.updated_at > clock_now else clock_now
+    v.at = now
     if commit:
         status = run_kernel(e, now, cost, p, True, v)
         if status == NL_OK:   # out of memory (a sliding log's ring) leaves the entry as it was
@@ -116,6 +120,7 @@ cdef int decide_after_clock_fault(Entry* e, uint32_t ns, double clock_now, int64
     the clock, then decided at it."""
     cdef Entry scratch
     cdef int status
+    v.at = clock_now
     if commit:
         clock_rebase(e, clock_now, p, True)
         status = run_kernel(e, clock_now, cost, p, True, v)
@@ -151,6 +156,24 @@ cdef void settle_clock_fault(Stripe* s, uint64_t h, uint32_t ns, const char* key
     cdef Py_ssize_t position = stripe_find(s, h, ns, key, klen, &slot)
     if position >= 0 and s.entries[position].updated_at - clock_now > MAX_CLOCK_LEAD_C:
         clock_fault_path(&s.entries[position], ns, clock_now, 0, p, True, &v)
+
+
+cdef void table_refund(Stripe* s, uint64_t h, uint32_t ns, const char* key, uint32_t klen,
+                       double clock_now, int64_t cost, double at, bint latest,
+                       const Params* p) noexcept nogil:
+    """Give back what a decision made at ``at`` charged (``latest``: the
+    key's last decision, its ``updated_at``). Finds and never inserts: a key
+    not held has nothing to give back, and is not made."""
+    cdef uint32_t slot
+    cdef Py_ssize_t position = stripe_find(s, h, ns, key, klen, &slot)
+    cdef Entry* e
+    cdef double now
+    if position < 0:
+        return
+    e = &s.entries[position]
+    now = e.updated_at if e.updated_at > clock_now else clock_now
+    refund_kernel(e, now, cost, e.updated_at if latest else at, p)
+    e.updated_at = now
 
 
 cdef void forget_entry(Stripe* s, uint64_t h, uint32_t ns, const char* key,

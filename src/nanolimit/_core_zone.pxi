@@ -961,6 +961,7 @@ cdef int zone_decide(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* 
     if e.updated_at - clock_now > MAX_CLOCK_LEAD_C:
         return zone_after_clock_fault(z, si, position, clock_now, cost, p, commit, v)
     now = e.updated_at if e.updated_at > clock_now else clock_now
+    v.at = now
     if not commit:
         zone_view(z, e, &view)
         status = run_kernel(&view, now, cost, p, False, v)
@@ -994,6 +995,7 @@ cdef int zone_decide_new(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const ch
     cdef Entry view
     cdef int status
     cdef ZoneStripe* s = &z.stripes[si]
+    v.at = clock_now
     if not commit:
         if mode == DECIDE_RESERVE:
             if not zone_room_for_new_key(z, si, clock_now):
@@ -1037,6 +1039,7 @@ cdef int zone_after_clock_fault(Zone* z, uint32_t si, uint32_t position, double 
     cdef Entry view
     cdef int status
     cdef ZoneStripe* s = &z.stripes[si]
+    v.at = clock_now
     if not commit:
         zone_view(z, e, &view)
         status = clock_rebase(&view, clock_now, p, False)

@@ -324,6 +324,134 @@ cdef inline void add_clock_lead(Verdict* v, double lead) noexcept nogil:
         v.delay = v.delay + lead
 
 
+# ---------------------------------------------------------------- refunds
+# ``reference._refund_<algorithm>``, operation for operation: give back what
+# an admitted decision made at ``at`` charged. ``now`` is already
+# ``max(clock, updated_at)``; the caller stamps ``updated_at`` afterwards.
+
+cdef inline void refund_token_bucket(Entry* e, double now, int64_t cost, const Params* p) noexcept nogil:
+    cdef double capacity = p.capacity_f
+    cdef double level = e.state.bucket.level + (now - e.updated_at) * p.rate
+    if level > capacity:
+        level = capacity
+    level = level + <double>cost
+    if level > capacity:
+        level = capacity
+    e.state.bucket.level = level
+
+
+cdef inline void refund_leaky_bucket(Entry* e, double now, int64_t cost, const Params* p) noexcept nogil:
+    cdef double level = e.state.bucket.level - (now - e.updated_at) * p.rate
+    if level < 0.0:
+        level = 0.0
+    level = level - <double>cost
+    if level < 0.0:
+        level = 0.0
+    e.state.bucket.level = level
+
+
+cdef inline void refund_gcra(Entry* e, double now, int64_t cost, const Params* p) noexcept nogil:
+    cdef int64_t tat = e.state.gcra.tat - p.interval_us * cost
+    cdef int64_t now_us = nl_floor_i64(now * 1000000.0)
+    if tat < now_us:
+        tat = now_us                # never more room than a fresh key's
+    e.state.gcra.tat = tat
+
+
+cdef inline void refund_fixed_window(Entry* e, double now, int64_t cost, double at,
+                                     const Params* p) noexcept nogil:
+    cdef WindowState* w = &e.state.window
+    cdef int64_t index = nl_floor_i64(now / p.window)
+    if index != w.index:
+        w.index = index
+        w.count = 0
+    if nl_floor_i64(at / p.window) == w.index:     # else it expired with its window
+        w.count -= <uint32_t>cost if <int64_t>w.count > cost else w.count
+
+
+cdef inline void refund_sliding_counter(Entry* e, double now, int64_t cost, double at,
+                                        const Params* p) noexcept nogil:
+    cdef WindowState* w = &e.state.window
+    cdef int64_t index = nl_floor_i64(now / p.window)
+    cdef int64_t charged
+    if index != w.index:
+        w.previous = w.count if index == w.index + 1 else 0
+        w.count = 0
+        w.index = index
+    charged = nl_floor_i64(at / p.window)
+    if charged == w.index:
+        w.count -= <uint32_t>cost if <int64_t>w.count > cost else w.count
+    elif charged == w.index - 1:
+        w.previous -= <uint32_t>cost if <int64_t>w.previous > cost else w.previous
+
+
+cdef inline void log_expire(LogState* lg, double now, const Params* p) noexcept nogil:
+    """The sliding log kernel's trim and expiry, on their own (a refund's)."""
+    cdef double cutoff = now - p.window
+    while lg.length > p.capacity:
+        log_drop_oldest(lg)
+    while lg.length > 0 and lg.ring[lg.head] <= cutoff:
+        log_drop_oldest(lg)
+
+
+cdef inline uint32_t log_run_of(const LogState* lg, double at, int64_t cost,
+                                uint32_t* first) noexcept nogil:
+    """How many of the stamps equal to ``at`` (at most ``cost``) a refund
+    removes, and where their run starts: the log is oldest first, so they
+    are contiguous."""
+    cdef uint32_t i = 0, run = 0
+    while i < lg.length and log_at(lg, i) != at:
+        i += 1
+    while run < cost and i + run < lg.length and log_at(lg, i + run) == at:
+        run += 1
+    first[0] = i
+    return run
+
+
+cdef inline void refund_sliding_log(Entry* e, double now, int64_t cost, double at,
+                                    const Params* p) noexcept nogil:
+    """In place: the later stamps move back over the run removed, so the ring
+    stays oldest first (the zone, where a holder may die part-way, copies
+    instead: ``_core_zone.pxi``)."""
+    cdef LogState* lg = &e.state.log
+    cdef uint32_t first, run, i, size, src, dst
+    log_expire(lg, now, p)
+    run = log_run_of(lg, at, cost, &first)
+    if run == 0:
+        return
+    if first == 0:
+        for i in range(run):
+            log_drop_oldest(lg)
+        return
+    size = log_ring_size(lg)
+    for i in range(first, lg.length - run):
+        dst = lg.head + i
+        if dst >= size:
+            dst -= size
+        src = lg.head + i + run
+        if src >= size:
+            src -= size
+        lg.ring[dst] = lg.ring[src]
+    lg.length -= run
+
+
+cdef inline void refund_kernel(Entry* e, double now, int64_t cost, double at,
+                               const Params* p) noexcept nogil:
+    cdef int alg = p.algorithm
+    if alg == ALG_TOKEN_BUCKET:
+        refund_token_bucket(e, now, cost, p)
+    elif alg == ALG_GCRA:
+        refund_gcra(e, now, cost, p)
+    elif alg == ALG_FIXED_WINDOW:
+        refund_fixed_window(e, now, cost, at, p)
+    elif alg == ALG_SLIDING_COUNTER:
+        refund_sliding_counter(e, now, cost, at, p)
+    elif alg == ALG_LEAKY_BUCKET:
+        refund_leaky_bucket(e, now, cost, p)
+    else:
+        refund_sliding_log(e, now, cost, at, p)
+
+
 # ---------------------------------------------------------------- dispatch
 
 cdef inline int run_kernel(Entry* e, double now, int64_t cost, const Params* p,

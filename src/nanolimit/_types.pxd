@@ -117,3 +117,4 @@ ctypedef struct Verdict:
     double retry_after
     double reset_after
     double delay
+    double at                       # the key's time the decision was made at (Decision.at)
