@@ -224,7 +224,7 @@ cdef class _Limiter:
         cdef int64_t units
         cdef double now, stamp = 0.0
         cdef uint64_t h
-        if self.store is None:
+        if self.store is None and self.zone is None:
             self._fallback.refund(key, cost, at=at)     # a KernelStorage's refund_kernel, or apply
             return
         data = key_bytes(key, self.max_key_bytes, &klen)
@@ -233,6 +233,9 @@ cdef class _Limiter:
         if at is not None:
             stamp = at
         now = self.read_clock()
+        if self.zone is not None:
+            self.zone.refund(self.ns, self.seed, data, klen, now, units, stamp, at is None, &self.p)
+            return
         h = self.store.hash_key(self.seed, data, klen)
         self.store.refund(h, self.ns, data, klen, now, units, stamp, at is None, &self.p)
 

@@ -545,6 +545,26 @@ cdef class SharedMemoryStorage:
         done[0] = i if status != NL_OK else n
         return status
 
+    cdef int refund(self, uint32_t ns, uint64_t seed, const char* key, Py_ssize_t klen, double now,
+                    int64_t cost, double at, bint latest, const Params* p) except -1:
+        """``_Limiter.refund`` on the zone (``zone_refund``)."""
+        cdef char digest[16]
+        cdef const char* stored
+        cdef uint64_t h
+        cdef uint32_t si
+        cdef int status
+        self.check_open()
+        stored = zone_key(&self.z, key, <uint32_t>klen, digest)
+        h = zone_hash(&self.z, seed, stored, <uint32_t>klen)
+        si = zone_stripe_of(&self.z, h)
+        self.lock_stripe(si)
+        status = zone_refund(&self.z, si, h, ns, stored, <uint32_t>klen, now, cost, at, latest, p)
+        nlz_unlock(&self.z.stripes[si].lock)
+        if status != NL_OK:
+            raise MemoryError(
+                f"shared-memory zone {self.name!r}: no arena room to refund a sliding log's stamps; nothing changed")
+        return 0
+
     cdef int forget(self, uint32_t ns, uint64_t seed, const char* key, Py_ssize_t klen) except -1:
         cdef char digest[16]
         cdef const char* stored
@@ -1062,6 +1082,82 @@ cdef int zone_after_clock_fault(Zone* z, uint32_t si, uint32_t position, double 
     zone_store_view(e, &view)
     zone_undo_end(s)
     return status
+
+
+cdef int zone_refund(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* stored, uint32_t klen,
+                     double clock_now, int64_t cost, double at, bint latest, const Params* p) noexcept nogil:
+    """``table_refund`` on the zone: find, never insert; the change is
+    bracketed by the stripe's undo copy like a decision's, so a holder
+    killed part-way is rolled back by whoever takes its lock over."""
+    cdef uint32_t slot, position
+    cdef Py_ssize_t found = zone_find(z, si, h, ns, stored, klen, &slot)
+    cdef Entry* e
+    cdef double now
+    cdef ZoneStripe* s = &z.stripes[si]
+    if found < 0:
+        return NL_OK
+    position = <uint32_t>found
+    e = &stripe_entries(z, si)[position]
+    now = e.updated_at if e.updated_at > clock_now else clock_now
+    if latest:
+        at = e.updated_at
+    if (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
+        return zone_refund_log(z, si, position, now, cost, at, p)
+    zone_undo_begin(s, position, e)
+    refund_kernel(e, now, cost, at, p)
+    e.updated_at = now
+    zone_undo_end(s)
+    return NL_OK
+
+
+cdef int zone_refund_log(Zone* z, uint32_t si, uint32_t position, double now, int64_t cost, double at,
+                         const Params* p) noexcept nogil:
+    """A sliding log's refund on the zone. The undo copy restores the entry,
+    not its ring, so no stamp it names may be overwritten: expiry and a run
+    removed at either end of the log move only the head or the length, and
+    a run in the middle is copied around into a fresh arena ring that the
+    entry names only once it is whole (as ``zone_ring_for`` grows one). A
+    holder killed part-way leaks that ring at worst. NL_NOMEM when the arena
+    has no ring to spare: nothing is changed then."""
+    cdef Entry* e = &stripe_entries(z, si)[position]
+    cdef ZoneStripe* s = &z.stripes[si]
+    cdef Entry view
+    cdef LogState* lg = &view.state.log
+    cdef uint32_t first, run, i, kept = 0
+    cdef uint64_t block, old
+    cdef double* fresh
+    zone_view(z, e, &view)
+    log_expire(lg, now, p)
+    run = log_run_of(lg, at, cost, &first)
+    if run > 0 and first > 0 and first + run < lg.length:
+        block = arena_alloc(z, log_ring_size(lg))
+        if block == 0:
+            z.stripes[si].denied_arena += 1
+            return NL_NOMEM
+        fresh = zone_ring(z, block)
+        for i in range(lg.length):
+            if i < first or i >= first + run:
+                fresh[kept] = log_at(lg, i)
+                kept += 1
+        old = zone_log(e).ring
+        zone_undo_begin(s, position, e)
+        zone_log(e).ring = block
+        zone_log(e).head = 0
+        zone_log(e).length = kept
+        e.updated_at = now
+        zone_undo_end(s)
+        arena_free(z, old)      # after the entry names the new ring: never one ring twice
+        return NL_OK
+    if run > 0 and first == 0:
+        for i in range(run):
+            log_drop_oldest(lg)
+    elif run > 0:
+        lg.length -= run        # the newest stamps: nothing after them moves
+    zone_undo_begin(s, position, e)
+    view.updated_at = now
+    zone_store_view(e, &view)
+    zone_undo_end(s)
+    return NL_OK
 
 
 cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint32_t* namespaces,
