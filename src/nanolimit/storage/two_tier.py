@@ -465,6 +465,26 @@ class TwoTierStorage:
                 return probe
             return [self._decide(cfg, k, c, t, True) for cfg, k, c in items]
 
+    def refund_kernel(
+        self, config: LimiterConfig, key: str, cost: int, at: float | None, now: float | None
+    ) -> None:
+        """A refund goes to the Redis store, never to the local lease: the
+        lease's grant already charged Redis, so crediting Redis back keeps
+        the fleet within its budget, while a unit handed back to the lease
+        would be spent here again on top of it."""
+        self.remote.refund_kernel(config, key, cost, at, now)
+
+    async def refund_kernel_async(
+        self, config: LimiterConfig, key: str, cost: int, at: float | None, now: float | None
+    ) -> None:
+        """``refund_kernel`` for ``refund_async``: awaits the Redis store when
+        it is async, else refunds at once (as ``refund_kernel``)."""
+        run = getattr(self.remote, "refund_kernel_async", None)
+        if run is None:
+            self.remote.refund_kernel(config, key, cost, at, now)
+        else:
+            await run(config, key, cost, at, now)
+
     def forget(self, config: LimiterConfig, key: str) -> None:
         """Forget ``key`` here and delete its window hashes in Redis (the other
         instances re-write their own counts at their next sync).
@@ -669,7 +689,16 @@ class TwoTierStorage:
                 track.own[k] = track.own.get(k, 0) + cost
                 if self._blind:
                     self._blind_units += cost
-            return (True, limit - estimate - cost, 0.0, max(reset_after, start + window - now), 0.0, degraded)
+            return (
+                True,
+                limit - estimate - cost,
+                0.0,
+                max(reset_after, start + window - now),
+                0.0,
+                degraded,
+                "",
+                0.0 if degraded else now,  # Decision.at: the key's time, as LeaseBook.decide says it
+            )
         retry_after = start + window - now
         if fits:  # out of allowance, not of budget: the next sync resizes it
             retry_after = min(retry_after, self.sync_interval)
@@ -677,7 +706,16 @@ class TwoTierStorage:
             room = limit - current - cost
             if room >= 0:
                 retry_after = start + window * (1 - room / previous) - now
-        return (False, limit - estimate, max(0.0, retry_after), reset_after, 0.0, degraded)
+        return (
+            False,
+            limit - estimate,
+            max(0.0, retry_after),
+            reset_after,
+            0.0,
+            degraded,
+            "",
+            0.0 if degraded else now,
+        )
 
     def _previous_weighted(self, track: _Track, k: int) -> float:
         """The sliding estimate's share of window ``k - 1``, at our key's time."""
