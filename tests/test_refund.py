@@ -15,6 +15,8 @@ import math
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -31,6 +33,7 @@ from hypothesis import strategies as st
 from nanolimit._shared import FakeClock, ValidationError
 
 ZONE_SUITE = True
+pytest_plugins = ["redis_servers"]  # the real servers of the two-tier test
 
 T0 = 1000.0
 LIMIT = 4
@@ -509,40 +512,121 @@ def test_foreign_storage_refunds_through_apply(twin: Any, algorithm: str) -> Non
     assert limiter.state("k") == plain.state("k")
 
 
+@pytest.mark.parametrize("algorithm", ["fixed_window", "sliding_counter", "token_bucket"])
+def test_two_tier_refund_reaches_the_fleet_at_the_next_sync(
+    twin: Any, redis_server: Any, algorithm: str
+) -> None:
+    """Two instances on a real server: one spends the key's whole limit and
+    refunds one unit; after its sync the other instance sees the unit free."""
+    from nanolimit.storage.two_tier import TwoTierStorage
+
+    tiers = [
+        TwoTierStorage(
+            twin.InMemoryStorage(), redis_server.client(), instance_id=f"i{i}", instances=2, start=False
+        )
+        for i in range(2)
+    ]
+    try:
+        for tier in tiers + tiers:
+            tier.sync_now()
+        clocks = [FakeClock(T0), FakeClock(T0)]
+        cls = getattr(twin, ALGORITHM_CLASSES[algorithm])
+        limiters = [cls(LIMIT, WINDOW, tier, clock) for tier, clock in zip(tiers, clocks)]
+        assert limiters[1].peek("k").allowed  # the second instance tracks the key: its syncs read it
+        admitted = []
+        for _ in range(LIMIT):  # the first instance takes everything, syncing for leases
+            d = limiters[0].allow("k")
+            if not d.allowed:
+                tiers[0].sync_now()
+                d = limiters[0].allow("k")
+            assert d.allowed and d.at == T0
+            admitted.append(d)
+        for tier in tiers + tiers:
+            tier.sync_now()
+        assert not limiters[1].allow("k").allowed
+        limiters[0].refund("k", at=admitted[0].at)
+        limiters[0].refund("never-seen")
+        for tier in tiers + tiers:
+            tier.sync_now()
+        assert sum(tiers[1].fleet_counts(limiters[1].config, "k").values()) == LIMIT - 1
+        again = 0  # the fleet admits the unit given back, and only it
+        for _ in range(4):
+            for lim, tier in zip(limiters[::-1], tiers[::-1]):
+                again += lim.allow("k").allowed
+                tier.sync_now()
+        assert again == 1
+        stale = admitted[1].at
+        for clock in clocks:
+            clock.advance(3 * WINDOW)
+        limiters[0].refund("k", at=stale)  # its window has passed: nothing comes back
+        tiers[0].sync_now()
+        assert sum(tiers[0].fleet_counts(limiters[0].config, "k").values()) == LIMIT
+    finally:
+        for tier in tiers:
+            tier.close()
+
+
 # ---------------------------------------------------------------- the zone across processes
+
+
+CHILD_REFUND = """
+import sys
+import nanolimit._core as core
+from nanolimit._shared import FakeClock
+name, cls, limit, window, cost, at = sys.argv[1:]
+zone = core.SharedMemoryStorage(name, max_keys=64)
+getattr(core, cls)(int(limit), float(window), zone, FakeClock(float(at))).refund("k", int(cost), at=float(at))
+zone.close()
+"""
+
+
+def wait_bounded(pid: int, seconds: float = 60.0) -> int:
+    """A forked child's exit code; killed (by its pid) if it overstays."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"child {pid} did not finish in {seconds} s")
 
 
 @pytest.mark.native
 @needs_shared_memory
+@pytest.mark.parametrize("how", ["fork", "spawn"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_a_refund_from_another_process_is_seen(native: types.ModuleType, algorithm: str) -> None:
+def test_a_refund_from_another_process_is_seen(native: types.ModuleType, algorithm: str, how: str) -> None:
+    """``fork``: the child refunds on the zone object it inherited (a
+    pre-forking server's workers); ``spawn``: a fresh interpreter attaches
+    by name. Either way the first process sees the units back."""
     name = f"nltest-{uuid.uuid4().hex[:16]}"
     zone = native.SharedMemoryStorage(name, max_keys=64)
     try:
-        clock = FakeClock(T0)
-        limiter = getattr(native, ALGORITHM_CLASSES[algorithm])(LIMIT, WINDOW, zone, clock)
+        limiter = getattr(native, ALGORITHM_CLASSES[algorithm])(LIMIT, WINDOW, zone, FakeClock(T0))
         d = limiter.allow("k", LIMIT)
         assert d.allowed and not limiter.allow("k").allowed
-        pid = os.fork()
-        if pid == 0:  # the child: refund on the inherited zone, say how it went
-            code = 1
-            try:
-                limiter.refund("k", LIMIT, at=d.at)
-                code = 0
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + 60
-        status = None
-        while time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.01)
+        if how == "fork":
+            pid = os.fork()
+            if pid == 0:  # the child: refund, and say how it went by its exit code
+                code = 1
+                try:
+                    limiter.refund("k", LIMIT, at=d.at)
+                    code = 0
+                finally:
+                    os._exit(code)
+            assert wait_bounded(pid) == 0
         else:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the refunding child did not finish in 60 s")
-        assert os.waitstatus_to_exitcode(status) == 0
+            args = [name, ALGORITHM_CLASSES[algorithm], str(LIMIT), repr(WINDOW), str(LIMIT), repr(d.at)]
+            out = subprocess.run(
+                [sys.executable, "-c", CHILD_REFUND, *args],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            )
+            assert out.returncode == 0, out.stderr
         assert limiter.allow("k", LIMIT).allowed
     finally:
         zone.unlink()

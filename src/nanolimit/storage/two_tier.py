@@ -468,22 +468,38 @@ class TwoTierStorage:
     def refund_kernel(
         self, config: LimiterConfig, key: str, cost: int, at: float | None, now: float | None
     ) -> None:
-        """A refund goes to the Redis store, never to the local lease: the
-        lease's grant already charged Redis, so crediting Redis back keeps
-        the fleet within its budget, while a unit handed back to the lease
-        would be spent here again on top of it."""
-        self.remote.refund_kernel(config, key, cost, at, now)
+        """Give back what a decision made at ``at`` (None: the key's latest)
+        charged, from this instance's own count of that window: the next
+        sync writes the lower absolute count, which is how a unit reaches
+        the fleet here (the fleet's counts are these per-instance hash
+        fields, not the Redis store's kernel keys, so the store's own
+        ``refund_kernel`` would find nothing to credit). Until that sync the
+        others still see the unit spent, and this instance may spend it
+        again within its lease: never more than a decision would admit. A
+        charge whose window has passed, or a key not tracked, gives nothing.
+        While Redis is unreachable the blind share keeps the unit spent."""
+        with self._lock:
+            track = self._tracks.get((config, key if type(key) is str else str.__str__(key)))
+            if track is None:
+                return
+            self._pull(track)
+            t = max(time.time() if now is None else now, track.last_now)
+            live = math.floor(t / track.window)  # the key's window now, as a decision rolls to it
+            k = math.floor((track.last_now if at is None else at) / track.window)
+            if k != live and not (track.sliding and k == live - 1):
+                return  # expired with its window: a past window's count is history
+            spent = track.own.get(k, 0)
+            if spent <= 0:
+                return
+            track.own[k] = spent - min(cost, spent)
+            self._dirty[id(track)] = track
+            self._load(track)
 
     async def refund_kernel_async(
         self, config: LimiterConfig, key: str, cost: int, at: float | None, now: float | None
     ) -> None:
-        """``refund_kernel`` for ``refund_async``: awaits the Redis store when
-        it is async, else refunds at once (as ``refund_kernel``)."""
-        run = getattr(self.remote, "refund_kernel_async", None)
-        if run is None:
-            self.remote.refund_kernel(config, key, cost, at, now)
-        else:
-            await run(config, key, cost, at, now)
+        """``refund_kernel`` for ``refund_async``: local, so at once."""
+        self.refund_kernel(config, key, cost, at, now)
 
     def forget(self, config: LimiterConfig, key: str) -> None:
         """Forget ``key`` here and delete its window hashes in Redis (the other
