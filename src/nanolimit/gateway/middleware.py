@@ -245,6 +245,9 @@ class _DenialLog:
 
 
 _HOOK_NAMES = ("on_breach", "route_resolver")
+# The fast lanes test ``request.cost is _ONE``: the int 1 is one object in
+# CPython, and anything else (True included, refused there) takes check().
+_ONE = 1
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")  # an RFC 9110 header name
 
 
@@ -457,8 +460,8 @@ class RateLimitMiddleware:
             if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
                 raise ValidationError(f"rule {b.name!r}: cost(request) must return an int >= 1, got {cost!r}")
         n = request.cost
-        if n != 1:
-            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        if n is not _ONE:
+            if type(n) is not int or n <= 0:
                 raise ValidationError(f"Request.cost must be an int >= 1, got {n!r}")
             cost *= n
         return cost
@@ -482,7 +485,7 @@ class RateLimitMiddleware:
         )
         if b is _MISSING:
             b = self._route(request, ruleset, tier)
-        if b.simple and request.cost == 1:
+        if b.simple and request.cost is _ONE:
             d = b.allow(self._key(request, b.scope))
             if d.allowed:
                 headers: dict[str, str] = {}
@@ -679,7 +682,7 @@ class RateLimitMiddleware:
         # Everything else takes check() and _respond.
         ruleset = self.registry.ruleset
         routes = self._routes
-        if routes[0] is ruleset and self._inline and not ruleset.has_tiers and request.cost == 1:
+        if routes[0] is ruleset and self._inline and not ruleset.has_tiers and request.cost is _ONE:
             b: Any = routes[1].get((request.method, request.path, None), _MISSING)
             if b.simple:
                 d = b.allow(self._key(request, b.scope))

@@ -29,7 +29,7 @@ from .._shared import Algorithm, ValidationError
 from .rates import Rate, parse_rates
 from .rules import KeyScope, RateLimitRule, RuleRegistry, RuleValidationError, route_key
 
-__all__ = ["Limit", "RouteInfo", "RouteLimits"]
+__all__ = ["Limit", "LimitDependency", "RouteInfo", "RouteLimits"]
 
 T = TypeVar("T")
 
@@ -248,8 +248,6 @@ class RouteLimits:
         """A FastAPI dependency form of :meth:`limit`:
         ``@app.get("/x", dependencies=[Depends(limits.depends("5/minute"))])``,
         or on an ``APIRouter(dependencies=[...])`` for every route of it."""
-        from .starlette import LimitDependency
-
         return LimitDependency(self.limit(rate, **options))
 
     def exempt(self, target: T) -> T:
@@ -337,3 +335,38 @@ def _scope(scope: KeyScope | str) -> KeyScope:
     except ValueError:
         known = ", ".join(s.value for s in KeyScope)
         raise ValidationError(f"unknown scope {scope!r}; expected one of: {known}") from None
+
+
+class LimitDependency:
+    """``Depends(limits.depends("5/minute"))`` on a FastAPI route, router
+    (``APIRouter(dependencies=[...])``) or app: the limit is read from the
+    route table when the middleware binds, and decided there, before the
+    app. Called by FastAPI, it checks the middleware really did, so a
+    forgotten middleware fails loudly instead of limiting nothing."""
+
+    def __init__(self, limit: Limit) -> None:
+        self.limit = limit
+        setattr(self, MARK, [limit])
+
+    async def __call__(self, request: Any) -> None:
+        if "nanolimit" not in request.scope:
+            raise RuntimeError(
+                "a nanolimit limit dependency ran without the middleware: add "
+                "nanolimit.asgi.RateLimitMiddleware(app, limits=...) (app.add_middleware) to the app"
+            )
+
+    def __repr__(self) -> str:
+        return f"<LimitDependency {self.limit.rates!r}>"
+
+
+def _annotate() -> None:
+    # FastAPI injects by annotation: the request parameter must name
+    # Starlette's Request class itself, which is only imported if installed.
+    try:
+        from starlette.requests import Request as StarletteRequest
+    except ImportError:  # pragma: no cover - Starlette is what this module serves
+        return
+    LimitDependency.__call__.__annotations__["request"] = StarletteRequest
+
+
+_annotate()

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 from .request import Request
-from .routes import MARK, Limit, RouteInfo
+from .routes import LimitDependency, RouteInfo
 
-__all__ = ["LimitDependency", "resolver_for", "routes_of"]
+__all__ = ["LimitDependency", "resolver_for", "routes_of"]  # LimitDependency lives in routes
 
 Scope = MutableMapping[str, Any]
 
@@ -139,38 +139,3 @@ def resolver_for(app: Any) -> Callable[[Request], str | None]:
         return _match(routes, scope, "")
 
     return resolve
-
-
-class LimitDependency:
-    """``Depends(limits.depends("5/minute"))`` on a FastAPI route, router
-    (``APIRouter(dependencies=[...])``) or app: the limit is read from the
-    route table when the middleware binds, and decided there, before the
-    app. Called by FastAPI, it checks the middleware really did, so a
-    forgotten middleware fails loudly instead of limiting nothing."""
-
-    def __init__(self, limit: Limit) -> None:
-        self.limit = limit
-        setattr(self, MARK, [limit])
-
-    async def __call__(self, request: Any) -> None:
-        if "nanolimit" not in request.scope:
-            raise RuntimeError(
-                "a nanolimit limit dependency ran without the middleware: add "
-                "nanolimit.asgi.RateLimitMiddleware(app, limits=...) (app.add_middleware) to the app"
-            )
-
-    def __repr__(self) -> str:
-        return f"<LimitDependency {self.limit.rates!r}>"
-
-
-def _annotate() -> None:
-    # FastAPI injects by annotation: the request parameter must name
-    # Starlette's Request class itself, which is only imported if installed.
-    try:
-        from starlette.requests import Request as StarletteRequest
-    except ImportError:  # pragma: no cover - Starlette is what this module serves
-        return
-    LimitDependency.__call__.__annotations__["request"] = StarletteRequest
-
-
-_annotate()
