@@ -103,7 +103,9 @@ class CostTooHigh(NamedTuple):
     cost: int
     capacity: int
 
-    allowed = False
+    @property
+    def allowed(self) -> bool:
+        return False
 
     def body(self, rule: str) -> bytes:
         return json.dumps(
@@ -454,7 +456,7 @@ class RateLimitMiddleware:
     def _cost(b: _Binding, request: Request) -> int:
         """What ``request`` spends under ``b``: the rule's cost (or its
         ``cost(request)``) times the request's own."""
-        cost = b.cost
+        cost: Any = b.cost
         if type(cost) is not int:
             cost = cost(request)
             if isinstance(cost, bool) or not isinstance(cost, int) or cost <= 0:
@@ -464,7 +466,7 @@ class RateLimitMiddleware:
             if type(n) is not int or n <= 0:
                 raise ValidationError(f"Request.cost must be an int >= 1, got {n!r}")
             cost *= n
-        return cost
+        return int(cost)
 
     # -- the decision -----------------------------------------------------------
     def check(self, request: Request) -> Outcome | None:

@@ -661,8 +661,8 @@ class RuleSet:
         by_route: dict[str, dict[str, list[tuple[RateLimitRule, bool]]]] = {}
         for rule in rules:
             if rule.routes:  # declared on routes: matched by route, never by prefix
-                for key in rule.routes:
-                    by_route.setdefault(key, {}).setdefault(rule.method, []).append((rule, False))
+                for template in rule.routes:
+                    by_route.setdefault(template, {}).setdefault(rule.method, []).append((rule, False))
                 continue
             segs, needs_more = _segments(rule.path_prefix)
             node = root
@@ -673,10 +673,10 @@ class RuleSet:
                 node = child
             nodes[id(node)] = node
             pending.setdefault(id(node), {}).setdefault(rule.method, []).append((rule, needs_more))
-        for key, by_method in pending.items():
-            nodes[key].ends = _by_method(by_method)
+        for node_id, by_method in pending.items():
+            nodes[node_id].ends = _by_method(by_method)
         self._root = root
-        self._route_index = {key: _by_method(by_method) for key, by_method in by_route.items()}
+        self._route_index = {template: _by_method(entries) for template, entries in by_route.items()}
 
     def _walk(self, method: str, path: str, tier: str | None, first: bool) -> list[RateLimitRule]:
         """Every matching rule, most specific first (or only the best one),

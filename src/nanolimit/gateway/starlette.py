@@ -86,12 +86,12 @@ def routes_of(app: Any) -> list[RouteInfo]:
                 else:  # a mounted app without routes (static files): its whole subtree
                     out.append(RouteInfo(path + "/{path:path}", frozenset(), sub_app, here))
                 continue
-            path = getattr(route, "path", None)
-            if path is None:
+            route_path: str | None = getattr(route, "path", None)
+            if route_path is None:
                 continue
             methods = frozenset(getattr(route, "methods", None) or ())
             deps = tuple(_dependency_marks(route))
-            out.append(RouteInfo(prefix + path, methods, getattr(route, "endpoint", None), (*here, *deps)))
+            out.append(RouteInfo(prefix + route_path, methods, getattr(route, "endpoint", None), (*here, *deps)))
 
     walk(routes, "", ())
     return out
@@ -117,7 +117,7 @@ def _match(routes: list[Any], scope: Scope, prefix: str) -> str | None:
                 if found is not None:
                     return found
             continue
-        template = prefix + route.path
+        template = prefix + str(route.path)
         if value == _FULL:
             return template
         if partial is None:
