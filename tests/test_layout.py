@@ -28,6 +28,8 @@ MOVED = {
     "nanolimit.wsgi": "nanolimit.gateway.wsgi",
     "nanolimit.two_tier": "nanolimit.storage.two_tier",
     "nanolimit._bench": "nanolimit.cli.bench",
+    "nanolimit.flask": "nanolimit.gateway.flask",
+    "nanolimit.django": "nanolimit.gateway.django",
 }
 CORE_MODULES = {
     "_clocks", "_core", "_decision_py", "_errors", "_kernels", "_limiter_config", "_protocols", "_select",

@@ -91,7 +91,9 @@ def routes_of(app: Any) -> list[RouteInfo]:
                 continue
             methods = frozenset(getattr(route, "methods", None) or ())
             deps = tuple(_dependency_marks(route))
-            out.append(RouteInfo(prefix + route_path, methods, getattr(route, "endpoint", None), (*here, *deps)))
+            out.append(
+                RouteInfo(prefix + route_path, methods, getattr(route, "endpoint", None), (*here, *deps))
+            )
 
     walk(routes, "", ())
     return out
