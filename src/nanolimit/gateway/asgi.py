@@ -16,6 +16,13 @@ declaration naming no route fails the startup, and uvicorn exits with the
 message) or on the first request; the matched route is read as Starlette's
 router reads it, on a route-cache miss only. A rule counting by response
 is settled when the app sends its status.
+
+The event loop never waits on the network here: an ``AsyncRedisStorage`` is
+awaited (``check_async``), a synchronous network store (``RedisStorage``)
+decides in a worker thread (``asyncio.to_thread``), and the in-process
+stores (``InMemoryStorage``, ``SharedMemoryStorage``, ``TwoTierStorage``'s
+leases) decide inline, in about a microsecond. ``decide="inline"`` or
+``"thread"`` overrides the choice.
 """
 
 from __future__ import annotations
@@ -133,6 +140,26 @@ def _encode(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     return [(names.get(k) or k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
+_INLINE, _AWAIT, _THREAD = "inline", "await", "thread"
+
+
+def _decide_mode(storage: Any, decide: str | None) -> str:
+    """How the adapter decides on ``storage`` without blocking the loop."""
+    if hasattr(storage, "run_kernel_async"):
+        if decide not in (None, _AWAIT):
+            raise ValueError(f"an {type(storage).__name__} is awaited; decide={decide!r} does not apply")
+        return _AWAIT
+    if decide is None:
+        try:
+            from ..storage.redis import RedisStorage
+        except ImportError:  # no Redis client installed: no Redis store either
+            return _INLINE
+        return _THREAD if isinstance(storage, RedisStorage) else _INLINE
+    if decide not in (_INLINE, _THREAD):
+        raise ValueError(f"decide must be 'inline' or 'thread', got {decide!r}")
+    return _INLINE if decide == _INLINE else _THREAD
+
+
 class RateLimitMiddleware:
     """``app = RateLimitMiddleware(app, registry, factory)``, or with
     Starlette ``Middleware(RateLimitMiddleware, registry=..., factory=...)``.
@@ -163,6 +190,7 @@ class RateLimitMiddleware:
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
         limits: RouteLimits | None = None,
         deny: Callable[[Request, Outcome], ASGIApp | None] | None = None,
+        decide: str | None = None,
         **pipeline: Any,
     ) -> None:
         if not callable(app):
@@ -196,6 +224,7 @@ class RateLimitMiddleware:
         self.limits = limits
         self.deny = deny
         self._unbound = limits is not None  # bound from scope["app"] at startup or first request
+        self.decide = _decide_mode(core.factory.storage, decide)
 
     def _bind(self, app: Any) -> None:
         """Read the app's routes into the declared rules, and install the
@@ -240,7 +269,13 @@ class RateLimitMiddleware:
         if self._unbound:
             self._bind(scope.get("app"))
         request = self.request_factory(scope)
-        outcome = self.core.check(request)
+        mode = self.decide
+        if mode is _INLINE:
+            outcome = self.core.check(request)
+        elif mode is _AWAIT:
+            outcome = await self.core.check_async(request)
+        else:
+            outcome = await asyncio.to_thread(self.core.check, request)
         if self.limits is not None:
             scope["nanolimit"] = outcome  # what the limit dependencies check
         if outcome is None:
@@ -280,7 +315,6 @@ class RateLimitMiddleware:
         status the app sends (500 if it raises before sending one; a
         websocket counts as accepted)."""
         extra = _encode(outcome.headers) if scope["type"] == "http" else []
-        core = self.core
         settled = False
 
         async def send_settling(message: Message) -> None:
@@ -288,22 +322,31 @@ class RateLimitMiddleware:
             kind = message["type"]
             if kind == "http.response.start":
                 settled = True
-                core.settle(outcome, int(message.get("status", 200)))
+                await self._settle(outcome, int(message.get("status", 200)))
                 if extra:
                     message["headers"] = [*message.get("headers", ()), *extra]
             elif kind == "websocket.accept" and not settled:
                 settled = True
-                core.settle(outcome, 101)
+                await self._settle(outcome, 101)
             await send(message)
 
         try:
             await self.app(scope, receive, send_settling)
         except BaseException:
             if not settled:
-                core.settle(outcome, 500)
+                await self._settle(outcome, 500)
             raise
         if not settled:
-            core.settle(outcome, 500)  # no response at all: the client saw an error
+            await self._settle(outcome, 500)  # no response at all: the client saw an error
+
+    async def _settle(self, outcome: Outcome, status: int) -> None:
+        mode = self.decide
+        if mode is _INLINE:
+            self.core.settle(outcome, status)
+        elif mode is _AWAIT:
+            await self.core.settle_async(outcome, status)
+        else:
+            await asyncio.to_thread(self.core.settle, outcome, status)
 
     async def _deny_http(self, send: Send, outcome: Outcome) -> None:
         body = outcome.body()

@@ -130,14 +130,24 @@ class _Charge:
     def __init__(self, items: list[tuple[_Binding, str, int, Any]]) -> None:
         self.items = items
 
+    def _due(self, status: int) -> list[tuple[_Binding, str, int, Any]]:
+        items, self.items = self.items, []  # once: a second settle refunds nothing
+        return [item for item in items if not item[0].rule.counts(status)]
+
     def settle(self, status: int) -> int:
         """Refund what ``status`` does not count; returns the units given back."""
-        items, self.items = self.items, []  # once: a second settle refunds nothing
         back = 0
-        for b, key, cost, d in items:
-            if not b.rule.counts(status):
-                b.limiter.refund(key, cost, at=d.at)
-                back += cost
+        for b, key, cost, d in self._due(status):
+            b.limiter.refund(key, cost, at=d.at)
+            back += cost
+        return back
+
+    async def settle_async(self, status: int) -> int:
+        """:meth:`settle` awaiting the store (``AsyncRedisStorage``)."""
+        back = 0
+        for b, key, cost, d in self._due(status):
+            await b.limiter.refund_async(key, cost, at=d.at)
+            back += cost
         return back
 
 
@@ -509,7 +519,47 @@ class RateLimitMiddleware:
         if cost > b.capacity:
             return self._too_costly(request, b, cost)
         key = self._key(request, b.scope)
-        d = b.allow(key, cost)
+        return self._answer(request, b, key, cost, b.allow(key, cost))
+
+    async def check_async(self, request: Request) -> Outcome | None:
+        """:meth:`check` on a store that waits on the network
+        (``AsyncRedisStorage``): the one decision is awaited, so the event
+        loop keeps serving other requests meanwhile. Routes resolve as in
+        :meth:`check` (no I/O). Compound decisions need a store with
+        ``allow_all``, which an async store has not: they are refused."""
+        ruleset = self.registry.ruleset
+        tier = self.extractor.tier_for(request) if ruleset.has_tiers else None
+        routes = self._routes
+        b: Any = (
+            routes[1].get((request.method, request.path, tier), _MISSING)
+            if routes[0] is ruleset
+            else _MISSING
+        )
+        if b is _MISSING:
+            b = self._route(request, ruleset, tier)
+        if b is _UNLIMITED:
+            return None
+        if type(b) is _Stack:
+            raise ValidationError(
+                f"{type(self.factory.storage).__name__} cannot decide compound limits (several rules "
+                f"on one request: {', '.join(x.name for x in b.bindings)}); use an unstacked registry "
+                "without rate lists, or the synchronous RedisStorage"
+            )
+        cost = self._cost(b, request)
+        if cost > b.capacity:
+            return self._too_costly(request, b, cost)
+        key = self._key(request, b.scope)
+        return self._answer(request, b, key, cost, await b.limiter.allow_async(key, cost))
+
+    async def settle_async(self, outcome: Outcome | None, status: int) -> int:
+        """:meth:`settle` awaiting the store's refunds."""
+        if outcome is None or outcome.charge is None:
+            return 0
+        return await outcome.charge.settle_async(status)  # type: ignore[no-any-return]
+
+    def _answer(self, request: Request, b: _Binding, key: str, cost: int, d: Any) -> Outcome:
+        """The outcome of one rule's decision ``d``: counted, its headers
+        written, its charge kept for :meth:`settle`."""
         if d.allowed:
             charge = _Charge([(b, key, cost, d)]) if b.counted else None
             if b.dry_run:
