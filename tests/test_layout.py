@@ -30,6 +30,7 @@ MOVED = {
     "nanolimit._bench": "nanolimit.cli.bench",
     "nanolimit.flask": "nanolimit.gateway.flask",
     "nanolimit.django": "nanolimit.gateway.django",
+    "nanolimit.aiohttp": "nanolimit.gateway.aiohttp",
 }
 CORE_MODULES = {
     "_clocks", "_core", "_decision_py", "_errors", "_kernels", "_limiter_config", "_protocols", "_select",

@@ -1,0 +1,359 @@
+"""aiohttp: a new-style middleware, and ``setup(app)`` that wires it in.
+
+Why a middleware of aiohttp's own and not the ASGI one: aiohttp is not an
+ASGI framework. Its middlewares run after the router, so the matched
+template (``request.match_info.route.resource.canonical``) is known before
+the decision, and limits declared next to routes
+(:mod:`nanolimit.gateway.routes`) match it directly, with no route resolver.
+The handler's response (or the ``web.HTTPException`` it raises, which
+aiohttp turns into the response) gives the status count-by-response rules
+settle on. The decision itself is the pipeline's
+(:meth:`RateLimitMiddleware.check`), the one every front end shares.
+
+The event loop never waits on the network here, as in the ASGI middleware:
+an ``AsyncRedisStorage`` is awaited (the pipeline's ``check_async`` and
+``settle_async``), a synchronous ``RedisStorage`` decides in a worker thread
+(``asyncio.to_thread``), and the in-process stores (``InMemoryStorage``,
+``SharedMemoryStorage``, ``TwoTierStorage``'s local leases) decide inline,
+in about a microsecond. ``decide="inline"`` or ``"thread"`` overrides the
+choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from .._shared import ValidationError
+from .factory import LimiterFactory
+from .keys import KeyExtractor
+from .metrics import Metrics
+from .middleware import Outcome
+from .middleware import RateLimitMiddleware as Core
+from .request import Request
+from .routes import RouteInfo, RouteLimits
+from .rules import RuleRegistry
+
+__all__ = [
+    "RateLimitMiddleware",
+    "decide_mode",
+    "rate_limit_middleware",
+    "request_from_aiohttp",
+    "routes_of",
+    "setup",
+]
+
+INLINE, AWAIT, THREAD = "inline", "await", "thread"
+# on the aiohttp request: headers still to write when the handler prepares its own response
+# (a RequestKey where aiohttp has them: a str key warns there)
+_PENDING: Any = (
+    web.RequestKey("nanolimit_pending_headers", dict) if hasattr(web, "RequestKey") else "nanolimit_pending"
+)
+
+Deny = Callable[[Request, Outcome], "web.StreamResponse | Awaitable[web.StreamResponse | None] | None"]
+
+
+class _Headers(Mapping[str, str]):
+    """aiohttp's case-insensitive multidict as the lower-case mapping a
+    :class:`Request` carries; a repeated header reads as one comma-joined
+    value, as ASGI gives it (so an ``X-Forwarded-For`` split over two
+    lines is read whole)."""
+
+    __slots__ = ("_headers",)
+
+    def __init__(self, headers: Any) -> None:
+        self._headers = headers
+
+    def __getitem__(self, key: str) -> str:
+        values = self._headers.getall(key, None)
+        if not values:
+            raise KeyError(key)
+        return values[0] if len(values) == 1 else ",".join(values)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        values = self._headers.getall(key, None)
+        if not values:
+            return default
+        return values[0] if len(values) == 1 else ",".join(values)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict.fromkeys(name.lower() for name in self._headers))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def request_from_aiohttp(request: web.Request) -> Request:
+    """The gateway's view of an aiohttp request: the client is the
+    transport peer (``request.remote``), never a header (a trusted proxy's
+    header is the extractor's to read, ``trusted_proxies=``); the route is
+    the matched resource's template, None when nothing matched (a 404)."""
+    resource = request.match_info.route.resource
+    return Request(
+        request.method,
+        request.path,
+        _Headers(request.headers),
+        request.remote or None,
+        None,
+        1,
+        resource.canonical if resource is not None else None,
+        request,
+    )
+
+
+def routes_of(app: web.Application) -> list[RouteInfo]:
+    """Every route of an aiohttp app, sub-apps included (their templates
+    carry the sub-app's prefix), with its view: a handler function or a
+    ``web.View`` class."""
+    out: list[RouteInfo] = []
+    for route in app.router.routes():
+        resource = route.resource
+        if resource is None:
+            continue
+        method = route.method.upper()
+        methods = frozenset() if method == "*" else frozenset({method})
+        out.append(RouteInfo(resource.canonical, methods, route.handler))
+    return out
+
+
+def decide_mode(storage: Any, decide: str | None = None) -> str:
+    """How a decision on ``storage`` keeps off the loop: ``"await"`` for a
+    store with async kernels, ``"thread"`` for a synchronous Redis store,
+    ``"inline"`` for in-process ones; ``decide`` chooses between the last
+    two."""
+    if getattr(storage, "run_kernel_async", None) is not None:
+        if decide not in (None, AWAIT):
+            raise ValidationError(f"an {type(storage).__name__} is awaited; decide={decide!r} does not apply")
+        return AWAIT
+    if decide is None:
+        try:
+            from ..storage.redis import RedisStorage
+        except ImportError:  # no Redis client installed: no Redis store either
+            return INLINE
+        return THREAD if isinstance(storage, RedisStorage) else INLINE
+    if decide not in (INLINE, THREAD):
+        raise ValidationError(f"decide must be 'inline' or 'thread', got {decide!r}")
+    return decide
+
+
+class RateLimitMiddleware:
+    """A new-style aiohttp middleware (``async (request, handler) ->
+    response``): what :func:`rate_limit_middleware` returns, and what
+    :func:`setup` appends to ``app.middlewares``.
+
+    ``core`` is the framework-free pipeline, ``metrics`` its metrics;
+    ``limits`` the route-level declarations, bound from the app's router
+    by :meth:`bind` (at ``on_startup`` under :func:`setup`, else on the
+    first request); ``decide``: ``"inline"``, ``"thread"`` or ``"await"``,
+    how each decision keeps off the event loop (:func:`decide_mode`).
+    """
+
+    __middleware_version__ = 1  # new-style: aiohttp calls it with (request, handler)
+
+    def __init__(
+        self,
+        core: Core,
+        *,
+        limits: RouteLimits | None = None,
+        deny: Deny | None = None,
+        request_factory: Callable[[web.Request], Request] = request_from_aiohttp,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        decide: str | None = None,
+    ) -> None:
+        mode = decide_mode(core.factory.storage, decide)
+        if deny is not None and not callable(deny):
+            raise ValidationError(f"deny must be callable, got {deny!r}")
+        if not callable(request_factory):
+            raise ValidationError(f"request_factory must be callable, got {request_factory!r}")
+        self.core = core
+        self.metrics = core.metrics
+        self.limits = limits
+        self.deny = deny
+        self.request_factory = request_factory
+        self.sleep = sleep
+        self.decide = mode
+        self.streams = False  # set by setup(): on_response_prepare writes headers of streamed responses
+        self._unbound = limits is not None
+
+    def bind(self, app: web.Application) -> None:
+        """Read ``app``'s router into the declared rules (once); a rule
+        naming a template no route has raises ``RuleValidationError``
+        naming the rule."""
+        if self.limits is not None:
+            self.limits.bind(routes_of(app))
+        self._unbound = False
+
+    async def on_startup(self, app: web.Application) -> None:
+        """``app.on_startup``: bind before the first request, so a bad
+        declaration stops the server instead of failing requests."""
+        self.bind(app)
+
+    async def on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        """``app.on_response_prepare``: the headers of an admitted request
+        whose handler prepares (streams) its response itself, before the
+        middleware sees it."""
+        pending = request.pop(_PENDING, None)
+        if pending:
+            response.headers.update(pending)
+
+    async def _check(self, request: Request) -> Outcome | None:
+        mode = self.decide
+        if mode is INLINE:
+            return self.core.check(request)
+        if mode is AWAIT:
+            return await self.core.check_async(request)
+        return await asyncio.to_thread(self.core.check, request)
+
+    async def _settle(self, outcome: Outcome, status: int) -> None:
+        mode = self.decide  # a refund crosses the network too
+        if mode is INLINE:
+            self.core.settle(outcome, status)
+        elif mode is AWAIT:
+            await self.core.settle_async(outcome, status)
+        else:
+            await asyncio.to_thread(self.core.settle, outcome, status)
+
+    async def _denied(self, request: Request, outcome: Outcome) -> web.StreamResponse:
+        if self.deny is not None:
+            custom: Any = self.deny(request, outcome)
+            if inspect.isawaitable(custom):
+                custom = await custom
+            if custom is not None:
+                for name, value in outcome.headers.items():  # Retry-After above all
+                    if name not in custom.headers:
+                        custom.headers[name] = value
+                return custom  # type: ignore[no-any-return]
+        return web.Response(
+            status=429, body=outcome.body(), headers=outcome.headers, content_type="application/json"
+        )
+
+    async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self._unbound:
+            self.bind(request.app)
+        gateway_request = self.request_factory(request)
+        outcome = await self._check(gateway_request)
+        if outcome is None:
+            return await handler(request)
+        if not outcome.allowed:
+            return await self._denied(gateway_request, outcome)
+        if outcome.delay > 0.0:
+            await self.sleep(outcome.delay)
+        headers = outcome.headers
+        if headers and self.streams:
+            request[_PENDING] = headers
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:  # aiohttp answers it as the response
+            request.pop(_PENDING, None)
+            if outcome.charge is not None:
+                await self._settle(outcome, exc.status)
+            if headers:
+                exc.headers.update(headers)
+            raise
+        except BaseException:
+            request.pop(_PENDING, None)
+            if outcome.charge is not None:
+                await self._settle(outcome, 500)  # the handler failed: the client sees a 500
+            raise
+        request.pop(_PENDING, None)
+        if outcome.charge is not None:
+            await self._settle(outcome, response.status)
+        if headers and not response.prepared:
+            response.headers.update(headers)
+        return response
+
+    def __repr__(self) -> str:
+        return f"<nanolimit.aiohttp.RateLimitMiddleware {self.core!r}>"
+
+
+def rate_limit_middleware(
+    registry: RuleRegistry | None = None,
+    factory: LimiterFactory | None = None,
+    extractor: KeyExtractor | None = None,
+    metrics: Metrics | None = None,
+    *,
+    limits: RouteLimits | None = None,
+    deny: Deny | None = None,
+    request_factory: Callable[[web.Request], Request] = request_from_aiohttp,
+    sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    decide: str | None = None,
+    **pipeline_options: Any,
+) -> RateLimitMiddleware:
+    """The middleware, for ``web.Application(middlewares=[...])``.
+
+    ``registry``, ``factory``, ``extractor``, ``metrics`` and
+    ``pipeline_options`` (``headers``, ``header_names``, ``on_breach``,
+    ``log_denials``) build the pipeline as
+    :class:`nanolimit.middleware.RateLimitMiddleware` takes them.
+    ``limits`` brings route-level declarations (its registry is the
+    registry); a registry whose rules name routes (a rules file) is bound
+    to the app's routes too. ``deny(request, outcome)`` (sync or async,
+    given the gateway :class:`Request`, whose ``native`` is aiohttp's)
+    answers a denial: return a response, or None for the stock 429.
+    ``request_factory`` turns aiohttp's request into the gateway's
+    (override it to give rules a user id); ``sleep`` is how a shaping
+    leaky-bucket rule waits (awaited: the loop serves others meanwhile);
+    ``decide`` overrides how a decision keeps off the loop (``"inline"``
+    or ``"thread"``; an async store is always awaited)."""
+    if limits is not None:
+        if not isinstance(limits, RouteLimits):
+            raise ValidationError(f"limits must be a RouteLimits, got {type(limits).__name__}")
+        if registry is not None and registry is not limits.registry:
+            raise ValidationError("give limits= or registry=, not both: the limits' registry is the registry")
+        registry = limits.registry
+    if registry is None:
+        raise ValidationError("rate_limit_middleware needs a registry (or limits)")
+    if limits is None and isinstance(registry, RuleRegistry) and registry.ruleset.routes():
+        limits = RouteLimits(registry)  # rules naming routes: checked against the app's routes
+    core = Core(registry, factory, extractor, metrics, **pipeline_options)
+    return RateLimitMiddleware(
+        core, limits=limits, deny=deny, request_factory=request_factory, sleep=sleep, decide=decide
+    )
+
+
+def setup(
+    app: web.Application,
+    registry: RuleRegistry | None = None,
+    factory: LimiterFactory | None = None,
+    extractor: KeyExtractor | None = None,
+    metrics: Metrics | None = None,
+    *,
+    limits: RouteLimits | None = None,
+    deny: Deny | None = None,
+    request_factory: Callable[[web.Request], Request] = request_from_aiohttp,
+    sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    decide: str | None = None,
+    **pipeline_options: Any,
+) -> RateLimitMiddleware:
+    """Limit ``app``: the middleware appended to ``app.middlewares``,
+    route-level declarations bound at ``app.on_startup`` (a template that
+    matches no route fails the startup, naming the rule), and the headers
+    of responses a handler streams itself written at
+    ``app.on_response_prepare``. Returns the middleware (its ``metrics``).
+    Call it before the app starts, after its routes are added or not: the
+    routes are read at startup."""
+    if not isinstance(app, web.Application):
+        raise ValidationError(f"setup needs an aiohttp web.Application, got {type(app).__name__}")
+    middleware = rate_limit_middleware(
+        registry,
+        factory,
+        extractor,
+        metrics,
+        limits=limits,
+        deny=deny,
+        request_factory=request_factory,
+        sleep=sleep,
+        decide=decide,
+        **pipeline_options,
+    )
+    middleware.streams = True
+    app.middlewares.append(middleware)
+    app.on_response_prepare.append(middleware.on_response_prepare)
+    if middleware.limits is not None:
+        app.on_startup.append(middleware.on_startup)
+    return middleware
