@@ -14,22 +14,28 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 
-OURS = (
-    "nanolimit/_core",
+# Our code, as valgrind names it: the extension's object file, and the
+# source files of its frames. Matched on the object and file names only: a
+# function name such as CPython's ``pyinit_core.constprop.0`` is not ours.
+OURS_OBJECT = "nanolimit/_core"
+OURS_FILES = (
     "_core.c",
+    "_core.pyx",
     "_native.h",
     "_decision_pool.h",
     "_kernels.pxd",
     "_table.pxd",
-    "_core.pyx",
-    "_core_",  # the layers _core.pyx includes (_core_storage.pxi, ...)
+    "_zone.pxd",
+    "_zone.h",
 )
 
 
 def frames_are_ours(error: ET.Element) -> bool:
     for frame in error.iter("frame"):
-        text = " ".join((frame.findtext(tag) or "") for tag in ("obj", "file", "fn", "dir"))
-        if any(mark in text for mark in OURS):
+        if OURS_OBJECT in (frame.findtext("obj") or ""):
+            return True
+        name = os.path.basename(frame.findtext("file") or "")
+        if name in OURS_FILES or (name.startswith("_core_") and name.endswith(".pxi")):
             return True
     return False
 

@@ -47,6 +47,7 @@ DECISION_ARGS = {
     "delay": 0.0,
     "degraded": False,
     "reason": "",
+    "at": 2.5,
 }
 
 

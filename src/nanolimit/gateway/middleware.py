@@ -120,10 +120,45 @@ class CostTooHigh(NamedTuple):
         ).encode()
 
 
+class _Counted(list[Any]):
+    """What one ``count_when`` rule's admitted request spent, ``[binding,
+    key, cost, decision]``, given back by :meth:`settle` when its response
+    does not count: the common case of counting by response, built by
+    ``list``'s own constructor in C (no Python ``__init__`` per request)."""
+
+    __slots__ = ()
+
+    def _take(self, status: int) -> tuple[Any, str, int, Any] | None:
+        if not self:
+            return None  # settled already: once only
+        b, key, cost, d = self
+        self.clear()
+        statuses = b.count_statuses
+        if (status in statuses) if statuses is not None else b.rule.counts(status):
+            return None
+        return b, key, cost, d
+
+    def settle(self, status: int) -> int:
+        due = self._take(status)
+        if due is None:
+            return 0
+        b, key, cost, d = due
+        b.limiter.refund(key, cost, at=d.at)
+        return cost
+
+    async def settle_async(self, status: int) -> int:
+        due = self._take(status)
+        if due is None:
+            return 0
+        b, key, cost, d = due
+        await b.limiter.refund_async(key, cost, at=d.at)
+        return cost
+
+
 class _Charge:
-    """What a request under ``count_when`` rules spent: each admitted
-    (binding, key, cost, decision), given back by :meth:`settle` when the
-    response does not count for that rule."""
+    """What a request under several ``count_when`` rules spent (a stack):
+    each admitted (binding, key, cost, decision), given back by
+    :meth:`settle` when the response does not count for that rule."""
 
     __slots__ = ("items",)
 
@@ -162,7 +197,9 @@ class _Binding:
         "allow",
         "capacity",
         "cost",
+        "count_statuses",
         "counted",
+        "counted_lane",
         "dry_run",
         "limit_str",
         "limiter",
@@ -188,7 +225,11 @@ class _Binding:
         self.shape = rule.shape and rule.algorithm is Algorithm.LEAKY_BUCKET
         self.cost = rule.cost
         self.counted = rule.count_when is not None  # charged on entry, settled on the response
-        self.simple = not self.dry_run and not self.shape and self.cost == 1 and not self.counted
+        when = rule.count_when
+        self.count_statuses = when if type(when) is frozenset else None
+        plain = not self.dry_run and not self.shape and self.cost == 1
+        self.simple = plain and not self.counted
+        self.counted_lane = plain and self.counted  # the simple lane, keeping a charge
         capacity = self.capacity = limiter.capacity
         self.near = capacity * near_ratio
         self.limit_str, self.policy, self.r_prefix = rule_pieces(rule.name, capacity, limiter.window_seconds)
@@ -201,6 +242,7 @@ class _Stack:
 
     __slots__ = ("bindings",)
     simple = False
+    counted_lane = False
 
     def __init__(self, bindings: tuple[_Binding, ...]) -> None:
         self.bindings = bindings
@@ -212,6 +254,7 @@ class _NoRoute:
 
     __slots__ = ()
     simple = False
+    counted_lane = False
 
 
 _MISSING = _NoRoute()  # not in the route cache
@@ -391,7 +434,7 @@ class RateLimitMiddleware:
         if binding is None or binding.rule is not rule:
             binding = _Binding(rule, self.factory.for_rule(rule), self.metrics)
             if not self._plain:
-                binding.simple = False  # headers off or renamed: check() shapes them
+                binding.simple = binding.counted_lane = False  # headers off or renamed: check() shapes them
             # keyed by identity: the binding holds the rule, so the id stays unique
             state[1][id(rule)] = binding
         return binding
@@ -507,6 +550,14 @@ class RateLimitMiddleware:
             return self._denied(request, b, d)
         if b is _UNLIMITED:
             return None
+        if b.counted_lane and request.cost is _ONE:
+            key = self._key(request, b.scope)
+            d = b.allow(key)
+            if d.allowed:
+                headers = {}
+                b.admitted.record(d, headers, b.limit_str, b.policy, b.r_prefix, b.near, self.wall_clock())
+                return _outcome(Outcome, (True, headers, 0.0, b.name, 0, d, _Counted((b, key, 1, d))))
+            return self._denied(request, b, d)
         if type(b) is _Stack:
             return self._check_stacked(request, b.bindings)
         return self._check_one(request, b)
@@ -561,7 +612,7 @@ class RateLimitMiddleware:
         """The outcome of one rule's decision ``d``: counted, its headers
         written, its charge kept for :meth:`settle`."""
         if d.allowed:
-            charge = _Charge([(b, key, cost, d)]) if b.counted else None
+            charge = _Counted((b, key, cost, d)) if b.counted else None
             if b.dry_run:
                 b.admitted.count(d, b.near)
                 return _outcome(Outcome, (True, {}, 0.0, b.name, 0, d, charge))
@@ -722,9 +773,10 @@ class RateLimitMiddleware:
         what its ``count_when`` rules do not count (e.g. a successful
         login under a failed-logins limit). Returns the units given back;
         a no-op for outcomes without a charge, and at most once."""
-        if outcome is None or outcome.charge is None:
+        charge = outcome.charge if outcome is not None else None
+        if charge is None:
             return 0
-        return outcome.charge.settle(status)  # type: ignore[no-any-return]
+        return charge.settle(status)  # type: ignore[no-any-return]
 
     # -- the pipeline stage -------------------------------------------------------
     def __call__(self, request: Request, next_handler: Callable[[Request], Response]) -> Response:
