@@ -455,6 +455,42 @@ def test_the_deny_hook_answers_denials(backend: types.SimpleNamespace, kind: str
     assert all(isinstance(native, web.Request) for _, native in seen)
 
 
+def test_a_deny_hook_returning_no_response_is_a_clear_error(backend: types.SimpleNamespace) -> None:
+    app = web.Application()
+    app.router.add_get("/", hello)
+    nl_aiohttp.setup(app, RuleRegistry([rule("api", 1)]), factory(backend), deny=lambda r, o: "slow down")
+    assert serve(app, lambda c: statuses(c, "/", 2)) == [200, 500]  # the TypeError is aiohttp's 500
+
+
+def test_a_request_factory_gives_user_scoped_rules_their_user(backend: types.SimpleNamespace) -> None:
+    import dataclasses
+
+    user_key = web.RequestKey("user", str)
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+        request[user_key] = request.headers.get("X-User", "")  # what an auth middleware would verify
+        return await handler(request)
+
+    def with_user(request: web.Request) -> Request:
+        return dataclasses.replace(nl_aiohttp.request_from_aiohttp(request), user=request.get(user_key))
+
+    app = web.Application(middlewares=[auth])
+    app.router.add_get("/", hello)
+    nl_aiohttp.setup(
+        app, RuleRegistry([rule("per-user", 1, scope="user")]), factory(backend), request_factory=with_user
+    )
+
+    async def body(client: TestClient[Any, Any]) -> list[int]:
+        out = []
+        for user in ("ann", "ann", "bob"):
+            async with client.get("/", headers={"X-User": user}) as r:
+                out.append(r.status)
+        return out
+
+    assert serve(app, body) == [200, 429, 200]  # one budget per user, not per connection
+
+
 def test_headers_off_and_renamed(backend: types.SimpleNamespace) -> None:
     quiet = web.Application()
     quiet.router.add_get("/", hello)

@@ -138,7 +138,7 @@ def decide_mode(storage: Any, decide: str | None = None) -> str:
         return THREAD if isinstance(storage, RedisStorage) else INLINE
     if decide not in (INLINE, THREAD):
         raise ValidationError(f"decide must be 'inline' or 'thread', got {decide!r}")
-    return decide
+    return INLINE if decide == INLINE else THREAD  # the constants: the request path compares by identity
 
 
 class RateLimitMiddleware:
@@ -224,10 +224,14 @@ class RateLimitMiddleware:
             if inspect.isawaitable(custom):
                 custom = await custom
             if custom is not None:
+                if not isinstance(custom, web.StreamResponse):
+                    raise TypeError(
+                        f"deny(request, outcome) must return an aiohttp response or None, got {custom!r}"
+                    )
                 for name, value in outcome.headers.items():  # Retry-After above all
                     if name not in custom.headers:
                         custom.headers[name] = value
-                return custom  # type: ignore[no-any-return]
+                return custom
         return web.Response(
             status=429, body=outcome.body(), headers=outcome.headers, content_type="application/json"
         )
