@@ -348,3 +348,41 @@ def test_a_burst_above_the_limit_is_spent_once_not_per_window(backend: types.Sim
     assert {r.status for r in first} == {200}
     clock.advance(60.0)
     assert [mw(get(), ok_handler).status for _ in range(50)] == [200] * 10 + [429] * 40
+
+
+@pytest.mark.native
+def test_the_native_refusal_and_the_python_fallback_write_the_same_429_headers(
+    backend: types.SimpleNamespace, native: types.ModuleType
+) -> None:
+    """A 429's six headers (the five and ``Retry-After``) and its retry
+    seconds: the same bytes in C and in Python, the same inputs refused
+    with nothing written, and nothing counted."""
+    pieces = rule_pieces("r", 10, 2.5)
+    metrics = Metrics()
+    fast = native.AdmittedRequests("r")
+    slow = _ShardedAdmitted(metrics, "r")
+    for remaining, reset, wall in CASES:
+        d = _decision(backend, remaining, reset)
+        for retry_after in (0.0, 0.2, 1.0, 1.5, 59.999, 3600.0):
+            got: dict[str, str] = {}
+            want: dict[str, str] = {}
+            assert fast.refusal(d, got, *pieces, retry_after, wall) == slow.refusal(
+                d, want, *pieces, retry_after, wall
+            ) == retry_seconds(retry_after)
+            expected = rate_headers(*pieces, remaining, reset, wall)
+            expected["Retry-After"] = str(retry_seconds(retry_after))
+            assert got == want == expected
+            assert list(got) == [*FIVE, "Retry-After"]
+    for retry_after in (math.nan, math.inf, 2.0**63):
+        for lane in (fast, slow):
+            headers: dict[str, str] = {}
+            with pytest.raises(ValidationError):
+                lane.refusal(_decision(backend, 0, 1.0), headers, *pieces, retry_after, 1e9)
+            assert headers == {}
+    for remaining, reset, wall in REFUSED:
+        for lane in (fast, slow):
+            headers = {}
+            with pytest.raises(ValidationError):
+                lane.refusal(_decision(backend, remaining, reset), headers, *pieces, 1.0, wall)
+            assert headers == {}
+    assert fast.allowed == 0 and metrics.snapshot() == {}  # a refusal counts nothing

@@ -110,14 +110,6 @@ def test_litestar_wrapped_as_an_asgi_app_under_uvicorn(backend: types.SimpleName
     assert json.loads(responses[2].body)["rule"] == "all" and "retry-after" in responses[2].headers
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known gap in nanolimit.asgi (not this file's): the route resolver reads Starlette's "
-    "router, so a rule naming a Litestar route template matches nothing and limits nothing; Litestar "
-    "puts the matched template in scope['path_template'] before app middleware runs. Remove this "
-    "mark when the ASGI adapter reads it.",
-)
 def test_litestar_a_rule_naming_a_route_template_limits_that_route(backend: types.SimpleNamespace) -> None:
     app = app_with(backend, rule("item", 2, routes=("/items/{item_id:int}",)))
     with TestClient(app) as client:

@@ -173,6 +173,16 @@ class AdmittedRequests:
         near: float,
         wall_now: float,
     ) -> None: ...
+    def refusal(
+        self,
+        decision: Any,
+        headers: dict[str, str],
+        limit_str: str,
+        policy: str,
+        r_prefix: str,
+        retry_after: float,
+        wall_now: float,
+    ) -> int: ...
 
 @final
 class LeaseGate:

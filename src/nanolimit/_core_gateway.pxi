@@ -9,6 +9,7 @@ cdef str H_REMAINING = "X-RateLimit-Remaining"
 cdef str H_RESET = "X-RateLimit-Reset"
 cdef str H_POLICY = "RateLimit-Policy"
 cdef str H_RATELIMIT = "RateLimit"
+cdef str H_RETRY = "Retry-After"
 
 
 @cython.final
@@ -95,6 +96,40 @@ cdef class AdmittedRequests:
         nl_add_u64_relaxed(&self.allowed_count, 1)  # counted once the headers are written
         if left < near:
             nl_add_u64_relaxed(&self.near_count, 1)
+
+    def refusal(self, decision, dict headers not None, str limit_str not None, str policy not None,
+                str r_prefix not None, double retry_after, double wall_now):
+        """Set a denied request's five rate-limit headers and ``Retry-After``
+        (``max(1, ceil(retry_after))``) on ``headers``, and return that
+        ``Retry-After``: the 429's headers in one C call, exactly as
+        ``rate_headers`` and ``retry_seconds`` write them. Counts nothing
+        (denials are counted where they are told apart: shadow or not)."""
+        cdef int64_t left
+        cdef double reset
+        cdef int64_t retry
+        cdef Decision d
+        if type(decision) is Decision:
+            d = <Decision>decision
+            left = d.remaining
+            reset = d.reset_after
+        else:
+            left = decision.remaining
+            reset = decision.reset_after
+        if not (fabs(wall_now) < MAX_TIME_C and 0.0 <= reset < MAX_HEADER_SECONDS
+                and retry_after < MAX_HEADER_SECONDS and retry_after == retry_after):
+            raise ValidationError(f"cannot write headers for wall_now={wall_now!r}, reset_after={reset!r}, "
+                                  f"retry_after={retry_after!r}")
+        retry = <int64_t>ceil(retry_after)
+        if retry < 1:
+            retry = 1
+        text = f"{left}"
+        PyDict_SetItem(headers, H_LIMIT, limit_str)
+        PyDict_SetItem(headers, H_REMAINING, text)
+        PyDict_SetItem(headers, H_RESET, f"{<int64_t>ceil(wall_now + reset)}")
+        PyDict_SetItem(headers, H_POLICY, policy)
+        PyDict_SetItem(headers, H_RATELIMIT, f"{r_prefix}{text};t={<int64_t>ceil(reset)}")
+        PyDict_SetItem(headers, H_RETRY, f"{retry}")
+        return retry
 
     def __repr__(self):
         return f"<AdmittedRequests {self.rule!r} allowed={self.allowed} near_limit={self.near_limit}>"

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import ValidationError
 from .._select import native_core
-from .headers import rate_headers
+from .headers import MAX_HEADER_SECONDS, rate_headers, retry_seconds
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -501,3 +501,25 @@ class _ShardedAdmitted:
             rate_headers(limit_str, policy, r_prefix, decision.remaining, decision.reset_after, wall_now)
         )
         self.count(decision, near)  # counted once the headers are written
+
+
+    def refusal(
+        self,
+        decision: Any,
+        headers: dict[str, str],
+        limit_str: str,
+        policy: str,
+        r_prefix: str,
+        retry_after: float,
+        wall_now: float,
+    ) -> int:
+        """A 429's headers and its ``Retry-After`` (what the native lane
+        writes in C); counts nothing."""
+        if not retry_after < MAX_HEADER_SECONDS:  # NaN and infinity too
+            raise ValidationError(f"cannot write headers for retry_after={retry_after!r}")
+        headers.update(
+            rate_headers(limit_str, policy, r_prefix, decision.remaining, decision.reset_after, wall_now)
+        )
+        retry = retry_seconds(retry_after)
+        headers["Retry-After"] = str(retry)
+        return retry

@@ -279,6 +279,11 @@ class _DenialLog:
     def __call__(self, request: Request, outcome: Outcome) -> None:
         now = time.monotonic()
         rule = outcome.rule
+        if now < self._next.get(rule, 0.0):
+            # the flood's common case, without the lock: a count a racing
+            # thread may miss is a number in a log line, never a decision
+            self._suppressed[rule] = self._suppressed.get(rule, 0) + 1
+            return
         with self._lock:
             if now < self._next.get(rule, 0.0):
                 self._suppressed[rule] = self._suppressed.get(rule, 0) + 1
@@ -666,13 +671,15 @@ class RateLimitMiddleware:
         """A 429 by ``b`` (whose decision is ``d``): its headers, and the one
         place ``Retry-After`` is written (``answer`` is what the caller
         gets as the decision: ``d``, or the compound decision)."""
-        headers = (
-            rate_headers(b.limit_str, b.policy, b.r_prefix, d.remaining, d.reset_after, self.wall_clock())
-            if self.headers
-            else {}
-        )
-        retry = retry_seconds(retry_after)
-        headers["Retry-After"] = str(retry)
+        headers: dict[str, str] = {}
+        if self.headers:
+            # the six headers in one call (C when built)
+            retry = b.admitted.refusal(
+                d, headers, b.limit_str, b.policy, b.r_prefix, retry_after, self.wall_clock()
+            )
+        else:
+            retry = retry_seconds(retry_after)
+            headers["Retry-After"] = str(retry)
         if self.header_names:
             headers = self._renamed(headers)
         return _outcome(Outcome, (False, headers, 0.0, b.name, retry, answer, None))

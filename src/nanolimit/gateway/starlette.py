@@ -138,6 +138,9 @@ def resolver_for(app: Any) -> Callable[[Request], str | None]:
         scope = request.native
         if not isinstance(scope, MutableMapping):
             return None
+        template = scope.get("path_template")  # Litestar's router has matched already: its template
+        if isinstance(template, str):
+            return template
         return _match(routes, scope, "")
 
     return resolve
