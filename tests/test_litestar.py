@@ -12,7 +12,6 @@ import json
 import types
 from typing import Any
 
-import pytest
 from adversarial_servers import raw_request, uvicorn_server
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import NotAuthorizedException
