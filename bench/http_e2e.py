@@ -43,7 +43,11 @@ How it measures:
 * per variant the median rps of the rounds, and ``µs added`` per request
   over the same framework's ``bare``: ``1e6/rps − 1e6/rps_bare``. For a
   denied variant ``µs/request`` is what a 429 costs end to end. The spread is
-  (max − min) / median of the rounds' rps.
+  (max − min) / median of the rounds' rps;
+* next to it the server's own CPU time per request (its process group's
+  ``schedstat`` over the measured seconds / requests answered): on a quiet
+  machine it reads like ``1e6/rps``; on a shared one, where other processes
+  take turns on the server's core, it moves far less than rps does.
 
 Numbers are one run's medians on the machine at hand; nothing here asserts a
 time (tests/test_bench_http.py checks the apps and the harness, never wrk).
