@@ -162,6 +162,9 @@ def _redis_options() -> dict[str, _Option]:
         "near_cache_size": _Option(_int(1)),
         "near_cache_ttl": _Option(_float(True)),
         "keep_connections": _Option(_int(0)),
+        "local_share": _Option(_optional(_float(True))),  # > 0 here; the storage checks <= 1
+        "local_instances": _Option(_int(1)),
+        "local_max_keys": _Option(_int(1)),
         "batch": _Option(_choice("script", "pipeline")),
         "deny_retry_after": _Option(_float(True)),
         "clock": _Option(_choice("server", "client")),

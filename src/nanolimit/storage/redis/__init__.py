@@ -92,6 +92,7 @@ from ._connections import (
     is_asyncio_client,  # noqa: F401
     is_cluster_client,  # noqa: F401
 )
+from ._local import REASON_STORE_UNAVAILABLE_LOCAL, LocalFallback  # noqa: F401
 from ._resilience import (
     _CLASS_CODES,  # noqa: F401
     _POLICIES,  # noqa: F401
@@ -127,6 +128,7 @@ from ._scripts import (
 
 __all__ = [
     "MAX_CLOCK_LEAD",
+    "REASON_STORE_UNAVAILABLE_LOCAL",
     "AsyncRedisStorage",
     "CircuitOpenError",
     "RedisKeyError",
@@ -179,6 +181,19 @@ class RedisStorage(_RedisBase):
     policy (``reason="store_error"``, :class:`RedisKeyError` under
     ``"raise"``), is counted in ``key_errors`` and never feeds the breaker;
     the value is left as it is (docs/redis.md, "Failures").
+
+    ``"local"`` keeps enforcing limits through an outage: every decision the
+    store cannot make (a failure that feeds the breaker, or the open
+    breaker) is made in a bounded in-process ``InMemoryStorage``
+    (``local_max_keys`` keys, default 100,000) at ``local_share`` of each
+    limit (and burst), default ``1 / local_instances`` (the gateway
+    processes sharing this Redis, default 1): a share of 1 lets N instances
+    admit N times the limit between them during an outage, ``1 / N`` keeps
+    the fleet within it. Such decisions are ``degraded`` with
+    ``reason="store_unavailable_local"``. The first answer from the server
+    hands decisions back to Redis; the units admitted locally are not
+    replayed there and the local state is dropped (the next outage starts
+    a fresh one). A key's error reply is denied under ``"local"``.
 
     ``batch``: ``"script"`` (default) decides an ``allow_many`` with one
     batch script per node/slot (about twice the throughput), ``"pipeline"``
@@ -240,14 +255,14 @@ class RedisStorage(_RedisBase):
         self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
     ) -> KernelVerdict:
         """One decision: one ``EVALSHA`` (two after a ``SCRIPT FLUSH``)."""
-        early = self._early(config, key, cost, now)
+        early = self._early(config, key, cost, now, commit)
         if early is not None:
             return early
         keys, args = self._single_args(config, key, cost, now, commit)
         try:
             reply = self._evalsha(SCRIPTS[config.algorithm], keys, args)
         except self._errors as exc:
-            return self._error_verdict(config, exc)
+            return self._error_verdict(config, exc, key, cost, now, commit)
         return self._answered(config, key, cost, now, reply)
 
     def run_kernel_many(
@@ -296,7 +311,7 @@ class RedisStorage(_RedisBase):
             self._check_one_slot(keys)
         if not self._breaker.allow_call():
             self._count("breaker_open_skips")
-            return [self._fallback(cfg, None) for cfg, _, _, _ in items]
+            return self._all_unavailable(items, None)
         args: list[str] = [str(len(items))]
         for cfg, _key, cost, now in items:
             p1, p2 = _params(cfg)
@@ -312,7 +327,10 @@ class RedisStorage(_RedisBase):
         try:
             reply = self._evalsha(COMPOUND_SCRIPT, keys, args)
         except self._errors as exc:
-            first = self._error_verdict(cfg0, exc)
+            if self._local is not None and self._key_error(exc) is None:
+                self._failed(exc)
+                return self._all_unavailable(items, exc)
+            first = self._error_verdict(cfg0, exc, *items[0][1:], True)
             reason = first[6] if len(first) > 6 else REASON_STORE_UNAVAILABLE
             return [first] + [self._fallback(cfg, exc, reason) for cfg, _, _, _ in items[1:]]
         # Each limit's answer; a key that erred was answered by its own
@@ -328,9 +346,30 @@ class RedisStorage(_RedisBase):
                 out.append(verdict)
                 down = down or failed
         if not down:
-            self._breaker.success()
+            self._up()
         self._count("decisions", sum(1 for v in out if not v[5]))  # not answered by a policy
         return out
+
+    def _all_unavailable(
+        self, items: Sequence[tuple[LimiterConfig, str, int, float | None]], exc: BaseException | None
+    ) -> list[KernelVerdict]:
+        """A compound the store could not decide: each limit by its policy,
+        the ``"local"`` ones together in the local store, all-or-nothing —
+        charged only when no other policy denied."""
+        local = self._local
+        if local is None:
+            return [self._fallback(cfg, exc) for cfg, _, _, _ in items]
+        mine = [i for i, (cfg, _, _, _) in enumerate(items) if self._policy(cfg.rule) == "local"]
+        out: list[KernelVerdict | None] = [None] * len(items)
+        for i, (cfg, _, _, _) in enumerate(items):
+            if out[i] is None and i not in mine:
+                out[i] = self._fallback(cfg, exc)
+        if mine:
+            commit = all(v is None or v[0] for v in out)
+            self._count("degraded", len(mine))
+            for i, v in zip(mine, local.decide_all([items[i] for i in mine], commit)):
+                out[i] = v
+        return [v for v in out if v is not None]
 
     def _check_one_slot(self, keys: Sequence[str]) -> None:
         slot = _client_package(self.user_client).crc.key_slot
@@ -507,14 +546,14 @@ class AsyncRedisStorage(_RedisBase):
         """One decision (what ``allow_async``/``peek_async`` await): one
         ``EVALSHA``, two after a ``SCRIPT FLUSH``; a near-cache denial or an
         open breaker answers without a round trip."""
-        early = self._early(config, key, cost, now)
+        early = self._early(config, key, cost, now, commit)
         if early is not None:
             return early
         keys, args = self._single_args(config, key, cost, now, commit)
         try:
             reply = await self._evalsha(SCRIPTS[config.algorithm], keys, args)
         except self._errors as exc:
-            return self._error_verdict(config, exc)
+            return self._error_verdict(config, exc, key, cost, now, commit)
         return self._answered(config, key, cost, now, reply)
 
     async def run_kernel_many_async(

@@ -45,6 +45,7 @@ from ._connections import (
     is_asyncio_client,
     is_cluster_client,
 )
+from ._local import DEFAULT_LOCAL_MAX_KEYS, LocalFallback, check_local_options
 from ._resilience import (
     _POLICIES,
     SERVER_ERROR_CODES,
@@ -169,6 +170,9 @@ class _RedisBase:
         key_salt: bytes = b"",
         max_key_bytes: int = MAX_KEY_BYTES,
         keep_connections: int = 8,
+        local_share: float | None = None,
+        local_instances: int = 1,
+        local_max_keys: int = DEFAULT_LOCAL_MAX_KEYS,
     ) -> None:
         if type(keep_connections) is not int or keep_connections < 0:
             raise ValidationError(f"keep_connections must be an int >= 0, got {keep_connections!r}")
@@ -187,6 +191,7 @@ class _RedisBase:
             raise ValidationError("deny_retry_after must be finite and > 0")
         if not isinstance(breaker_threshold, int) or breaker_threshold < 1:
             raise ValidationError("breaker_threshold must be an int >= 1")
+        share, instances, local_keys = check_local_options(local_share, local_instances, local_max_keys)
         if len(key_salt) > 64:
             raise ValidationError("key_salt is at most 64 bytes (BLAKE2b key)")
         check_client(client)
@@ -214,6 +219,10 @@ class _RedisBase:
         self.key_salt = bytes(key_salt)
         self.max_key_bytes = max_key_bytes
         self._breaker = _Breaker(breaker_threshold, float(breaker_cooldown))
+        # the local store of on_error="local", made only when a rule uses it
+        self._local: LocalFallback | None = None
+        if "local" in (on_error, *self.rule_on_error.values()):
+            self._local = LocalFallback(share, instances, local_keys, max_key_bytes, self.deny_retry_after)
         self._setup_direct(keep_connections)
         self._near = _NearCache(near_cache_size, near_cache_ttl) if near_cache else None
         self._counts = {
@@ -374,13 +383,19 @@ class _RedisBase:
         the store; one of a key it does not hold is a no-op) and
         ``refunds_dropped`` (failed, or skipped by the open breaker, and
         dropped by the policy), plus the breaker's
-        ``breaker_state`` and how often it ``breaker_opened``."""
+        ``breaker_state`` and how often it ``breaker_opened``. Under
+        ``on_error="local"`` also ``local_decisions`` (of ``degraded``: made
+        by the local store), ``local_denials`` (of those), ``local_refunds``
+        (of local charges), ``local_episodes`` (outages begun) and
+        ``local_active`` (1 while an outage's local store decides)."""
         with self._count_lock:
             out: dict[str, Any] = dict(self._counts)
         out["decisions"] += self._decisions.value
         out["near_cache_hits"] = self._near_hits.value
         out["breaker_state"] = self._breaker.state
         out["breaker_opened"] = self._breaker.opened
+        if self._local is not None:
+            out.update(self._local.metrics())
         return out
 
     # -- what a decision sends, and what it makes of the answer --------------------
@@ -406,10 +421,37 @@ class _RedisBase:
     def _policy(self, rule: str) -> OnError:
         return self.rule_on_error.get(rule, self.on_error)
 
+    def _unavailable(
+        self,
+        cfg: LimiterConfig,
+        key: str,
+        cost: int,
+        now: float | None,
+        commit: bool,
+        exc: BaseException | None,
+    ) -> KernelVerdict:
+        """The store is unreachable (``exc`` failed; None: the breaker did
+        not ask): the local store decides under ``"local"``, else the policy."""
+        local = self._local
+        if local is None or self._policy(cfg.rule) != "local":
+            return self._fallback(cfg, exc)
+        self._count("degraded")
+        return local.decide(cfg, key, cost, now, commit)
+
+    def _up(self) -> None:
+        """The server answered: the breaker closes, and an outage's local
+        store hands new decisions back to Redis."""
+        self._breaker.success()
+        local = self._local
+        if local is not None and local.active:
+            local.handover()
+
     def _fallback(
         self, cfg: LimiterConfig, exc: BaseException | None, reason: str = REASON_STORE_UNAVAILABLE
     ) -> KernelVerdict:
-        """The failure policy's verdict (or raise)."""
+        """The failure policy's verdict (or raise). ``"local"`` reaches here
+        only for what the local store does not decide (a key's error reply,
+        a compound's erring limit): denied, as ``"deny"``."""
         policy = self._policy(cfg.rule)
         if policy == "raise":
             self._raise(exc, "decision")
@@ -472,23 +514,30 @@ class _RedisBase:
             counts["key_errors"] += 1
             if error.code in WRITE_REFUSED_CODES:
                 counts["write_refused"] += 1
-        self._breaker.success()
+        self._up()
 
-    def _error_verdict(self, cfg: LimiterConfig, exc: BaseException) -> KernelVerdict:
+    def _error_verdict(
+        self, cfg: LimiterConfig, exc: BaseException, key: str, cost: int, now: float | None, commit: bool
+    ) -> KernelVerdict:
         """A decision call failed: a key's error answers that key by its
         policy; a failure of the server or the connection is counted, feeds
-        the breaker, and the policy answers."""
+        the breaker, and the policy answers (the local store, under ``"local"``)."""
         key_error = self._key_error(exc)
         if key_error is not None:
             return self._key_error_verdict(cfg, key_error)
         self._failed(exc)
-        return self._fallback(cfg, exc)
+        return self._unavailable(cfg, key, cost, now, commit, exc)
 
-    def _part_error(self, cfg: LimiterConfig, part: Any) -> tuple[KernelVerdict, bool]:
+    def _part_error(
+        self, cfg: LimiterConfig, part: Any, one: tuple[str, int, float | None] | None = None
+    ) -> tuple[KernelVerdict, bool]:
         """One key's ``"E <error reply>"`` in a multi-key script's reply (the
         script caught that key's error and went on with the others): the
         policy's answer, and whether the error was the server's (a
-        ``READONLY`` write on a demoted primary, say: it feeds the breaker)."""
+        ``READONLY`` write on a demoted primary, say: it feeds the breaker).
+        ``one`` (a batch's key, cost, ``now``) lets the local store decide
+        a server error under ``"local"``; a compound's limit has none (the
+        script counted it as denied, so ``"local"`` answers denied)."""
         text = part.decode("utf-8", "replace") if isinstance(part, bytes) else str(part)
         if not text.startswith("E "):
             raise ValueError(f"unexpected script reply {text[:80]!r}")
@@ -497,6 +546,8 @@ class _RedisBase:
         if code in SERVER_ERROR_CODES:
             failure = RedisUnavailableError(f"Redis failed: {text}")
             self._failed(failure)
+            if one is not None:
+                return self._unavailable(cfg, *one, True, failure), True
             return self._fallback(cfg, failure), True
         error = RedisKeyError(f"Redis answered this key with an error: {text}", code)
         return self._key_error_verdict(cfg, error), False
@@ -509,7 +560,9 @@ class _RedisBase:
     def _floor_ms(self, now: float | None) -> str:
         return "0" if now is None else str(INJECTED_EXPIRY_FLOOR_MS)
 
-    def _early(self, config: LimiterConfig, key: str, cost: int, now: float | None) -> KernelVerdict | None:
+    def _early(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> KernelVerdict | None:
         """The answer that needs no round trip, if any: a near-cache denial,
         or the policy's while the breaker is open."""
         near = self._near
@@ -521,7 +574,7 @@ class _RedisBase:
                 return (False, 0.0, hit[0], hit[1], 0.0, False, "", 0.0)  # the store made no decision
         if not self._breaker.allow_call():
             self._count("breaker_open_skips")
-            return self._fallback(config, None)
+            return self._unavailable(config, key, cost, now, commit, None)
         return None
 
     def _single_args(
@@ -543,6 +596,9 @@ class _RedisBase:
     ) -> KernelVerdict:
         """The store answered: a verdict, remembered by the near-cache if a denial."""
         self._breaker.success()
+        local = self._local
+        if local is not None and local.active:
+            local.handover()
         self._decisions.add()
         verdict = _parse_verdict(reply)
         near = self._near
@@ -561,6 +617,8 @@ class _RedisBase:
             return []
         if not self._breaker.allow_call():
             self._count("breaker_open_skips")
+            if self._local is not None and self._policy(config.rule) == "local":
+                return [self._unavailable(config, k, c, now, True, None) for k, c in zip(keys, costs)]
             return [self._fallback(config, None)] * n
         p1, p2 = self._params(config)
         now_arg = self._now_arg(now)
@@ -585,7 +643,7 @@ class _RedisBase:
             script = SCRIPTS[config.algorithm]
             for i, (rkey, cost) in enumerate(zip(rkeys, costs)):
                 calls.append((script, [rkey], [now_arg, str(cost), "1", floor_ms, p1, p2], [i]))
-        return _BatchRun(self, config, calls, n)
+        return _BatchRun(self, config, calls, keys, costs, now)
 
     def _forget_local(self, config: LimiterConfig, key: str) -> str:
         """Drop ``key``'s near-cache entries; the Redis key to ``DEL``."""
@@ -606,6 +664,9 @@ class _RedisBase:
         near = self._near
         if near is not None:
             near.forget((config.algorithm, config.rule, key, now is None))
+        local = self._local
+        if local is not None and local.refund(config, key, units, at, now):
+            return None  # charged in the local store: refunded there, never in Redis
         if not self._breaker.allow_call():
             self._count("breaker_open_skips")
             self._refund_dropped(config, None)
@@ -643,7 +704,7 @@ class _RedisBase:
         self._count("refunds_dropped")
 
     def _refunded(self) -> None:
-        self._breaker.success()
+        self._up()
         self._count("refunds")
 
     def _snapshot_command(self, config: LimiterConfig, key: str) -> tuple[str, ...]:
@@ -716,13 +777,24 @@ class _BatchRun:
     answers the script to load when some calls hit ``NOSCRIPT`` (those did not
     run, and are sent once more); nothing else is ever retried."""
 
-    __slots__ = ("config", "down", "failed", "out", "storage", "todo")
+    __slots__ = ("config", "costs", "down", "failed", "keys", "now", "out", "storage", "todo")
 
-    def __init__(self, storage: _RedisBase, config: LimiterConfig, calls: list[_Call], n: int) -> None:
+    def __init__(
+        self,
+        storage: _RedisBase,
+        config: LimiterConfig,
+        calls: list[_Call],
+        keys: Sequence[str],
+        costs: Sequence[int],
+        now: float | None,
+    ) -> None:
         self.storage = storage
         self.config = config
         self.todo = calls
-        self.out: list[KernelVerdict | None] = [None] * n
+        self.keys = keys
+        self.costs = costs
+        self.now = now
+        self.out: list[KernelVerdict | None] = [None] * len(keys)
         self.failed = 0  # keys the policy answered
         self.down = False  # whether the server (not a key) failed
 
@@ -747,13 +819,15 @@ class _BatchRun:
                 self.down = True
                 storage._failed(reply)
                 for i in members:
-                    out[i] = storage._fallback(config, reply)
+                    out[i] = storage._unavailable(config, self.keys[i], self.costs[i], self.now, True, reply)
             elif isinstance(reply, list):
                 for i, part in zip(members, reply):
                     try:
                         out[i] = _parse_verdict(part)
                     except ValueError:  # that key's error: the script went on with the others
-                        out[i], down = storage._part_error(config, part)
+                        out[i], down = storage._part_error(
+                            config, part, (self.keys[i], self.costs[i], self.now)
+                        )
                         self.failed += 1
                         self.down = self.down or down
             else:
@@ -767,12 +841,18 @@ class _BatchRun:
         connection; the policy answers what is still open."""
         storage = self.storage
         storage._failed(exc)
-        fallback = storage._fallback(self.config, exc)
-        return [fallback if v is None else v for v in self.out]
+        config, keys, costs, now = self.config, self.keys, self.costs, self.now
+        if storage._local is None or storage._policy(config.rule) != "local":
+            fallback = storage._fallback(config, exc)
+            return [fallback if v is None else v for v in self.out]
+        return [
+            storage._unavailable(config, keys[i], costs[i], now, True, exc) if v is None else v
+            for i, v in enumerate(self.out)
+        ]
 
     def result(self) -> list[KernelVerdict]:
         if not self.down:
-            self.storage._breaker.success()
+            self.storage._up()
         self.storage._count("decisions", len(self.out) - self.failed)
         return [v for v in self.out if v is not None]
 

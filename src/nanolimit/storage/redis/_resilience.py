@@ -14,8 +14,10 @@ import threading
 import time
 from typing import Final, Literal
 
-OnError = Literal["allow", "deny", "raise"]
-_POLICIES: Final = ("allow", "deny", "raise")
+OnError = Literal["allow", "deny", "raise", "local"]
+# "local": decide in a bounded in-process store at a share of each limit while
+# the server is unreachable (``_local``); a key's error reply is denied.
+_POLICIES: Final = ("allow", "deny", "raise", "local")
 
 # --------------------------------------------------------------------------
 # Errors
