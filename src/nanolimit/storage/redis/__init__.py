@@ -38,7 +38,8 @@ of an hour of real time, so a slow fake clock never meets a real expiry.
 
 The package's modules, by what they hold: ``_scripts`` (the Lua, read from
 ``lua/*.lua`` once at import, and its SHA1s), ``_resilience`` (errors, error
-classification, the circuit breaker), ``_connections`` (the derived client,
+classification, the circuit breaker), ``_local`` (the local store of
+``on_error="local"`` during an outage), ``_connections`` (the derived client,
 kept connections, hiredis packing: the redis-py internals), ``_base`` (what
 both storages share), and this module: the two storages and the public names.
 """
