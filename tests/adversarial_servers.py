@@ -157,16 +157,16 @@ def django_app(twin: str | None = None, limit: int | None = None, limited: bool 
     """Django's WSGI application with ``login/``, ``api/<path:rest>`` and ``""``."""
     from django.conf import settings  # type: ignore[import-untyped]
 
-    if not settings.configured:
-        settings.configure(
-            DEBUG=False,
-            SECRET_KEY="adversarial-tests",
-            ALLOWED_HOSTS=["*"],
-            ROOT_URLCONF=__name__,
-            MIDDLEWARE=["django.middleware.common.CommonMiddleware"],
-            INSTALLED_APPS=[],
-            USE_TZ=True,
-        )
+    own = {
+        "ROOT_URLCONF": __name__,
+        "MIDDLEWARE": ["django.middleware.common.CommonMiddleware"],
+        "ALLOWED_HOSTS": ["*"],
+        "DEBUG": False,
+        "APPEND_SLASH": True,
+    }
+    borrowed = settings.configured  # another test module (tests/test_django_limiter.py) owns them
+    if not borrowed:
+        settings.configure(SECRET_KEY="adversarial-tests", INSTALLED_APPS=[], USE_TZ=True, **own)
     from django.core.wsgi import get_wsgi_application  # type: ignore[import-untyped]
     from django.urls import path  # type: ignore[import-untyped]
 
@@ -180,10 +180,30 @@ def django_app(twin: str | None = None, limit: int | None = None, limited: bool 
         )
     from nanolimit.wsgi import RateLimitMiddleware
 
-    app = get_wsgi_application()
+    app = _OwnDjangoSettings(own) if borrowed else get_wsgi_application()
     if limited:
         return RateLimitMiddleware(app, registry(limit or _limit()), factory(twin))
     return app
+
+
+class _OwnDjangoSettings:
+    """Django's WSGI app under this module's URLconf and middleware when
+    another module configured Django first (settings are configured once
+    per process): each request runs under ``override_settings``, one at a
+    time, with a handler built under them."""
+
+    def __init__(self, own: dict[str, Any]) -> None:
+        from django.core.wsgi import get_wsgi_application
+        from django.test import override_settings  # type: ignore[import-untyped]
+
+        self._override = override_settings(**own)
+        self._lock = threading.Lock()
+        with self._override:
+            self._app = get_wsgi_application()
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        with self._lock, self._override:
+            return list(self._app(environ, start_response))
 
 
 # ---------------------------------------------------------------------------

@@ -386,3 +386,35 @@ def test_the_native_refusal_and_the_python_fallback_write_the_same_429_headers(
                 lane.refusal(_decision(backend, remaining, reset), headers, *pieces, 1.0, wall)
             assert headers == {}
     assert fast.allowed == 0 and metrics.snapshot() == {}  # a refusal counts nothing
+
+
+@pytest.mark.native
+def test_the_asgi_pairs_are_the_five_headers_as_asgi_writes_them(
+    backend: types.SimpleNamespace, native: types.ModuleType
+) -> None:
+    """``record_pairs`` (C) and its Python fallback: the five headers as
+    lower-case bytes, equal to what ``rate_headers`` writes, counted like
+    ``record``; refused inputs count nothing."""
+    pieces = rule_pieces("r", 10, 2.5)
+    limit_pair = (b"x-ratelimit-limit", pieces.limit_str.encode())
+    policy_pair = (b"ratelimit-policy", pieces.policy.encode())
+    prefix = pieces.r_prefix.encode()
+    metrics = Metrics()
+    fast = native.AdmittedRequests("r")
+    slow = _ShardedAdmitted(metrics, "r")
+    for remaining, reset, wall in CASES:
+        d = _decision(backend, remaining, reset)
+        got = fast.record_pairs(d, limit_pair, policy_pair, prefix, 2.0, wall)
+        want = slow.record_pairs(d, limit_pair, policy_pair, prefix, 2.0, wall)
+        expected = [
+            (k.lower().encode(), v.encode()) for k, v in rate_headers(*pieces, remaining, reset, wall).items()
+        ]
+        assert got == want == expected
+    assert fast.allowed == len(CASES) == metrics.snapshot()["r"]["allowed"]
+    for remaining, reset, wall in REFUSED:
+        for lane in (fast, slow):
+            with pytest.raises(ValidationError):
+                lane.record_pairs(
+                    _decision(backend, remaining, reset), limit_pair, policy_pair, prefix, 2.0, wall
+                )
+    assert fast.allowed == len(CASES)

@@ -173,6 +173,15 @@ class AdmittedRequests:
         near: float,
         wall_now: float,
     ) -> None: ...
+    def record_pairs(
+        self,
+        decision: Any,
+        limit_pair: tuple[bytes, bytes],
+        policy_pair: tuple[bytes, bytes],
+        r_prefix_b: bytes,
+        near: float,
+        wall_now: float,
+    ) -> list[tuple[bytes, bytes]]: ...
     def refusal(
         self,
         decision: Any,

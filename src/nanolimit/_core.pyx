@@ -26,6 +26,7 @@ one module, so calls across layers stay direct C calls and inline):
 
 cimport cython
 from cpython.array cimport array, clone
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsSsize_t
 from cpython.object cimport PyTypeObject
@@ -34,6 +35,7 @@ from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.math cimport INFINITY, ceil, fabs, floor, isfinite
 from libc.stdint cimport INT64_MIN, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.stdio cimport snprintf
 from libc.string cimport memcmp, memcpy, memmove, memset
 
 from nanolimit._kernels cimport (

@@ -10,6 +10,16 @@ cdef str H_RESET = "X-RateLimit-Reset"
 cdef str H_POLICY = "RateLimit-Policy"
 cdef str H_RATELIMIT = "RateLimit"
 cdef str H_RETRY = "Retry-After"
+# the same names as ASGI writes them: lower case, bytes
+cdef bytes B_REMAINING = b"x-ratelimit-remaining"
+cdef bytes B_RESET = b"x-ratelimit-reset"
+cdef bytes B_RATELIMIT = b"ratelimit"
+
+
+cdef inline bytes int_bytes(int64_t value):
+    cdef char buf[32]
+    cdef int n = snprintf(buf, sizeof(buf), "%lld", <long long>value)
+    return PyBytes_FromStringAndSize(buf, n)
 
 
 @cython.final
@@ -96,6 +106,38 @@ cdef class AdmittedRequests:
         nl_add_u64_relaxed(&self.allowed_count, 1)  # counted once the headers are written
         if left < near:
             nl_add_u64_relaxed(&self.near_count, 1)
+
+    def record_pairs(self, decision, tuple limit_pair not None, tuple policy_pair not None,
+                     bytes r_prefix_b not None, double near, double wall_now):
+        """``record`` for ASGI: count an admitted request and return its five
+        headers as the list of ``(name, value)`` bytes an ASGI server writes
+        (lower-case names), formatted in C. The two constant pairs come
+        prebuilt (``(b"x-ratelimit-limit", b"10")``, the policy's): a request
+        makes three values and one list, no header dict, no encoding pass."""
+        cdef int64_t left
+        cdef double reset
+        cdef Decision d
+        cdef char buf[320]
+        cdef int n
+        if type(decision) is Decision:
+            d = <Decision>decision
+            left = d.remaining
+            reset = d.reset_after
+        else:
+            left = decision.remaining
+            reset = decision.reset_after
+        if not (fabs(wall_now) < MAX_TIME_C and 0.0 <= reset < MAX_HEADER_SECONDS):
+            raise ValidationError(f"cannot write headers for wall_now={wall_now!r}, reset_after={reset!r}")
+        if PyBytes_GET_SIZE(r_prefix_b) > 256:
+            raise ValidationError("the RateLimit prefix is longer than any rule name makes it")
+        n = snprintf(buf, sizeof(buf), "%s%lld;t=%lld", PyBytes_AS_STRING(r_prefix_b), <long long>left,
+                     <long long>ceil(reset))
+        pairs = [limit_pair, (B_REMAINING, int_bytes(left)), (B_RESET, int_bytes(<int64_t>ceil(wall_now + reset))),
+                 policy_pair, (B_RATELIMIT, PyBytes_FromStringAndSize(buf, n))]
+        nl_add_u64_relaxed(&self.allowed_count, 1)
+        if left < near:
+            nl_add_u64_relaxed(&self.near_count, 1)
+        return pairs
 
     def refusal(self, decision, dict headers not None, str limit_str not None, str policy not None,
                 str r_prefix not None, double retry_after, double wall_now):

@@ -35,7 +35,7 @@ from .factory import LimiterFactory
 from .headers import RATE_HEADERS
 from .keys import KeyExtractor
 from .metrics import Metrics
-from .middleware import Outcome
+from .middleware import MISSING, Outcome
 from .middleware import RateLimitMiddleware as Core
 from .request import Request
 from .routes import RouteLimits
@@ -225,6 +225,15 @@ class RateLimitMiddleware:
         self.deny = deny
         self._unbound = limits is not None  # bound from scope["app"] at startup or first request
         self.decide = _decide_mode(core.factory.storage, decide)
+        # the inline lane: in process, the stock request view, the pipeline's
+        # own check() and headers (no limits: their dependency reads a marker)
+        self._lane = (
+            self.decide is _INLINE
+            and request_factory is request_from_scope
+            and limits is None
+            and type(core).check is Core.check
+            and core._inline
+        )
 
     def _bind(self, app: Any) -> None:
         """Read the app's routes into the declared rules, and install the
@@ -260,6 +269,39 @@ class RateLimitMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
+        if kind == "http" and self._lane:
+            # The common case inlined (one enforced rule, admitted, decided
+            # in process, found in the route cache): the pipeline's check()
+            # without its Outcome, and the five headers formatted in C
+            # straight into ASGI's bytes pairs. Everything else takes check().
+            core = self.core
+            ruleset = core.registry.ruleset
+            routes = core._routes
+            if routes[0] is ruleset and not ruleset.has_tiers:
+                request = request_from_scope(scope)
+                b: Any = routes[1].get((request.method, request.path, None), MISSING)
+                if b.simple and request.cost == 1:
+                    d = b.allow(core._key(request, b.scope))
+                    if d.allowed:
+                        extra = b.admitted.record_pairs(
+                            d, b.limit_pair, b.policy_pair, b.r_prefix_b, b.near, core.wall_clock()
+                        )
+
+                        async def send_pairs(message: Message) -> None:
+                            if message["type"] == "http.response.start":
+                                message["headers"] = [*message.get("headers", ()), *extra]
+                            await send(message)
+
+                        await self.app(scope, receive, send_pairs)
+                        return
+                    outcome = core._denied(request, b, d)
+                    if self.deny is not None:
+                        custom = self.deny(request, outcome)
+                        if custom is not None:
+                            await custom(scope, receive, send)
+                            return
+                    await self._deny_http(send, outcome)
+                    return
         if kind != "http" and (kind != "websocket" or self.websocket == "pass"):
             if kind == "lifespan" and self._unbound:
                 await self._lifespan(scope, receive, send)

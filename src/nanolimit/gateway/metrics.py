@@ -503,6 +503,27 @@ class _ShardedAdmitted:
         self.count(decision, near)  # counted once the headers are written
 
 
+    def record_pairs(
+        self,
+        decision: Any,
+        limit_pair: tuple[bytes, bytes],
+        policy_pair: tuple[bytes, bytes],
+        r_prefix_b: bytes,
+        near: float,
+        wall_now: float,
+    ) -> list[tuple[bytes, bytes]]:
+        """``record`` for ASGI: the five headers as lower-case bytes pairs."""
+        headers = rate_headers(
+            limit_pair[1].decode("latin-1"),
+            policy_pair[1].decode("latin-1"),
+            r_prefix_b.decode("latin-1"),
+            decision.remaining,
+            decision.reset_after,
+            wall_now,
+        )
+        self.count(decision, near)
+        return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
     def refusal(
         self,
         decision: Any,

@@ -201,12 +201,15 @@ class _Binding:
         "counted",
         "counted_lane",
         "dry_run",
+        "limit_pair",
         "limit_str",
         "limiter",
         "name",
         "near",
         "policy",
+        "policy_pair",
         "r_prefix",
+        "r_prefix_b",
         "rule",
         "scope",
         "shape",
@@ -233,6 +236,10 @@ class _Binding:
         capacity = self.capacity = limiter.capacity
         self.near = capacity * near_ratio
         self.limit_str, self.policy, self.r_prefix = rule_pieces(rule.name, capacity, limiter.window_seconds)
+        # the same, as the bytes ASGI writes (rule names are ASCII)
+        self.limit_pair = (b"x-ratelimit-limit", self.limit_str.encode("ascii"))
+        self.policy_pair = (b"ratelimit-policy", self.policy.encode("ascii"))
+        self.r_prefix_b = self.r_prefix.encode("ascii")
 
 
 class _Stack:
@@ -257,7 +264,7 @@ class _NoRoute:
     counted_lane = False
 
 
-_MISSING = _NoRoute()  # not in the route cache
+MISSING = _MISSING = _NoRoute()  # not in the route cache (MISSING: for the adapters' inline lanes)
 _UNLIMITED = _NoRoute()  # cached: no rule applies
 _Route = _Binding | _Stack | _NoRoute
 
