@@ -366,9 +366,11 @@ def test_the_native_refusal_and_the_python_fallback_write_the_same_429_headers(
         for retry_after in (0.0, 0.2, 1.0, 1.5, 59.999, 3600.0):
             got: dict[str, str] = {}
             want: dict[str, str] = {}
-            assert fast.refusal(d, got, *pieces, retry_after, wall) == slow.refusal(
-                d, want, *pieces, retry_after, wall
-            ) == retry_seconds(retry_after)
+            assert (
+                fast.refusal(d, got, *pieces, retry_after, wall)
+                == slow.refusal(d, want, *pieces, retry_after, wall)
+                == retry_seconds(retry_after)
+            )
             expected = rate_headers(*pieces, remaining, reset, wall)
             expected["Retry-After"] = str(retry_seconds(retry_after))
             assert got == want == expected
@@ -418,3 +420,28 @@ def test_the_asgi_pairs_are_the_five_headers_as_asgi_writes_them(
                     _decision(backend, remaining, reset), limit_pair, policy_pair, prefix, 2.0, wall
                 )
     assert fast.allowed == len(CASES)
+
+
+@pytest.mark.native
+def test_the_asgi_refusal_pairs_are_the_six_429_headers(
+    backend: types.SimpleNamespace, native: types.ModuleType
+) -> None:
+    """``refusal_pairs`` (C) and its Python fallback: the seconds and the six
+    headers of a 429 as ASGI's lower-case bytes, equal to ``refusal``'s."""
+    pieces = rule_pieces("r", 10, 2.5)
+    limit_pair = (b"x-ratelimit-limit", pieces.limit_str.encode())
+    policy_pair = (b"ratelimit-policy", pieces.policy.encode())
+    prefix = pieces.r_prefix.encode()
+    fast = native.AdmittedRequests("r")
+    slow = _ShardedAdmitted(Metrics(), "r")
+    for remaining, reset, wall in CASES:
+        d = _decision(backend, remaining, reset)
+        for retry_after in (0.0, 0.4, 7.5):
+            headers: dict[str, str] = {}
+            retry = fast.refusal(d, headers, *pieces, retry_after, wall)
+            expected = (retry, [(k.lower().encode(), v.encode()) for k, v in headers.items()])
+            assert fast.refusal_pairs(d, limit_pair, policy_pair, prefix, retry_after, wall) == expected
+            assert slow.refusal_pairs(d, limit_pair, policy_pair, prefix, retry_after, wall) == expected
+    for lane in (fast, slow):
+        with pytest.raises(ValidationError):
+            lane.refusal_pairs(_decision(backend, 0, 1.0), limit_pair, policy_pair, prefix, math.nan, 1e9)

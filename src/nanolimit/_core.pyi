@@ -182,6 +182,15 @@ class AdmittedRequests:
         near: float,
         wall_now: float,
     ) -> list[tuple[bytes, bytes]]: ...
+    def refusal_pairs(
+        self,
+        decision: Any,
+        limit_pair: tuple[bytes, bytes],
+        policy_pair: tuple[bytes, bytes],
+        r_prefix_b: bytes,
+        retry_after: float,
+        wall_now: float,
+    ) -> tuple[int, list[tuple[bytes, bytes]]]: ...
     def refusal(
         self,
         decision: Any,

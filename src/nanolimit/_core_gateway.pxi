@@ -14,6 +14,7 @@ cdef str H_RETRY = "Retry-After"
 cdef bytes B_REMAINING = b"x-ratelimit-remaining"
 cdef bytes B_RESET = b"x-ratelimit-reset"
 cdef bytes B_RATELIMIT = b"ratelimit"
+cdef bytes B_RETRY = b"retry-after"
 
 
 cdef inline bytes int_bytes(int64_t value):
@@ -138,6 +139,38 @@ cdef class AdmittedRequests:
         if left < near:
             nl_add_u64_relaxed(&self.near_count, 1)
         return pairs
+
+    def refusal_pairs(self, decision, tuple limit_pair not None, tuple policy_pair not None,
+                      bytes r_prefix_b not None, double retry_after, double wall_now):
+        """``refusal`` for ASGI: ``(Retry-After seconds, the six headers as
+        ASGI's lower-case bytes pairs)``, formatted in C. Counts nothing."""
+        cdef int64_t left
+        cdef double reset
+        cdef int64_t retry
+        cdef Decision d
+        cdef char buf[320]
+        cdef int n
+        if type(decision) is Decision:
+            d = <Decision>decision
+            left = d.remaining
+            reset = d.reset_after
+        else:
+            left = decision.remaining
+            reset = decision.reset_after
+        if not (fabs(wall_now) < MAX_TIME_C and 0.0 <= reset < MAX_HEADER_SECONDS
+                and retry_after < MAX_HEADER_SECONDS and retry_after == retry_after):
+            raise ValidationError(f"cannot write headers for wall_now={wall_now!r}, reset_after={reset!r}, "
+                                  f"retry_after={retry_after!r}")
+        if PyBytes_GET_SIZE(r_prefix_b) > 256:
+            raise ValidationError("the RateLimit prefix is longer than any rule name makes it")
+        retry = <int64_t>ceil(retry_after)
+        if retry < 1:
+            retry = 1
+        n = snprintf(buf, sizeof(buf), "%s%lld;t=%lld", PyBytes_AS_STRING(r_prefix_b), <long long>left,
+                     <long long>ceil(reset))
+        pairs = [limit_pair, (B_REMAINING, int_bytes(left)), (B_RESET, int_bytes(<int64_t>ceil(wall_now + reset))),
+                 policy_pair, (B_RATELIMIT, PyBytes_FromStringAndSize(buf, n)), (B_RETRY, int_bytes(retry))]
+        return retry, pairs
 
     def refusal(self, decision, dict headers not None, str limit_str not None, str policy not None,
                 str r_prefix not None, double retry_after, double wall_now):

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMappi
 from typing import Any
 
 from .factory import LimiterFactory
-from .headers import RATE_HEADERS
+from .headers import RATE_HEADERS, deny_body
 from .keys import KeyExtractor
 from .metrics import Metrics
 from .middleware import MISSING, Outcome
@@ -141,6 +141,7 @@ def _encode(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
 
 
 _INLINE, _AWAIT, _THREAD = "inline", "await", "thread"
+_JSON = (b"content-type", b"application/json")
 
 
 def _decide_mode(storage: Any, decide: str | None) -> str:
@@ -226,11 +227,10 @@ class RateLimitMiddleware:
         self._unbound = limits is not None  # bound from scope["app"] at startup or first request
         self.decide = _decide_mode(core.factory.storage, decide)
         # the inline lane: in process, the stock request view, the pipeline's
-        # own check() and headers (no limits: their dependency reads a marker)
+        # own check() and headers
         self._lane = (
             self.decide is _INLINE
             and request_factory is request_from_scope
-            and limits is None
             and type(core).check is Core.check
             and core._inline
         )
@@ -282,6 +282,8 @@ class RateLimitMiddleware:
                 b: Any = routes[1].get((request.method, request.path, None), MISSING)
                 if b.simple and request.cost == 1:
                     d = b.allow(core._key(request, b.scope))
+                    if self.limits is not None:
+                        scope["nanolimit"] = d  # what the limit dependencies check
                     if d.allowed:
                         extra = b.admitted.record_pairs(
                             d, b.limit_pair, b.policy_pair, b.r_prefix_b, b.near, core.wall_clock()
@@ -294,13 +296,28 @@ class RateLimitMiddleware:
 
                         await self.app(scope, receive, send_pairs)
                         return
-                    outcome = core._denied(request, b, d)
+                    if self.deny is None and core.on_breach is None:
+                        # the 429 as the admitted lane writes a 200: its six
+                        # headers in C, no Outcome
+                        retry, pairs = b.admitted.refusal_pairs(
+                            d, b.limit_pair, b.policy_pair, b.r_prefix_b, d.retry_after, core.wall_clock()
+                        )
+                        core._count_denied(b)
+                        if core._log is not None:
+                            core._log.note(request, b.name, retry)
+                        body = deny_body(b.name, retry)
+                        pairs.append(_JSON)
+                        pairs.append((b"content-length", b"%d" % len(body)))
+                        await send({"type": "http.response.start", "status": 429, "headers": pairs})
+                        await send({"type": "http.response.body", "body": body, "more_body": False})
+                        return
+                    denial = core._denied(request, b, d)
                     if self.deny is not None:
-                        custom = self.deny(request, outcome)
+                        custom = self.deny(request, denial)
                         if custom is not None:
                             await custom(scope, receive, send)
                             return
-                    await self._deny_http(send, outcome)
+                    await self._deny_http(send, denial)
                     return
         if kind != "http" and (kind != "websocket" or self.websocket == "pass"):
             if kind == "lifespan" and self._unbound:
@@ -312,6 +329,7 @@ class RateLimitMiddleware:
             self._bind(scope.get("app"))
         request = self.request_factory(scope)
         mode = self.decide
+        outcome: Outcome | None
         if mode is _INLINE:
             outcome = self.core.check(request)
         elif mode is _AWAIT:

@@ -524,6 +524,28 @@ class _ShardedAdmitted:
         self.count(decision, near)
         return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
+    def refusal_pairs(
+        self,
+        decision: Any,
+        limit_pair: tuple[bytes, bytes],
+        policy_pair: tuple[bytes, bytes],
+        r_prefix_b: bytes,
+        retry_after: float,
+        wall_now: float,
+    ) -> tuple[int, list[tuple[bytes, bytes]]]:
+        """``refusal`` for ASGI: the seconds and the six headers as bytes pairs."""
+        headers: dict[str, str] = {}
+        retry = self.refusal(
+            decision,
+            headers,
+            limit_pair[1].decode("latin-1"),
+            policy_pair[1].decode("latin-1"),
+            r_prefix_b.decode("latin-1"),
+            retry_after,
+            wall_now,
+        )
+        return retry, [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
     def refusal(
         self,
         decision: Any,

@@ -284,8 +284,15 @@ class _DenialLog:
         self._lock = threading.Lock()
 
     def __call__(self, request: Request, outcome: Outcome) -> None:
+        self.note(
+            request,
+            outcome.rule,
+            "never (cost over the limit)" if type(outcome.decision) is CostTooHigh else outcome.retry_after,
+        )
+
+    def note(self, request: Request, rule: str, retry_after: object) -> None:
+        """A denial by ``rule``: a record, unless one was written within the interval."""
         now = time.monotonic()
-        rule = outcome.rule
         if now < self._next.get(rule, 0.0):
             # the flood's common case, without the lock: a count a racing
             # thread may miss is a number in a log line, never a decision
@@ -305,7 +312,7 @@ class _DenialLog:
             rule,
             request.method[:32],
             path,
-            "never (cost over the limit)" if type(outcome.decision) is CostTooHigh else outcome.retry_after,
+            retry_after,
             f" (+{more} more since the last record)" if more else "",
             extra={"rule": rule, "suppressed": more},
         )
@@ -656,13 +663,16 @@ class RateLimitMiddleware:
         self._breached(request, outcome)
         return outcome
 
-    def _denied(self, request: Request, b: _Binding, d: Any) -> Outcome:
-        """Count and answer a denial by one enforced rule."""
+    def _count_denied(self, b: _Binding) -> None:
         try:
             shard = self._local.shard
         except AttributeError:
             shard = self._shard()
         self._counts(shard, b.name)[DENIED] += 1
+
+    def _denied(self, request: Request, b: _Binding, d: Any) -> Outcome:
+        """Count and answer a denial by one enforced rule."""
+        self._count_denied(b)
         outcome = self._refusal(b, d, d.retry_after, d)
         if self._log is not None or self.on_breach is not None:
             self._breached(request, outcome)
