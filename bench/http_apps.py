@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 VARIANT_ENV = "NANOLIMIT_HTTP_VARIANT"
 
@@ -214,7 +214,10 @@ def asgi_nanolimit(framework: str, limit: int) -> Any:
     from nanolimit.asgi import RateLimitMiddleware
     from nanolimit.factory import LimiterFactory
 
-    mw = Middleware(RateLimitMiddleware, registry=nanolimit_registry(limit), factory=LimiterFactory())
+    # (cast: Starlette's Middleware types its factory's arguments, and they grow)
+    mw = Middleware(
+        cast(Any, RateLimitMiddleware), registry=nanolimit_registry(limit), factory=LimiterFactory()
+    )
     return _ASGI_FRAMEWORKS[framework]([mw])
 
 
