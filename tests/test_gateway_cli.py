@@ -67,6 +67,23 @@ def test_check_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "INVALID, 2 problem(s)" in err and "rule 'x': rate" in err and "rule 'y': algorithm" in err
 
 
+def test_check_config_shows_routes_costs_counting_lists_and_exempt(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "routes.toml"
+    path.write_text(
+        'exempt = ["/health"]\n'
+        '[[rules]]\nname = "avatar"\nroutes = ["/users/{id}/avatar"]\nrate = "5/minute;100/hour"\n'
+        '[[rules]]\nname = "logins"\npath_prefix = "/login"\nrate = "5/minute"\ncount_when = [401, 403]\n'
+        "cost = 2\n"
+    )
+    assert cli.main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "OK, 3 rule(s)" in out
+    assert "avatar:5/60s" in out and "avatar:100/3600s" in out and "route /users/{}/avatar" in out
+    assert "group avatar" in out and "cost 2 counts 401,403" in out and "exempt: /health" in out
+
+
 def _expected(
     rows: list[tuple[float, str, int]], algorithm: str, limit: int, window: float
 ) -> dict[str, list[int]]:

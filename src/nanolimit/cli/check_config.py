@@ -30,10 +30,19 @@ def check_config(path: str) -> int:
             extras.append(f"tier {rule.tier}")
         if rule.dry_run:
             extras.append("dry run")
+        if type(rule.cost) is int and rule.cost != 1:
+            extras.append(f"cost {rule.cost}")
+        if type(rule.count_when) is frozenset:
+            extras.append("counts " + ",".join(str(s) for s in sorted(rule.count_when)))
+        if rule.group is not None:
+            extras.append(f"group {rule.group}")
         label = "(default)" if rule is loaded.default else ""
+        where = "route " + " ".join(rule.routes) if rule.routes else rule.path_prefix
         line = (
-            f"  {rule.name:<20} {rule.method:<6} {rule.path_prefix:<24} {rule.scope.value:<8} "
+            f"  {rule.name:<20} {rule.method:<6} {where:<24} {rule.scope.value:<8} "
             f"{rule.algorithm.value:<16} {rule.limit}/{rule.window_seconds:g}s {' '.join(extras)} {label}"
         )
         print(line.rstrip())
+    if loaded.exempt:
+        print(f"  exempt: {' '.join(loaded.exempt)}")
     return 0
