@@ -640,3 +640,28 @@ def test_uvicorn_concurrent_failed_logins_never_exceed_the_budget() -> None:
     # a success admitted while the failures had budget left was refunded, never counted
     assert results[("ok", 200)] >= 1
     print("uvicorn-failed-logins:", json.dumps({f"{k[0]}-{k[1]}": v for k, v in sorted(results.items())}))
+
+
+def test_route_limits_and_global_rules_decide_together_all_or_nothing() -> None:
+    """Stacked: a request on a declared route spends the route's limit and
+    the global rule's together; a denial by the route charges the global
+    rule nothing."""
+    limits = RouteLimits(RuleRegistry([rule("global", 3)], stacked=True), algorithm="fixed_window")
+    app = FastAPI()
+
+    @app.get("/search")
+    @limits.limit("2/minute")
+    async def search() -> dict[str, str]:
+        return {}
+
+    @app.get("/other")
+    async def other() -> dict[str, str]:
+        return {}
+
+    app.add_middleware(ASGIMiddleware, limits=limits)
+    with TestClient(app) as client:
+        assert statuses(client, "/search", 3) == [200, 200, 429]  # the route's 2
+        assert client.get("/search").json()["rule"].endswith(".search")
+        # the two denials charged 'global' nothing: one of its 3 is left
+        assert statuses(client, "/other", 2) == [200, 429]
+        assert client.get("/other").json()["rule"] == "global"
