@@ -139,12 +139,16 @@ class _Counted(list[Any]):
         return b, key, cost, d
 
     def settle(self, status: int) -> int:
-        due = self._take(status)
-        if due is None:
+        # _take inlined: this runs once per counted request
+        if not self:
             return 0
-        b, key, cost, d = due
+        b, key, cost, d = self
+        self.clear()
+        statuses = b.count_statuses
+        if (status in statuses) if statuses is not None else b.rule.counts(status):
+            return 0
         b.limiter.refund(key, cost, at=d.at)
-        return cost
+        return cost  # type: ignore[no-any-return]
 
     async def settle_async(self, status: int) -> int:
         due = self._take(status)
