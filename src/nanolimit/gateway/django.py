@@ -33,7 +33,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -59,6 +59,7 @@ from .middleware import RateLimitMiddleware as Pipeline
 from .request import Request
 from .routes import Limit, RouteInfo, RouteLimits
 from .rules import KeyScope, RateLimitRule, RuleSet
+from .wsgi import _EnvironHeaders
 
 __all__ = [
     "SETTINGS",
@@ -510,40 +511,10 @@ def _lazy_user(request: Request) -> str | None:
     return user
 
 
-class _MetaHeaders(Mapping[str, str]):
-    """``request.META``'s ``HTTP_*`` keys as the lower-case header mapping
-    keys read, looked up one at a time: ``request.headers`` would copy
-    every header of every request, and most are never read."""
-
-    __slots__ = ("_meta",)
-
-    def __init__(self, meta: Mapping[str, Any]) -> None:
-        self._meta = meta
-
-    @staticmethod
-    def _cgi(key: str) -> str:
-        name = key.upper().replace("-", "_")
-        return name if name in ("CONTENT_TYPE", "CONTENT_LENGTH") else "HTTP_" + name
-
-    def __getitem__(self, key: str) -> str:
-        value = self._meta[self._cgi(key)]
-        if not isinstance(value, str):
-            raise KeyError(key)
-        return value
-
-    def get(self, key: str, default: Any = None) -> Any:
-        value = self._meta.get(self._cgi(key), default)
-        return value if isinstance(value, str) else default
-
-    def __iter__(self) -> Iterator[str]:
-        for key in self._meta:
-            if key.startswith("HTTP_"):
-                yield key[5:].lower().replace("_", "-")
-            elif key in ("CONTENT_TYPE", "CONTENT_LENGTH"):
-                yield key.lower().replace("_", "-")
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
+# ``request.META`` is a WSGI environ (or ASGI's translation of one): its
+# ``HTTP_*`` keys are read through the WSGI adapter's lazy header view, one
+# at a time (``request.headers`` would copy every header of every request).
+_MetaHeaders = _EnvironHeaders
 
 
 def _request(request: Any, user: str | None = None) -> Request:
