@@ -33,7 +33,7 @@ from .._shared import ValidationError
 from .factory import LimiterFactory
 from .keys import KeyExtractor
 from .metrics import Metrics
-from .middleware import Outcome
+from .middleware import AWAIT, INLINE, Outcome, decide_mode
 from .middleware import RateLimitMiddleware as Core
 from .request import Request
 from .routes import RouteInfo, RouteLimits
@@ -48,7 +48,6 @@ __all__ = [
     "setup",
 ]
 
-INLINE, AWAIT, THREAD = "inline", "await", "thread"
 # on the aiohttp request: headers still to write when the handler prepares its own response
 # (a RequestKey where aiohttp has them: a str key warns there)
 _PENDING: Any = (
@@ -119,26 +118,6 @@ def routes_of(app: web.Application) -> list[RouteInfo]:
         methods = frozenset() if method == "*" else frozenset({method})
         out.append(RouteInfo(resource.canonical, methods, route.handler))
     return out
-
-
-def decide_mode(storage: Any, decide: str | None = None) -> str:
-    """How a decision on ``storage`` keeps off the loop: ``"await"`` for a
-    store with async kernels, ``"thread"`` for a synchronous Redis store,
-    ``"inline"`` for in-process ones; ``decide`` chooses between the last
-    two."""
-    if getattr(storage, "run_kernel_async", None) is not None:
-        if decide not in (None, AWAIT):
-            raise ValidationError(f"an {type(storage).__name__} is awaited; decide={decide!r} does not apply")
-        return AWAIT
-    if decide is None:
-        try:
-            from ..storage.redis import RedisStorage
-        except ImportError:  # no Redis client installed: no Redis store either
-            return INLINE
-        return THREAD if isinstance(storage, RedisStorage) else INLINE
-    if decide not in (INLINE, THREAD):
-        raise ValidationError(f"decide must be 'inline' or 'thread', got {decide!r}")
-    return INLINE if decide == INLINE else THREAD  # the constants: the request path compares by identity
 
 
 class RateLimitMiddleware:

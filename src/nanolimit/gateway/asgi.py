@@ -35,7 +35,7 @@ from .factory import LimiterFactory
 from .headers import RATE_HEADERS, deny_body
 from .keys import KeyExtractor
 from .metrics import Metrics
-from .middleware import MISSING, Outcome
+from .middleware import AWAIT, INLINE, MISSING, Outcome, decide_mode
 from .middleware import RateLimitMiddleware as Core
 from .request import Request
 from .routes import RouteLimits
@@ -140,25 +140,7 @@ def _encode(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     return [(names.get(k) or k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
-_INLINE, _AWAIT, _THREAD = "inline", "await", "thread"
 _JSON = (b"content-type", b"application/json")
-
-
-def _decide_mode(storage: Any, decide: str | None) -> str:
-    """How the adapter decides on ``storage`` without blocking the loop."""
-    if hasattr(storage, "run_kernel_async"):
-        if decide not in (None, _AWAIT):
-            raise ValueError(f"an {type(storage).__name__} is awaited; decide={decide!r} does not apply")
-        return _AWAIT
-    if decide is None:
-        try:
-            from ..storage.redis import RedisStorage
-        except ImportError:  # no Redis client installed: no Redis store either
-            return _INLINE
-        return _THREAD if isinstance(storage, RedisStorage) else _INLINE
-    if decide not in (_INLINE, _THREAD):
-        raise ValueError(f"decide must be 'inline' or 'thread', got {decide!r}")
-    return _INLINE if decide == _INLINE else _THREAD
 
 
 class RateLimitMiddleware:
@@ -225,11 +207,11 @@ class RateLimitMiddleware:
         self.limits = limits
         self.deny = deny
         self._unbound = limits is not None  # bound from scope["app"] at startup or first request
-        self.decide = _decide_mode(core.factory.storage, decide)
+        self.decide = decide_mode(core.factory.storage, decide)
         # the inline lane: in process, the stock request view, the pipeline's
         # own check() and headers
         self._lane = (
-            self.decide is _INLINE
+            self.decide is INLINE
             and request_factory is request_from_scope
             and type(core).check is Core.check
             and core._inline
@@ -330,9 +312,9 @@ class RateLimitMiddleware:
         request = self.request_factory(scope)
         mode = self.decide
         outcome: Outcome | None
-        if mode is _INLINE:
+        if mode is INLINE:
             outcome = self.core.check(request)
-        elif mode is _AWAIT:
+        elif mode is AWAIT:
             outcome = await self.core.check_async(request)
         else:
             outcome = await asyncio.to_thread(self.core.check, request)
@@ -401,9 +383,9 @@ class RateLimitMiddleware:
 
     async def _settle(self, outcome: Outcome, status: int) -> None:
         mode = self.decide
-        if mode is _INLINE:
+        if mode is INLINE:
             self.core.settle(outcome, status)
-        elif mode is _AWAIT:
+        elif mode is AWAIT:
             await self.core.settle_async(outcome, status)
         else:
             await asyncio.to_thread(self.core.settle, outcome, status)

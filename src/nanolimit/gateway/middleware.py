@@ -329,6 +329,30 @@ _ONE = 1
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")  # an RFC 9110 header name
 
 
+# How a front end on an event loop decides on a store (ASGI, aiohttp).
+INLINE, AWAIT, THREAD = "inline", "await", "thread"
+
+
+def decide_mode(storage: Any, decide: str | None = None) -> str:
+    """How a decision on ``storage`` keeps off the loop: ``"await"`` for a
+    store with async kernels, ``"thread"`` for a synchronous Redis store,
+    ``"inline"`` for in-process ones; ``decide`` chooses between the last
+    two."""
+    if getattr(storage, "run_kernel_async", None) is not None:
+        if decide not in (None, AWAIT):
+            raise ValidationError(f"an {type(storage).__name__} is awaited; decide={decide!r} does not apply")
+        return AWAIT
+    if decide is None:
+        try:
+            from ..storage.redis import RedisStorage
+        except ImportError:  # no Redis client installed: no Redis store either
+            return INLINE
+        return THREAD if isinstance(storage, RedisStorage) else INLINE
+    if decide not in (INLINE, THREAD):
+        raise ValidationError(f"decide must be 'inline' or 'thread', got {decide!r}")
+    return INLINE if decide == INLINE else THREAD  # the constants: the request path compares by identity
+
+
 class RateLimitMiddleware:
     """A pipeline stage ``(request, next_handler) -> Response``, and the
     decision every front end shares (:meth:`check`).
