@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 VARIANT_ENV = "NANOLIMIT_HTTP_VARIANT"
+# the port of the Redis server the ``store="redis"`` rows talk to (127.0.0.1;
+# http_e2e.py starts one and sets it, the tests set it to their fixture's)
+REDIS_PORT_ENV = "NANOLIMIT_HTTP_REDIS_PORT"
 
 # Admitted variants: more than any run can spend (7 rounds of ~50k rps for
 # seconds each is a few million), within the rule's 2**32 - 1 bound.
@@ -115,14 +118,33 @@ class HeaderOnlyWSGI:
         return self.app(environ, start_with_headers)
 
 
-def nanolimit_registry(limit: int) -> Any:
+def nanolimit_registry(limit: int, count_when: frozenset[int] | None = None) -> Any:
     """One rule over every path, one key per client IP, fixed window (the
-    strategy slowapi and flask-limiter default to), ``limit`` per hour."""
+    strategy slowapi and flask-limiter default to), ``limit`` per hour.
+    ``count_when``: only answers with these statuses are counted (each
+    request is charged on entry and refunded when its status is not one)."""
     from nanolimit import Algorithm
     from nanolimit.rules import KeyScope, RateLimitRule, RuleRegistry
 
-    rule = RateLimitRule(RULE, "*", "/", KeyScope.IP, Algorithm.FIXED_WINDOW, limit, WINDOW)
+    rule = RateLimitRule(
+        RULE, "*", "/", KeyScope.IP, Algorithm.FIXED_WINDOW, limit, WINDOW, count_when=count_when
+    )
     return RuleRegistry([rule])
+
+
+def redis_port() -> int:
+    """The Redis rows' server port, from the environment: a row that needs a
+    server it was not given fails at build time, not mid-measurement."""
+    raw = os.environ.get(REDIS_PORT_ENV, "")
+    if not raw.isdigit():
+        raise RuntimeError(f"{REDIS_PORT_ENV} must name the port of a Redis server on 127.0.0.1, got {raw!r}")
+    return int(raw)
+
+
+# A Redis failure must fail the row (a 500 the harness refuses), never pass
+# as an admitted request decided nowhere (the default on_error="allow"); a
+# second of timeout, not 50 ms, so a busy shared core is not read as an outage.
+_REDIS_OPTIONS: dict[str, Any] = {"on_error": "raise", "timeout": 1.0}
 
 
 def nanolimit_asgi(app: ASGIApp, limit: int) -> ASGIApp:
@@ -148,7 +170,9 @@ def peer_rate(limit: int) -> str:
 # Starlette and FastAPI (under uvicorn)
 
 
-def _starlette(middleware: list[Any], limiter: Any = None) -> Any:
+def _starlette(
+    middleware: list[Any], limiter: Any = None, decorate: Callable[[Any], Any] | None = None
+) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import PlainTextResponse
@@ -157,21 +181,24 @@ def _starlette(middleware: list[Any], limiter: Any = None) -> Any:
     async def index(request: Request) -> PlainTextResponse:
         return PlainTextResponse("ok")
 
-    app = Starlette(routes=[Route("/", index)], middleware=middleware)
+    view = decorate(index) if decorate is not None else index
+    app = Starlette(routes=[Route("/", view)], middleware=middleware)
     if limiter is not None:
         _attach_slowapi(app, limiter)
     return app
 
 
-def _fastapi(middleware: list[Any], limiter: Any = None) -> Any:
+def _fastapi(middleware: list[Any], limiter: Any = None, decorate: Callable[[Any], Any] | None = None) -> Any:
     from fastapi import FastAPI
     from fastapi.responses import PlainTextResponse
 
     app = FastAPI(middleware=middleware, openapi_url=None, docs_url=None, redoc_url=None)
 
-    @app.get("/", response_class=PlainTextResponse)
     async def index() -> PlainTextResponse:
         return PlainTextResponse("ok")
+
+    # ``decorate`` (a route-level limit) marks the view before it is routed
+    app.get("/", response_class=PlainTextResponse)(decorate(index) if decorate is not None else index)
 
     if limiter is not None:
         _attach_slowapi(app, limiter)
@@ -181,13 +208,16 @@ def _fastapi(middleware: list[Any], limiter: Any = None) -> Any:
 _ASGI_FRAMEWORKS: dict[str, Callable[..., Any]] = {"starlette": _starlette, "fastapi": _fastapi}
 
 
-def _slowapi_limiter(limit: int) -> Any:
-    """slowapi's documented set-up: default in-memory storage, a default limit
-    for every route, headers on (nanolimit always writes them)."""
+def _slowapi_limiter(limit: int, **options: Any) -> Any:
+    """slowapi's documented set-up: default in-memory storage (``options``
+    may name another), a default limit for every route, headers on
+    (nanolimit always writes them)."""
     from slowapi import Limiter
     from slowapi.util import get_remote_address
 
-    return Limiter(key_func=get_remote_address, default_limits=[peer_rate(limit)], headers_enabled=True)
+    return Limiter(
+        key_func=get_remote_address, default_limits=[peer_rate(limit)], headers_enabled=True, **options
+    )
 
 
 def _attach_slowapi(app: Any, limiter: Any) -> None:
@@ -208,17 +238,65 @@ def asgi_headers(framework: str, limit: int) -> Any:
     return _ASGI_FRAMEWORKS[framework]([Middleware(HeaderOnlyASGI)])
 
 
-def asgi_nanolimit(framework: str, limit: int) -> Any:
+def _nanolimit_middleware(registry: Any, storage: Any = None) -> Any:
     from starlette.middleware import Middleware
 
     from nanolimit.asgi import RateLimitMiddleware
     from nanolimit.factory import LimiterFactory
 
     # (cast: Starlette's Middleware types its factory's arguments, and they grow)
-    mw = Middleware(
-        cast(Any, RateLimitMiddleware), registry=nanolimit_registry(limit), factory=LimiterFactory()
-    )
-    return _ASGI_FRAMEWORKS[framework]([mw])
+    return Middleware(cast(Any, RateLimitMiddleware), registry=registry, factory=LimiterFactory(storage))
+
+
+def asgi_nanolimit(framework: str, limit: int) -> Any:
+    return _ASGI_FRAMEWORKS[framework]([_nanolimit_middleware(nanolimit_registry(limit))])
+
+
+def asgi_nanolimit_counted(framework: str, limit: int) -> Any:
+    """The prefix rule counting only 401s: the app answers 200, so every
+    request is charged on entry and refunded on its response (the dearest
+    way through ``count_when``)."""
+    registry = nanolimit_registry(limit, count_when=frozenset({401}))
+    return _ASGI_FRAMEWORKS[framework]([_nanolimit_middleware(registry)])
+
+
+def asgi_nanolimit_route(framework: str, limit: int) -> Any:
+    """The same limit declared on the view (``RouteLimits``), the middleware
+    added the way its docs show: the rule is made from the route table when
+    the middleware binds to the app."""
+    from nanolimit.asgi import RateLimitMiddleware
+    from nanolimit.gateway.routes import RouteLimits
+
+    limits = RouteLimits()
+    declared = limits.limit(peer_rate(limit), algorithm="fixed_window")
+    app = _ASGI_FRAMEWORKS[framework]([], decorate=declared)
+    app.add_middleware(cast(Any, RateLimitMiddleware), limits=limits)
+    return app
+
+
+def asgi_nanolimit_async_redis(framework: str, limit: int) -> Any:
+    """State in Redis through ``AsyncRedisStorage``: the middleware awaits
+    each decision on the event loop (the client binds to the server's loop
+    at its first request)."""
+    import redis.asyncio
+
+    from nanolimit.redis_storage import AsyncRedisStorage
+
+    client = redis.asyncio.Redis(host="127.0.0.1", port=redis_port())
+    storage = AsyncRedisStorage(client, prefix=f"bench:{framework}:async:", **_REDIS_OPTIONS)
+    return _ASGI_FRAMEWORKS[framework]([_nanolimit_middleware(nanolimit_registry(limit), storage)])
+
+
+def asgi_nanolimit_sync_redis(framework: str, limit: int) -> Any:
+    """State in Redis through the blocking ``RedisStorage``: the middleware
+    decides in a worker thread, so the event loop is never blocked."""
+    import redis
+
+    from nanolimit.redis_storage import RedisStorage
+
+    client = redis.Redis(host="127.0.0.1", port=redis_port())
+    storage = RedisStorage(client, prefix=f"bench:{framework}:sync:", **_REDIS_OPTIONS)
+    return _ASGI_FRAMEWORKS[framework]([_nanolimit_middleware(nanolimit_registry(limit), storage)])
 
 
 def asgi_slowapi_asgi(framework: str, limit: int) -> Any:
@@ -226,6 +304,18 @@ def asgi_slowapi_asgi(framework: str, limit: int) -> Any:
     from starlette.middleware import Middleware
 
     return _ASGI_FRAMEWORKS[framework]([Middleware(SlowAPIASGIMiddleware)], _slowapi_limiter(limit))
+
+
+def asgi_slowapi_redis(framework: str, limit: int) -> Any:
+    """slowapi's ASGI middleware on its documented Redis storage (``limits``'
+    redis-py backend), its own key prefix."""
+    from slowapi.middleware import SlowAPIASGIMiddleware
+    from starlette.middleware import Middleware
+
+    limiter = _slowapi_limiter(
+        limit, storage_uri=f"redis://127.0.0.1:{redis_port()}", key_prefix=f"slowapi-bench-{framework}"
+    )
+    return _ASGI_FRAMEWORKS[framework]([Middleware(SlowAPIASGIMiddleware)], limiter)
 
 
 def asgi_slowapi_base(framework: str, limit: int) -> Any:
@@ -298,6 +388,7 @@ class Variant:
     limit: int = HUGE
     headers: tuple[str, ...] = ()  # lower-case names an admitted answer must carry
     peer: tuple[str, ...] = ()  # what the builder imports beyond the framework and server
+    store: str | None = None  # "redis": the row needs a Redis server (REDIS_PORT_ENV)
 
     @property
     def denied(self) -> bool:
@@ -316,12 +407,14 @@ class Variant:
             self.framework,
             *(("starlette",) if self.framework == "fastapi" else ()),
             *self.peer,
+            *(("redis",) if self.store == "redis" else ()),  # redis-py, for either limiter
         )
 
 
 # framework, name, builder, limit, headers, peer. "bare" is each framework's baseline.
 OURS, PEER = RATE_HEADER_NAMES, PEER_HEADER_NAMES
 SLOWAPI, FLASK_LIMITER = ("slowapi",), ("flask_limiter",)
+REDIS = "redis"
 VARIANTS: tuple[Variant, ...] = (
     *(
         row
@@ -337,6 +430,11 @@ VARIANTS: tuple[Variant, ...] = (
             Variant(fw, "slowapi_base_denied", asgi_slowapi_base, limit=1, headers=PEER, peer=SLOWAPI),
         )
     ),
+    Variant("starlette", "nanolimit_async_redis", asgi_nanolimit_async_redis, headers=OURS, store=REDIS),
+    Variant("starlette", "nanolimit_sync_redis", asgi_nanolimit_sync_redis, headers=OURS, store=REDIS),
+    Variant("starlette", "slowapi_redis", asgi_slowapi_redis, headers=PEER, peer=SLOWAPI, store=REDIS),
+    Variant("fastapi", "nanolimit_route", asgi_nanolimit_route, headers=OURS),
+    Variant("fastapi", "nanolimit_counted", asgi_nanolimit_counted, headers=OURS),
     Variant("flask", "bare", wsgi_bare),
     Variant("flask", "headers_only", wsgi_headers, headers=OURS),
     Variant("flask", "nanolimit", wsgi_nanolimit, headers=OURS),
