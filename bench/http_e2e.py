@@ -86,7 +86,7 @@ SRC = ROOT / "src"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-from http_apps import VARIANT_ENV, VARIANTS, Variant  # noqa: E402
+from http_apps import REDIS_PORT_ENV, VARIANT_ENV, VARIANTS, Variant  # noqa: E402
 
 ROUNDS, QUICK_ROUNDS = 7, 2
 DURATION, QUICK_DURATION = 4.0, 1.0  # seconds measured per variant per round
@@ -101,6 +101,11 @@ WARMUP, QUICK_WARMUP = 1.0, 0.3
 CONNECTIONS = {"uvicorn": 4, "gunicorn": 2}
 THREADS = 1
 SERVER_CPU, LOAD_CPU = 0, 1
+# The Redis rows' server shares the app server's core: the app awaits each
+# reply, so the two mostly take turns, and what a request costs (app and
+# store together) lands on the serving core; on core 1 it would take turns
+# with wrk instead, and the load would fall with the store's cost.
+REDIS_CPU = SERVER_CPU
 START_TIMEOUT = 30.0  # seconds a server may take to answer its first request
 STOP_GRACE = 5.0
 # a denied variant answers at most this share of its requests with a 200
@@ -123,6 +128,7 @@ VERSIONS = (
     "h11",
     "httptools",
     "uvloop",
+    "redis",
 )
 
 
@@ -472,6 +478,83 @@ def serve(
             stop_server(proc)
 
 
+def ensure_redis_server() -> str:
+    """``redis-server`` from PATH, else from apt-get (Debian's package)."""
+    found = shutil.which("redis-server")
+    if found is None and shutil.which("apt-get"):
+        print("installing redis-server (apt-get)", file=sys.stderr)
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "timeout": 600}
+        if subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], **quiet).returncode != 0:  # type: ignore[call-overload]
+            subprocess.run(["apt-get", "update", "-qq"], **quiet)  # type: ignore[call-overload]
+            subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], **quiet)  # type: ignore[call-overload]
+        found = shutil.which("redis-server")
+    if found is None:
+        raise SystemExit("the Redis rows need redis-server: apt-get install -y redis-server")
+    return found
+
+
+def redis_version(port: int) -> str | None:
+    """The server's ``redis_version`` (INFO server), for the JSON."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0) as s:
+            s.settimeout(2.0)
+            s.sendall(b"INFO server\r\n")
+            text = s.recv(65536).decode(errors="replace")
+    except OSError:
+        return None
+    found = re.search(r"redis_version:(\S+)", text)
+    return found.group(1) if found else None
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.settimeout(0.5)
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def redis_server(
+    binary: str, lifetime: float, workdir: Path, cpu: int | None = REDIS_CPU
+) -> Iterator[Running]:
+    """A throwaway Redis for the run: 127.0.0.1, a free port, no
+    persistence, pinned to ``cpu``, under ``timeout``; its port in
+    ``REDIS_PORT_ENV`` for the servers started meanwhile, and stopped by its
+    PID (its process group) on the way out, as every app server is."""
+    port = free_port()
+    pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
+    argv = [
+        "timeout", "-s", "KILL", f"{lifetime:.0f}", *pin, binary,
+        "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        "--protected-mode", "no", "--dir", str(workdir), "--logfile", str(workdir / "redis.log"),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    _LIVE[proc.pid] = proc
+    before = os.environ.get(REDIS_PORT_ENV)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not _ping(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log = workdir / "redis.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                raise RuntimeError(f"redis-server did not start on port {port}:\n{tail}")
+            time.sleep(0.05)
+        os.environ[REDIS_PORT_ENV] = str(port)
+        yield Running(port, proc.pid)
+    finally:
+        if before is None:
+            os.environ.pop(REDIS_PORT_ENV, None)
+        else:
+            os.environ[REDIS_PORT_ENV] = before
+        stop_server(proc)
+
+
 # ---------------------------------------------------------------------------
 # Load
 
@@ -483,11 +566,19 @@ class Load:
     non2xx: int
     socket_errors: int
     cpu_ns: int = 0  # the server's CPU time over the run (measure() sets it)
+    store_cpu_ns: int | None = None  # the Redis server's, for a row that uses it
 
     @property
     def cpu_us(self) -> float:
         """Server CPU µs per answered request."""
         return self.cpu_ns / 1e3 / self.requests if self.requests else 0.0
+
+    @property
+    def store_cpu_us(self) -> float | None:
+        """Redis CPU µs per answered request (not in ``cpu_us``: another process)."""
+        if self.store_cpu_ns is None:
+            return None
+        return self.store_cpu_ns / 1e3 / self.requests if self.requests else 0.0
 
 
 _REQUESTS = re.compile(r"(\d+) requests in")
@@ -557,6 +648,7 @@ def measure(
     warmup: float,
     connections: int | None = None,
     cpus: tuple[int | None, int | None] = (SERVER_CPU, LOAD_CPU),
+    store: Running | None = None,
 ) -> list[Cell]:
     cells = [Cell(row) for row in rows]
     lifetime = START_TIMEOUT + warmup + seconds + 60
@@ -570,9 +662,13 @@ def measure(
                 conns = connections or CONNECTIONS[cell.row.server]
                 if warmup > 0:
                     run_load(gen, server.port, warmup, conns, cpus[1])
+                uses_store = store is not None and cell.row.store is not None
                 cpu0 = group_cpu_ns(server.pgid)
+                store0 = group_cpu_ns(store.pgid) if uses_store and store is not None else 0
                 load = run_load(gen, server.port, seconds, conns, cpus[1])
                 load.cpu_ns = group_cpu_ns(server.pgid) - cpu0
+                if uses_store and store is not None:
+                    load.store_cpu_ns = group_cpu_ns(store.pgid) - store0
             check_load(cell.row, load)
             cell.rounds.append(load)
             print(f"  {load.rps:10,.0f} rps {load.cpu_us:8.1f} CPU µs/request", file=sys.stderr)
@@ -612,6 +708,7 @@ def summarise(cells: Sequence[Cell]) -> list[dict[str, Any]]:
             added = us - 1e6 / statistics.median(base.rps)
             added_rounds = [1e6 / a - 1e6 / b for a, b in zip(rps, base.rps)]
             cpu_added = statistics.median(cpu) - statistics.median(r.cpu_us for r in base.rounds)
+        store_cpu = [x for x in (r.store_cpu_us for r in c.rounds) if x is not None]
         out.append(
             {
                 "framework": c.row.framework,
@@ -630,30 +727,39 @@ def summarise(cells: Sequence[Cell]) -> list[dict[str, Any]]:
                 "cpu_us_min": round(min(cpu), 2),
                 "cpu_us_max": round(max(cpu), 2),
                 "cpu_us_added": None if cpu_added is None else round(cpu_added, 2),
+                "store": c.row.store,
+                "store_cpu_us_median": round(statistics.median(store_cpu), 2) if store_cpu else None,
                 "socket_errors": sum(r.socket_errors for r in c.rounds),
                 "non2xx_share": round(sum(r.non2xx for r in c.rounds) / sum(r.requests for r in c.rounds), 4),
                 "rounds_rps": [round(r, 1) for r in rps],
                 "rounds_cpu_us": [round(x, 2) for x in cpu],
+                "rounds_store_cpu_us": [round(x, 2) for x in store_cpu],
             }
         )
     return out
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    # a Redis column only when some row used one (the store's own CPU time,
+    # which the server's column leaves out)
+    store = any(r.get("store_cpu_us_median") is not None for r in rows)
     lines = [
         "| framework | variant | rps median (min-max) | spread | µs/request | µs added over bare "
-        "| server CPU µs/request (min-max) | CPU µs added over bare | 429 share |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| server CPU µs/request (min-max) | CPU µs added over bare | 429 share |"
+        + (" Redis CPU µs/request |" if store else ""),
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if store else ""),
     ]
     for r in rows:
         added = "" if r["us_added"] is None else f"{r['us_added']:+.1f}"
         cpu_added = "" if r["cpu_us_added"] is None else f"{r['cpu_us_added']:+.1f}"
+        store_cpu = r.get("store_cpu_us_median")
         lines.append(
             f"| {r['framework']} | {r['variant']} "
             f"| {r['rps_median']:,.0f} ({r['rps_min']:,.0f}-{r['rps_max']:,.0f}) "
             f"| {r['spread']:.0%} | {r['us_per_request']:.1f} | {added} "
             f"| {r['cpu_us_median']:.1f} ({r['cpu_us_min']:.1f}-{r['cpu_us_max']:.1f}) | {cpu_added} "
             f"| {r['non2xx_share']:.1%} |"
+            + ((f" {store_cpu:.1f} |" if store_cpu is not None else " |") if store else "")
         )
     return "\n".join(lines)
 
@@ -777,6 +883,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "threads": THREADS,
                     "server_cpu": SERVER_CPU,
                     "load_cpu": LOAD_CPU,
+                    "redis_cpu": REDIS_CPU,
                 }
                 print(json.dumps(result["machine"]), file=sys.stderr)
                 if args.calibrate:
@@ -784,7 +891,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(json.dumps(result["calibration"], indent=1))
                 else:
                     started = time.monotonic()
-                    cells = measure(rows, gen, rounds, seconds, warmup, args.connections)
+                    with contextlib.ExitStack() as stack:
+                        store = None
+                        if any(r.store == "redis" for r in rows):
+                            # one server for the run, outliving every round (10^9
+                            # per hour: no round's counts reach a limit)
+                            lifetime = rounds * len(rows) * (START_TIMEOUT + warmup + seconds + 30) + 120
+                            binary = ensure_redis_server()
+                            store = stack.enter_context(redis_server(binary, lifetime, Path(tmp)))
+                            result["machine"]["redis"] = redis_version(store.port)
+                        cells = measure(rows, gen, rounds, seconds, warmup, args.connections, store=store)
                     result["wall_seconds"] = round(time.monotonic() - started, 1)
                     result["rows"] = summarise(cells)
                     result["loadavg_after"] = os.getloadavg()
