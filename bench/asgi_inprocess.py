@@ -13,6 +13,10 @@ variants; per variant the median of the rounds' ns per call, and ``added``:
 the median of each round's difference from ``bare`` (the pairs are timed
 seconds apart, so a noisy minute cancels out). ``nanolimit_denied`` (limit 1)
 answers 429 from its second call on: its figure is what a 429 costs.
+``nanolimit_route`` (ASGI only) declares the same limit on a route
+(``RouteLimits``) and finds it through ``scope["app"]``, a Starlette router
+holding that route; ``nanolimit_counted`` counts only 401s, so each request
+is charged and then refunded on its 200.
 
 Before anything is timed every variant's answer is checked (200 or 429,
 the headers it claims); tests/test_bench_http.py runs that check too.
@@ -45,7 +49,9 @@ from http_apps import (  # noqa: E402
     bare_asgi,
     bare_wsgi,
     nanolimit_asgi,
+    nanolimit_registry,
     nanolimit_wsgi,
+    peer_rate,
 )
 
 ROUNDS, CALLS = 201, 2000
@@ -88,26 +94,66 @@ VARIANTS: dict[str, tuple[bool, int | None]] = {
     "headers_only": (True, None),
     "nanolimit": (True, HUGE),
     "nanolimit_denied": (True, 1),
+    "nanolimit_route": (True, HUGE),
+    "nanolimit_counted": (True, HUGE),
 }
+COUNTED = frozenset({401})  # the app answers 200: every request is refunded
+
+# the scope a variant is called with, where it is not SCOPE (asgi_variants() fills it)
+SCOPES: dict[str, dict[str, Any]] = {}
+
+
+def _asgi_route(limit: int) -> tuple[ASGIApp, dict[str, Any]]:
+    """nanolimit's middleware over ``bare_asgi`` with the limit declared on a
+    route, and the scope whose ``app`` holds that route (what Starlette puts
+    in every scope): the middleware binds to it at the first call."""
+    from starlette.routing import Route, Router
+
+    from nanolimit.asgi import RateLimitMiddleware
+    from nanolimit.gateway.routes import RouteLimits
+
+    limits = RouteLimits()
+
+    @limits.limit(peer_rate(limit), algorithm="fixed_window")
+    async def index(request: Any) -> None:  # never called: bare_asgi answers
+        raise AssertionError("the declared view is only read for its route")
+
+    app = RateLimitMiddleware(bare_asgi, limits=limits)
+    return app, {**SCOPE, "app": Router(routes=[Route("/", index)])}
 
 
 def asgi_variants() -> dict[str, ASGIApp]:
     """Fresh apps (a nanolimit one has its own storage: a denied one starts
     with its one admitted request unspent)."""
+    from nanolimit.asgi import RateLimitMiddleware
+    from nanolimit.factory import LimiterFactory
+
+    route, SCOPES["nanolimit_route"] = _asgi_route(HUGE)
     return {
         "bare": bare_asgi,
         "headers_only": HeaderOnlyASGI(bare_asgi),
         "nanolimit": nanolimit_asgi(bare_asgi, HUGE),
         "nanolimit_denied": nanolimit_asgi(bare_asgi, 1),
+        "nanolimit_route": route,
+        "nanolimit_counted": RateLimitMiddleware(
+            bare_asgi, nanolimit_registry(HUGE, count_when=COUNTED), LimiterFactory()
+        ),
     }
 
 
 def wsgi_variants() -> dict[str, WSGIApp]:
+    """The WSGI twins (no route-level row: that needs a framework's routes)."""
+    from nanolimit.factory import LimiterFactory
+    from nanolimit.wsgi import RateLimitMiddleware
+
     return {
         "bare": bare_wsgi,
         "headers_only": HeaderOnlyWSGI(bare_wsgi),
         "nanolimit": nanolimit_wsgi(bare_wsgi, HUGE),
         "nanolimit_denied": nanolimit_wsgi(bare_wsgi, 1),
+        "nanolimit_counted": RateLimitMiddleware(
+            bare_wsgi, nanolimit_registry(HUGE, count_when=COUNTED), LimiterFactory()
+        ),
     }
 
 
@@ -147,7 +193,9 @@ def call_wsgi(
             close()
 
 
-def asgi_answers(app: ASGIApp, calls: int) -> list[tuple[int, dict[str, str], bytes]]:
+def asgi_answers(
+    app: ASGIApp, calls: int, scope: dict[str, Any] = SCOPE
+) -> list[tuple[int, dict[str, str], bytes]]:
     """Each call's status, lower-case headers and body, as ``send`` saw them."""
     out: list[tuple[int, dict[str, str], bytes]] = []
     for _ in range(calls):
@@ -156,7 +204,7 @@ def asgi_answers(app: ASGIApp, calls: int) -> list[tuple[int, dict[str, str], by
         async def record(message: Message) -> None:
             seen.append(message)
 
-        call_asgi(app, record)
+        call_asgi(app, record, scope)
         start = next(m for m in seen if m["type"] == "http.response.start")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in start.get("headers", ())}
         body = b"".join(m.get("body", b"") for m in seen if m["type"] == "http.response.body")
@@ -195,8 +243,10 @@ def check(name: str, answers: Sequence[tuple[int, dict[str, str], bytes]]) -> No
             raise RuntimeError(f"{name}: answered {body[:100]!r}")
 
 
-def _time_asgi(app: Callable[..., Coroutine[Any, Any, None]], calls: int) -> float:
-    scope, receive, send = SCOPE, _receive, _send
+def _time_asgi(
+    app: Callable[..., Coroutine[Any, Any, None]], calls: int, scope: dict[str, Any] = SCOPE
+) -> float:
+    receive, send = _receive, _send
     t0 = time.perf_counter_ns()
     for _ in range(calls):
         coro = app(scope, receive, send)
@@ -207,7 +257,7 @@ def _time_asgi(app: Callable[..., Coroutine[Any, Any, None]], calls: int) -> flo
     return (time.perf_counter_ns() - t0) / calls
 
 
-def _time_wsgi(app: WSGIApp, calls: int) -> float:
+def _time_wsgi(app: WSGIApp, calls: int, scope: Any = None) -> float:
     environ, start = ENVIRON, _start_response
     t0 = time.perf_counter_ns()
     for _ in range(calls):
@@ -232,6 +282,11 @@ def _figures(per_round: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     if "headers_only" in out and "nanolimit" in out:
         diffs = (a - b for a, b in zip(per_round["nanolimit"], per_round["headers_only"]))
         out["nanolimit"]["over_headers_only_ns"] = round(statistics.median(diffs), 1)
+    for name in ("nanolimit_route", "nanolimit_counted"):
+        # the brief's ratios: each against the plain prefix rule, round by round
+        if name in out and "nanolimit" in out:
+            ratios = (a / b for a, b in zip(per_round[name], per_round["nanolimit"]))
+            out[name]["over_nanolimit_ratio"] = round(statistics.median(ratios), 3)
     return out
 
 
@@ -241,26 +296,30 @@ def measure(rounds: int = ROUNDS, calls: int = CALLS) -> dict[str, Any]:
 
     asgi, wsgi = asgi_variants(), wsgi_variants()
     for name, app in asgi.items():
-        check(name, asgi_answers(app, 3))
+        check(name, asgi_answers(app, 3, SCOPES.get(name, SCOPE)))
     for name, wapp in wsgi.items():
         check(name, wsgi_answers(wapp, 3))
-    timers: list[tuple[str, Callable[[Any, int], float], dict[str, Any]]] = [
+    timers: list[tuple[str, Callable[[Any, int, Any], float], dict[str, Any]]] = [
         ("asgi", _time_asgi, dict(asgi)),
         ("wsgi", _time_wsgi, dict(wsgi)),
     ]
     per_round: dict[str, dict[str, list[float]]] = {kind: {n: [] for n in apps} for kind, _, apps in timers}
-    for _, timer, apps in timers:
-        for app in apps.values():
-            timer(app, calls)  # warm: caches, the native Decision pool
+    scopes: dict[str, dict[str, dict[str, Any] | None]] = {
+        "asgi": {n: SCOPES.get(n, SCOPE) for n in asgi},
+        "wsgi": dict.fromkeys(wsgi),
+    }
+    for kind, timer, apps in timers:
+        for name, app in apps.items():
+            timer(app, calls, scopes[kind][name])  # warm: caches, the native Decision pool
     for n in range(rounds):
         for kind, timer, apps in timers:
             names = list(apps) if n % 2 == 0 else list(apps)[::-1]
             for name in names:
-                per_round[kind][name].append(timer(apps[name], calls))
+                per_round[kind][name].append(timer(apps[name], calls, scopes[kind][name]))
         if n % 16 == 15:
             gc.collect()  # a full collection between rounds, not inside a timed block
     # still on the path that was timed: a denied app denies, the others admit
-    after = {**{f"asgi/{n}": asgi_answers(a, 1)[0][0] for n, a in asgi.items()}}
+    after = {f"asgi/{n}": asgi_answers(a, 1, SCOPES.get(n, SCOPE))[0][0] for n, a in asgi.items()}
     after.update({f"wsgi/{n}": wsgi_answers(a, 1)[0][0] for n, a in wsgi.items()})
     wrong = {k: s for k, s in after.items() if s != (429 if VARIANTS[k.split("/")[1]][1] == 1 else 200)}
     if wrong:
@@ -283,16 +342,18 @@ def markdown(figures: dict[str, Any]) -> str:
         f"In process ({figures['implementation']} twin, {figures['rounds']} rounds of "
         f"{figures['calls']:,} calls, medians):",
         "",
-        "| protocol | variant | ns/request | quartiles | ns added over bare | over headers_only |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| protocol | variant | ns/request | quartiles | ns added over bare | over headers_only "
+        "| / nanolimit |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for kind in ("asgi", "wsgi"):
         for name, r in figures[kind].items():
             added = f"{r['added_ns']:+,.0f}" if "added_ns" in r else ""
             over = f"{r['over_headers_only_ns']:+,.0f}" if "over_headers_only_ns" in r else ""
+            ratio = f"{r['over_nanolimit_ratio']:.2f}x" if "over_nanolimit_ratio" in r else ""
             lines.append(
                 f"| {kind.upper()} | {name} | {r['ns_median']:,.0f} | {r['ns_q1']:,.0f}-{r['ns_q3']:,.0f} "
-                f"| {added} | {over} |"
+                f"| {added} | {over} | {ratio} |"
             )
     return "\n".join(lines)
 
