@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+pytest_plugins = ["redis_servers"]  # the Redis rows' server fixtures
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 CALLS = 300
 
@@ -43,6 +45,10 @@ def apps() -> ModuleType:
     return _load("http_apps")
 
 
+def apps_huge(mod: ModuleType) -> int:
+    return int(mod.HUGE)
+
+
 def _assert_answers(mod: ModuleType, name: str, answers: list[tuple[int, dict[str, str], bytes]]) -> None:
     rate = mod.RATE_HEADER_NAMES
     statuses = [status for status, _, _ in answers]
@@ -60,23 +66,42 @@ def _assert_answers(mod: ModuleType, name: str, answers: list[tuple[int, dict[st
             assert not any(h in headers for h in rate)
         else:
             assert all(h in headers for h in rate), headers
-    if name == "nanolimit":
+    left = [int(headers["x-ratelimit-remaining"]) for _, headers, _ in answers if name != "bare"]
+    if name in ("nanolimit", "nanolimit_route") or name.endswith("_redis"):
         # it decides: each admitted request spends one of the budget
-        left = [int(headers["x-ratelimit-remaining"]) for _, headers, _ in answers]
         assert left == list(range(left[0], left[0] - len(answers), -1))
+    if name == "nanolimit_counted":
+        # charged on entry, refunded on the 200 (only 401s count): the budget
+        # each request sees is the one the last left untouched
+        assert len(set(left)) == 1
+        assert left[0] < apps_huge(mod)
     if name == "headers_only":
         assert {headers["x-ratelimit-remaining"] for _, headers, _ in answers} == {"999999999"}
 
 
-@pytest.mark.parametrize("name", ["bare", "headers_only", "nanolimit", "nanolimit_denied"])
+ASGI_TIMED = ["bare", "headers_only", "nanolimit", "nanolimit_denied", "nanolimit_route", "nanolimit_counted"]
+WSGI_TIMED = ["bare", "headers_only", "nanolimit", "nanolimit_denied", "nanolimit_counted"]
+
+
+@pytest.mark.parametrize("name", ASGI_TIMED)
 def test_asgi_variants_answer_as_timed(inprocess: ModuleType, name: str) -> None:
     app = inprocess.asgi_variants()[name]
-    answers = inprocess.asgi_answers(app, CALLS)
+    answers = inprocess.asgi_answers(app, CALLS, inprocess.SCOPES.get(name, inprocess.SCOPE))
     _assert_answers(inprocess, name, answers)
     inprocess.check(name, answers)  # the measurement's own guard agrees
 
 
-@pytest.mark.parametrize("name", ["bare", "headers_only", "nanolimit", "nanolimit_denied"])
+def test_route_variant_decides_by_its_declared_route(inprocess: ModuleType) -> None:
+    """The in-process route row is limited by the rule made from the route
+    table, not by a prefix rule: its policy names the view, not ``bench``."""
+    app = inprocess.asgi_variants()["nanolimit_route"]
+    ((_, headers, _),) = inprocess.asgi_answers(app, 1, inprocess.SCOPES["nanolimit_route"])
+    assert '"bench"' not in headers["ratelimit-policy"]
+    assert "index" in headers["ratelimit-policy"]
+    assert headers["x-ratelimit-limit"] == str(inprocess.HUGE)
+
+
+@pytest.mark.parametrize("name", WSGI_TIMED)
 def test_wsgi_variants_answer_as_timed(inprocess: ModuleType, name: str) -> None:
     app = inprocess.wsgi_variants()[name]
     answers = inprocess.wsgi_answers(app, CALLS)
@@ -96,14 +121,18 @@ def test_check_refuses_a_wrong_answer(inprocess: ModuleType) -> None:
 
 def test_measure_reports_every_variant(inprocess: ModuleType) -> None:
     figures = inprocess.measure(rounds=3, calls=50)
+    assert set(figures["asgi"]) == set(ASGI_TIMED) == set(inprocess.VARIANTS)
+    assert set(figures["wsgi"]) == set(WSGI_TIMED)
     for kind in ("asgi", "wsgi"):
-        assert set(figures[kind]) == set(inprocess.VARIANTS)
         assert "added_ns" not in figures[kind]["bare"]
-        for name in ("headers_only", "nanolimit", "nanolimit_denied"):
+        for name in ("headers_only", "nanolimit", "nanolimit_denied", "nanolimit_counted"):
             assert "added_ns" in figures[kind][name]
         assert "over_headers_only_ns" in figures[kind]["nanolimit"]
+        assert figures[kind]["nanolimit_counted"]["over_nanolimit_ratio"] > 0
+    assert figures["asgi"]["nanolimit_route"]["over_nanolimit_ratio"] > 0
     table = inprocess.markdown(figures)
-    assert table.count("| ASGI |") == table.count("| WSGI |") == len(inprocess.VARIANTS)
+    assert table.count("| ASGI |") == len(ASGI_TIMED)
+    assert table.count("| WSGI |") == len(WSGI_TIMED)
 
 
 # the served apps whose frameworks the test extras install (FastAPI, slowapi
@@ -113,6 +142,10 @@ SERVED = [
     ("starlette", "headers_only"),
     ("starlette", "nanolimit"),
     ("starlette", "nanolimit_denied"),
+    ("fastapi", "bare"),
+    ("fastapi", "nanolimit"),
+    ("fastapi", "nanolimit_route"),
+    ("fastapi", "nanolimit_counted"),
     ("flask", "bare"),
     ("flask", "headers_only"),
     ("flask", "nanolimit"),
@@ -146,6 +179,42 @@ def test_served_apps_answer_as_their_rows_claim(apps: ModuleType, framework: str
     _assert_answers(apps, name, answers)
 
 
+# the rows whose state is in Redis (slowapi_redis needs slowapi: the bench
+# extra's, like the other slowapi rows)
+SERVED_REDIS = [
+    ("starlette", "nanolimit_async_redis", "async"),
+    ("starlette", "nanolimit_sync_redis", "sync"),
+]
+
+
+@pytest.mark.parametrize(("framework", "name", "lane"), SERVED_REDIS)
+def test_redis_rows_answer_and_keep_their_state_in_redis(
+    apps: ModuleType, redis_server: Any, monkeypatch: pytest.MonkeyPatch, framework: str, name: str, lane: str
+) -> None:
+    monkeypatch.setenv(apps.REDIS_PORT_ENV, str(redis_server.port))
+    row = apps.variant(framework, name)
+    assert row.store == "redis" and "redis" in row.needs
+    answers = _served_answers(row.build(framework, row.limit), framework, 50)
+    _assert_answers(apps, name, answers)
+    client = redis_server.client()
+    try:
+        keys = [k.decode() for k in client.keys("*")]
+    finally:
+        client.close()
+    # one key, under the row's own prefix: every decision was made in Redis
+    assert len(keys) == 1 and keys[0].startswith(f"bench:{framework}:{lane}:"), keys
+
+
+def test_redis_rows_refuse_to_build_without_a_server_port(
+    apps: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(apps.REDIS_PORT_ENV, raising=False)
+    for framework, name, _ in SERVED_REDIS:
+        row = apps.variant(framework, name)
+        with pytest.raises(RuntimeError, match=apps.REDIS_PORT_ENV):
+            row.build(framework, row.limit)
+
+
 def test_variant_table(apps: ModuleType) -> None:
     keys = [(r.framework, r.name) for r in apps.VARIANTS]
     assert len(keys) == len(set(keys))
@@ -156,6 +225,11 @@ def test_variant_table(apps: ModuleType) -> None:
             assert (row.framework, row.name.removesuffix("_denied")) in keys
     with pytest.raises(LookupError, match="no variant"):
         apps.variant("starlette", "nope")
+    assert {r.name for r in apps.VARIANTS if r.store == "redis"} == {
+        "nanolimit_async_redis",
+        "nanolimit_sync_redis",
+        "slowapi_redis",
+    }
 
 
 def test_parse_load_reads_wrk(apps: ModuleType) -> None:
@@ -203,4 +277,30 @@ def test_server_starts_answers_and_is_stopped(apps: ModuleType, framework: str, 
         assert e2e.group_cpu_ns(server.pgid) > before
     assert _gone(proc.pid)
     assert proc.returncode is not None
+    assert not e2e._LIVE
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the harness pins with taskset and stops process groups")
+def test_harness_redis_serves_a_redis_row_and_both_are_stopped(apps: ModuleType, tmp_path: Path) -> None:
+    """The harness's own Redis (what the benchmark runs against): started on
+    a free port, its port handed to the app server through the environment,
+    the app's state kept there, and both process groups gone afterwards."""
+    from redis_servers import require_binary
+
+    e2e = _load("http_e2e")
+    binary = require_binary("redis")
+    row = apps.variant("starlette", "nanolimit_async_redis")
+    with e2e.redis_server(binary, lifetime=60, workdir=tmp_path, cpu=None) as store:
+        (redis_proc,) = e2e._LIVE.values()
+        assert os.environ[apps.REDIS_PORT_ENV] == str(store.port)
+        with e2e.serve(row, lifetime=60, cpu=None) as server:
+            for _ in range(10):
+                status, headers, body = e2e.get(server.port)
+                assert (status, body) == (200, b"ok")
+            # ten, and serve()'s own check of the first answer
+            assert int(headers["x-ratelimit-remaining"]) == apps.HUGE - 11
+        assert e2e.redis_version(store.port)
+        assert e2e.group_cpu_ns(store.pgid) > 0
+    assert _gone(redis_proc.pid)
+    assert apps.REDIS_PORT_ENV not in os.environ
     assert not e2e._LIVE
