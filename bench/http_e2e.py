@@ -16,7 +16,20 @@ nothing (``bare``), in a middleware that only appends five fixed rate-limit
 headers (``headers_only``), in nanolimit's ASGI / WSGI middleware, in
 slowapi's two middlewares or in flask-limiter, each with one rule whose
 limit no run reaches, and each limiter once more with limit 1 (``*_denied``:
-nearly every answer is a 429).
+nearly every answer is a 429). Starlette also has the Redis rows
+(``nanolimit_async_redis``, ``nanolimit_sync_redis``, ``slowapi_redis``),
+FastAPI the same limit declared on the route (``nanolimit_route``) and the
+prefix rule counting only 401s (``nanolimit_counted``: charged and refunded).
+
+**Redis.** When a chosen row has ``store="redis"`` the run starts one
+``redis-server`` of its own (PATH, else apt-get): 127.0.0.1, a free port,
+``--save "" --appendonly no``, under ``timeout``, pinned to the server's
+core (``REDIS_CPU``: the app awaits each reply, so the two take turns and the
+whole request lands on the serving core), its port handed to the app servers
+in ``NANOLIMIT_HTTP_REDIS_PORT``, stopped by its PID at the end as the app
+servers are. Each row keeps its own key prefix, and the 10^9 limit needs no
+FLUSHALL between rounds. Redis's CPU time per request is reported apart
+from the server's (it is another process group).
 
 **Adding a variant** is one row of ``VARIANTS`` in bench/http_apps.py
 (framework, name, builder, limit, the headers its answer must carry); this
