@@ -70,15 +70,22 @@ _PRELUDE: Final = _fragment(
 # Each kernel: (key, clock, cost, commit, floor_ms, p1, p2) -> allowed (bool),
 # and the reply string "allowed remaining retry_after reset_after delay at"
 # (``at``: the key's time it decided at, the ``now`` a sliding log stamps).
-# Its stored state is read and checked by ``lua/<algorithm>_state.lua``,
-# which the refunds share.
+# Its stored state is read and checked by ``lua/<algorithm>_state.lua``
+# (the two buckets share ``bucket_state.lua``), which the refunds share.
 # Each branch has its own format: a value known to be 0 there is a literal '0'
 # (what '%.17g' prints for it), every other one '%.17g'. ('%d' would be cheaper
 # still for whole numbers, but Lua 5.1 casts it to a C long: 32 bits on a
 # 32-bit server build.)
 # The order is the algorithm ids of the compound script (its ``kernels`` table).
+def _state_lua(algo: Algorithm) -> str:
+    """The fragment that reads and checks ``algo``'s stored state."""
+    if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
+        return _fragment("bucket_state", ALGORITHM=algo.value)
+    return _fragment(f"{algo.value}_state")
+
+
 _KERNEL_LUA: Final[dict[Algorithm, str]] = {
-    algo: _fragment(f"{algo.value}_state") + _fragment(algo.value)
+    algo: _state_lua(algo) + _fragment(algo.value)
     for algo in (
         Algorithm.TOKEN_BUCKET,
         Algorithm.LEAKY_BUCKET,
@@ -141,7 +148,7 @@ COMPOUND_SCRIPT: Final = _Script(_PRELUDE + "".join(_KERNEL_LUA.values()) + _ERR
 REFUND_SCRIPTS: Final[dict[Algorithm, _Script]] = {
     algo: _Script(
         _PRELUDE
-        + _fragment(f"{algo.value}_state")
+        + _state_lua(algo)
         + _fragment(f"{algo.value}_refund")
         + _fragment("refund_main", ALGORITHM=algo.value)
     )
