@@ -568,6 +568,18 @@ class RateLimitMiddleware:
             cost *= n
         return int(cost)
 
+    def _lookup(self, request: Request) -> Any:
+        """The route of ``request``: from the route cache, else resolved
+        (and remembered) by :meth:`_route`."""
+        ruleset = self.registry.ruleset
+        tier = self.extractor.tier_for(request) if ruleset.has_tiers else None
+        routes = self._routes
+        if routes[0] is ruleset:
+            b = routes[1].get((request.method, request.path, tier), _MISSING)
+            if b is not _MISSING:
+                return b
+        return self._route(request, ruleset, tier)
+
     # -- the decision -----------------------------------------------------------
     def check(self, request: Request) -> Outcome | None:
         """Decide ``request``: the pipeline's public decision, for any front end.
@@ -577,6 +589,7 @@ class RateLimitMiddleware:
         Nothing is sent or slept here: a front end writes the outcome out
         (and sleeps or awaits ``delay``) in its own I/O, and hands the
         response status to :meth:`settle` when the outcome has a charge."""
+        # _lookup inlined: a method call is a tenth of this path
         ruleset = self.registry.ruleset
         tier = self.extractor.tier_for(request) if ruleset.has_tiers else None
         routes = self._routes
@@ -625,16 +638,7 @@ class RateLimitMiddleware:
         loop keeps serving other requests meanwhile. Routes resolve as in
         :meth:`check` (no I/O). Compound decisions need a store with
         ``allow_all``, which an async store has not: they are refused."""
-        ruleset = self.registry.ruleset
-        tier = self.extractor.tier_for(request) if ruleset.has_tiers else None
-        routes = self._routes
-        b: Any = (
-            routes[1].get((request.method, request.path, tier), _MISSING)
-            if routes[0] is ruleset
-            else _MISSING
-        )
-        if b is _MISSING:
-            b = self._route(request, ruleset, tier)
+        b = self._lookup(request)
         if b is _UNLIMITED:
             return None
         if type(b) is _Stack:
