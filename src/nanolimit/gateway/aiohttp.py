@@ -36,7 +36,7 @@ from .metrics import Metrics
 from .middleware import AWAIT, INLINE, Outcome, decide_mode
 from .middleware import RateLimitMiddleware as Core
 from .request import Request
-from .routes import RouteInfo, RouteLimits
+from .routes import RouteInfo, RouteLimits, registry_and_limits
 from .rules import RuleRegistry
 
 __all__ = [
@@ -283,16 +283,9 @@ def rate_limit_middleware(
     leaky-bucket rule waits (awaited: the loop serves others meanwhile);
     ``decide`` overrides how a decision keeps off the loop (``"inline"``
     or ``"thread"``; an async store is always awaited)."""
-    if limits is not None:
-        if not isinstance(limits, RouteLimits):
-            raise ValidationError(f"limits must be a RouteLimits, got {type(limits).__name__}")
-        if registry is not None and registry is not limits.registry:
-            raise ValidationError("give limits= or registry=, not both: the limits' registry is the registry")
-        registry = limits.registry
+    registry, limits = registry_and_limits(registry, limits)
     if registry is None:
         raise ValidationError("rate_limit_middleware needs a registry (or limits)")
-    if limits is None and isinstance(registry, RuleRegistry) and registry.ruleset.routes():
-        limits = RouteLimits(registry)  # rules naming routes: checked against the app's routes
     core = Core(registry, factory, extractor, metrics, **pipeline_options)
     return RateLimitMiddleware(
         core, limits=limits, deny=deny, request_factory=request_factory, sleep=sleep, decide=decide

@@ -38,7 +38,7 @@ from .metrics import Metrics
 from .middleware import AWAIT, INLINE, MISSING, Outcome, decide_mode
 from .middleware import RateLimitMiddleware as Core
 from .request import Request
-from .routes import RouteLimits
+from .routes import RouteLimits, registry_and_limits
 from .rules import RuleRegistry
 
 __all__ = ["ASGIApp", "RateLimitMiddleware", "request_from_scope"]
@@ -180,14 +180,7 @@ class RateLimitMiddleware:
             raise TypeError(f"RateLimitMiddleware wraps an ASGI app, got {app!r}")
         if isinstance(app, (RuleRegistry, RouteLimits)):
             raise TypeError("RateLimitMiddleware(app, registry, ...): the app comes first")
-        if limits is not None:
-            if not isinstance(limits, RouteLimits):
-                raise TypeError(f"limits must be a RouteLimits, got {type(limits).__name__}")
-            if registry is not None and registry is not limits.registry:
-                raise TypeError("give limits= or registry=, not both: the limits' registry is the registry")
-            registry = limits.registry
-        if limits is None and registry is not None and registry.ruleset.routes():
-            limits = RouteLimits(registry)  # rules naming routes (a rules file): bind to the app's routes
+        registry, limits = registry_and_limits(registry, limits)
         if core is None:
             if registry is None:
                 raise TypeError("RateLimitMiddleware needs a registry (or a core, or limits)")

@@ -329,6 +329,23 @@ class RouteLimits:
         return ruleset.rules
 
 
+def registry_and_limits(
+    registry: RuleRegistry | None, limits: RouteLimits | None
+) -> tuple[RuleRegistry | None, RouteLimits | None]:
+    """What a front end decides from and what it binds to the app's routes:
+    ``limits`` brings its own registry; a registry whose rules name routes
+    (a rules file) is bound as declarations are, so a typo fails the start."""
+    if limits is not None:
+        if not isinstance(limits, RouteLimits):
+            raise ValidationError(f"limits must be a RouteLimits, got {type(limits).__name__}")
+        if registry is not None and registry is not limits.registry:
+            raise ValidationError("give limits= or registry=, not both: the limits' registry is the registry")
+        return limits.registry, limits
+    if isinstance(registry, RuleRegistry) and registry.ruleset.routes():
+        return registry, RouteLimits(registry)
+    return registry, None
+
+
 def _scope(scope: KeyScope | str) -> KeyScope:
     try:
         return KeyScope(scope)
