@@ -665,3 +665,26 @@ def test_route_limits_and_global_rules_decide_together_all_or_nothing() -> None:
         # the two denials charged 'global' nothing: one of its 3 is left
         assert statuses(client, "/other", 2) == [200, 429]
         assert client.get("/other").json()["rule"] == "global"
+
+
+def test_an_attacker_cannot_get_past_a_route_limit_with_ids_heads_or_slashes() -> None:
+    """A flood of distinct ids shares the route's one budget (and the route
+    cache stays bounded); HEAD spends the GET route's budget; a doubled
+    slash reaches no route at all (Starlette answers 404), so it gains
+    nothing either."""
+    limits = RouteLimits(algorithm="fixed_window")
+    app = FastAPI()
+
+    @app.get("/users/{uid}/avatar")
+    @limits.limit("5/minute")
+    async def avatar(uid: int) -> dict[str, int]:
+        return {"uid": uid}
+
+    middleware = ASGIMiddleware(app, limits=limits)
+    with TestClient(middleware) as client:
+        codes = Counter(client.get(f"/users/{i}/avatar").status_code for i in range(600))
+        assert codes == {200: 5, 429: 595}
+        assert client.head("/users/1/avatar").status_code == 429
+        assert client.get("//users/1/avatar").status_code == 404
+    core = middleware.core
+    assert len(core._routes[1]) <= core.route_cache_size

@@ -231,7 +231,7 @@ class RateLimitMiddleware:
         message = await receive()
         if message.get("type") == "lifespan.startup" and self._unbound:
             try:
-                self._bind(scope.get("app"))
+                self._bind(scope.get("app") or self.app)
             except Exception as exc:  # noqa: BLE001 - any failure must fail the startup, with its message
                 await send({"type": "lifespan.startup.failed", "message": f"nanolimit: {exc}"})
                 return
@@ -301,7 +301,7 @@ class RateLimitMiddleware:
             await self.app(scope, receive, send)
             return
         if self._unbound:
-            self._bind(scope.get("app"))
+            self._bind(scope.get("app") or self.app)
         request = self.request_factory(scope)
         mode = self.decide
         outcome: Outcome | None
