@@ -133,22 +133,17 @@ class _Counted(list[Any]):
             return None  # settled already: once only
         b, key, cost, d = self
         self.clear()
-        statuses = b.count_statuses
-        if (status in statuses) if statuses is not None else b.rule.counts(status):
+        if b.rule.counts(status):
             return None
         return b, key, cost, d
 
     def settle(self, status: int) -> int:
-        # _take inlined: this runs once per counted request
-        if not self:
+        due = self._take(status)
+        if due is None:
             return 0
-        b, key, cost, d = self
-        self.clear()
-        statuses = b.count_statuses
-        if (status in statuses) if statuses is not None else b.rule.counts(status):
-            return 0
+        b, key, cost, d = due
         b.limiter.refund(key, cost, at=d.at)
-        return cost  # type: ignore[no-any-return]
+        return cost
 
     async def settle_async(self, status: int) -> int:
         due = self._take(status)
@@ -201,7 +196,6 @@ class _Binding:
         "allow",
         "capacity",
         "cost",
-        "count_statuses",
         "counted",
         "counted_lane",
         "dry_run",
@@ -232,8 +226,6 @@ class _Binding:
         self.shape = rule.shape and rule.algorithm is Algorithm.LEAKY_BUCKET
         self.cost = rule.cost
         self.counted = rule.count_when is not None  # charged on entry, settled on the response
-        when = rule.count_when
-        self.count_statuses = when if type(when) is frozenset else None
         plain = not self.dry_run and not self.shape and self.cost == 1
         self.simple = plain and not self.counted
         self.counted_lane = plain and self.counted  # the simple lane, keeping a charge
