@@ -143,6 +143,14 @@ def _encode(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
 _JSON = (b"content-type", b"application/json")
 
 
+async def _send_429(send: Send, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    """A 429 with its JSON ``body``, after ``headers`` (the rate-limit ones)."""
+    headers.append(_JSON)
+    headers.append((b"content-length", b"%d" % len(body)))
+    await send({"type": "http.response.start", "status": 429, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 class RateLimitMiddleware:
     """``app = RateLimitMiddleware(app, registry, factory)``, or with
     Starlette ``Middleware(RateLimitMiddleware, registry=..., factory=...)``.
@@ -280,11 +288,7 @@ class RateLimitMiddleware:
                         core._count_denied(b)
                         if core._log is not None:
                             core._log.note(request, b.name, retry)
-                        body = deny_body(b.name, retry)
-                        pairs.append(_JSON)
-                        pairs.append((b"content-length", b"%d" % len(body)))
-                        await send({"type": "http.response.start", "status": 429, "headers": pairs})
-                        await send({"type": "http.response.body", "body": body, "more_body": False})
+                        await _send_429(send, pairs, deny_body(b.name, retry))
                         return
                     denial = core._denied(request, b, d)
                     if self.deny is not None:
@@ -384,12 +388,7 @@ class RateLimitMiddleware:
             await asyncio.to_thread(self.core.settle, outcome, status)
 
     async def _deny_http(self, send: Send, outcome: Outcome) -> None:
-        body = outcome.body()
-        out = _encode(outcome.headers)
-        out.append((b"content-type", b"application/json"))
-        out.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": 429, "headers": out})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await _send_429(send, _encode(outcome.headers), outcome.body())
 
     async def _deny_websocket(self, scope: Scope, receive: Receive, send: Send, outcome: Outcome) -> None:
         message = await receive()  # websocket.connect
