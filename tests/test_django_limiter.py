@@ -180,7 +180,7 @@ def test_route_template_ids_share_one_budget(nano: Any) -> None:
     client = Client()
     assert [get(client, f"/api/users/{i}/avatar").status_code for i in (1, 2, 3, 4)] == [200, 200, 200, 429]
     rule = next(r for r in nd.pipeline().registry.ruleset.rules if r.name == "django_project.views.avatar")
-    assert rule.routes == ("/api/users/{}/avatar",)
+    assert rule.routes == ("/api/users/{id:int}/avatar",)
 
 
 def test_root_view_and_re_path_routes(nano: Any) -> None:

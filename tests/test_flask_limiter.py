@@ -321,7 +321,7 @@ def test_route_template_shares_the_budget_across_ids(backend: types.SimpleNamesp
     # a path the template does not route is a 404, not a spent budget
     assert client.get("/users/x/avatar").status_code == 404
     (rule,) = limiter.check_routes(app)
-    assert rule.routes == ("/users/{}/avatar",)
+    assert rule.routes == ("/users/{id:int}/avatar",)
 
 
 def test_methods_restrict_a_limit(backend: types.SimpleNamespace) -> None:

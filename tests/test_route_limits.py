@@ -31,7 +31,14 @@ from nanolimit.asgi import RateLimitMiddleware as ASGIMiddleware
 from nanolimit.config import parse_rules
 from nanolimit.gateway.routes import RouteLimits
 from nanolimit.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.rules import KeyScope, RateLimitRule, RuleValidationError, route_key
+from nanolimit.rules import (
+    KeyScope,
+    RateLimitRule,
+    RuleValidationError,
+    resolve_route,
+    route_key,
+    route_shape,
+)
 from nanolimit.wsgi import RateLimitMiddleware as WSGIMiddleware
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -260,15 +267,38 @@ def test_the_spellings_users_bring() -> None:
 
 
 def test_route_templates_of_every_framework_compare_equal() -> None:
+    # one spelling for one route, whatever the framework's syntax
     assert (
-        route_key("/users/{id}/avatar")
+        route_key("/users/{id:int}/avatar")
         == route_key("/users/<int:id>/avatar")
-        == route_key("users/<int:user_id>/avatar")
-        == route_key("/users/{id:int}/avatar")
-        == "/users/{}/avatar"
+        == route_key("users/<int:id>/avatar")
+        == "/users/{id:int}/avatar"
     )
+    assert route_key("/p/{x}") == route_key("/p/{x:str}") == route_key("/p/<x>") == route_key("/p/<string:x>")
+    assert route_key("/f/{p:path}") == route_key("/f/<path:p>") == "/f/{p:path}"
+    # what tells two routes apart is kept: converters and names
+    assert route_key("/items/{item_id:int}") != route_key("/items/{name}")
+    assert route_key("/items/<int:item_id>") != route_key("/items/<slug:name>")
+    loose = route_shape("users/<int:user_id>/avatar")
+    assert route_shape("/users/{id}/avatar") == loose == "/users/{}/avatar"
     with pytest.raises(ValidationError):
         route_key("")
+
+
+def test_a_loose_template_binds_to_the_one_route_it_can_name() -> None:
+    known = {route_key(t) for t in ("/users/<int:id>/avatar", "/items/{item_id:int}", "/items/{name}")}
+    assert resolve_route("/users/{id}/avatar", known) == ("/users/{id:int}/avatar",)
+    assert resolve_route("/users/{uid}/avatar", known) == ("/users/{id:int}/avatar",)  # the one of that shape
+    assert resolve_route("/items/{name}", known) == ("/items/{name}",)  # spelt as the app does: that one only
+    assert resolve_route("/items/<int:item_id>", known) == ("/items/{item_id:int}",)
+    with pytest.raises(ValidationError, match="could name any of"):
+        resolve_route("/items/{x}", known)  # two routes of that shape, neither named: refused
+    assert resolve_route("/nope", known) == ()
+    hosts = {"//api.example.com/login", "/login", "//admin.example.com/panel"}
+    assert resolve_route("/login", hosts) == ("/login",)
+    assert resolve_route("/panel", hosts) == ("//admin.example.com/panel",)
+    with pytest.raises(ValidationError, match="could name any of"):
+        resolve_route("/login", hosts - {"/login"} | {"//b.example.com/login"})
 
 
 def test_a_route_rule_beats_prefix_rules_and_shares_one_budget_across_ids() -> None:
@@ -428,8 +458,8 @@ def test_starlette_routes_mounts_and_router_level_limits() -> None:
         assert [client.get(f"/api/v/{n}").status_code for n in ("a", "b")] == [200, 429]
         assert client.get("/api/w").status_code == 200  # each view under the mount has its own budget
     assert {route_key(t) for r in limits.registry.rules() for t in r.routes} == {
-        "/items/{}",
-        "/api/v/{}",
+        "/items/{id:int}",
+        "/api/v/{name}",
         "/api/w",
     }
 
@@ -520,7 +550,7 @@ def test_a_rule_naming_a_route_the_app_lacks_fails_the_first_request_without_a_l
         routes=[Route("/users/{id}", user)], middleware=[Middleware(ASGIMiddleware, registry=registry)]
     )
     client = TestClient(app)  # no lifespan: the middleware binds on the first request
-    with pytest.raises(RuleValidationError, match=r"rule 'typo': routes: '/userz/\{\}' matches no route"):
+    with pytest.raises(RuleValidationError, match=r"rule 'typo': routes: '/userz/\{id\}' matches no route"):
         client.get("/users/1")
 
 
@@ -557,7 +587,7 @@ def test_rules_files_take_cost_routes_count_when_lists_and_exempt() -> None:
     names = [r.name for r in loaded.rules]
     assert names == ["search", "avatar:5/60s", "avatar:100/3600s", "login"]
     assert loaded.rules[0].cost == 5 and loaded.rules[3].count_when == frozenset({401, 403})
-    assert loaded.rules[1].group == "avatar" and loaded.rules[1].routes == ("/users/{}/avatar",)
+    assert loaded.rules[1].group == "avatar" and loaded.rules[1].routes == ("/users/{id}/avatar",)
     registry = loaded.registry()
     assert registry.ruleset.exempt == frozenset({"/health"})
     mw = RateLimitMiddleware(registry)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
@@ -91,8 +92,20 @@ def request_from_aiohttp(request: web.Request) -> Request:
     """The gateway's view of an aiohttp request: the client is the
     transport peer (``request.remote``), never a header (a trusted proxy's
     header is the extractor's to read, ``trusted_proxies=``); the route is
-    the matched resource's template, None when nothing matched (a 404)."""
-    resource = request.match_info.route.resource
+    the matched resource's template, None when nothing matched (a 404),
+    under its domain as ``//domain/path`` when a domain's sub-app
+    (``app.add_domain``) matched it."""
+    info = request.match_info
+    resource = info.route.resource
+    route = None
+    if resource is not None:
+        route = resource.canonical
+        if _DOMAINS:
+            for app in reversed(info.apps):
+                domain = _DOMAINS.get(app)
+                if domain is not None:
+                    route = domain + route
+                    break
     return Request(
         request.method,
         request.path,
@@ -100,23 +113,39 @@ def request_from_aiohttp(request: web.Request) -> Request:
         request.remote or None,
         None,
         1,
-        resource.canonical if resource is not None else None,
+        route,
         request,
     )
 
 
+# the sub-apps of app.add_domain -> "//domain", filled by routes_of
+_DOMAINS: weakref.WeakKeyDictionary[web.Application, str] = weakref.WeakKeyDictionary()
+
+
 def routes_of(app: web.Application) -> list[RouteInfo]:
     """Every route of an aiohttp app, sub-apps included (their templates
-    carry the sub-app's prefix), with its view: a handler function or a
-    ``web.View`` class."""
+    carry the sub-app's prefix, and a domain's sub-app its domain as
+    ``//domain/path``: ``/login`` there is not the app's own ``/login``),
+    with its view: a handler function or a ``web.View`` class."""
     out: list[RouteInfo] = []
-    for route in app.router.routes():
-        resource = route.resource
-        if resource is None:
-            continue
-        method = route.method.upper()
-        methods = frozenset() if method == "*" else frozenset({method})
-        out.append(RouteInfo(resource.canonical, methods, route.handler))
+
+    def walk(app: web.Application, domain: str) -> None:
+        for resource in app.router.resources():
+            sub = getattr(resource, "_app", None)
+            if isinstance(sub, web.Application):  # a sub-app: by prefix, or by domain
+                if type(resource).__name__ == "MatchedSubAppResource":
+                    inner = "//" + resource.canonical
+                    _DOMAINS[sub] = inner
+                    walk(sub, inner)
+                else:
+                    walk(sub, domain)
+                continue
+            for route in resource:
+                method = route.method.upper()
+                methods = frozenset() if method == "*" else frozenset({method})
+                out.append(RouteInfo(domain + resource.canonical, methods, route.handler))
+
+    walk(app, "")
     return out
 
 

@@ -310,7 +310,13 @@ class _Live:
         if conf.limits is None or loaded is not None or defaults:
             # our own registry always follows the settings; one you pass
             # keeps its rules unless RULES or DEFAULT replace them
-            replace: dict[str, Any] = {"default": default, "exempt": getattr(loaded, "exempt", ())}
+            # known_routes: bound to this URLconf's routes by _bind, which
+            # names a rule whose route it lacks (the system check's E002)
+            replace: dict[str, Any] = {
+                "default": default,
+                "exempt": getattr(loaded, "exempt", ()),
+                "known_routes": None,
+            }
             if loaded is not None:
                 replace["stacked"] = loaded.stacked
             try:

@@ -45,7 +45,7 @@ from .middleware import Outcome, RateLimitMiddleware
 from .rates import parse_rates
 from .request import Request
 from .routes import Limit, RouteInfo, RouteLimits
-from .rules import KeyScope, RateLimitRule, RuleRegistry, RuleSet
+from .rules import ExemptRoute, KeyScope, RateLimitRule, RuleRegistry, RuleSet
 
 __all__ = ["CONFIG_KEYS", "Limiter", "RateLimitExceeded"]
 
@@ -159,7 +159,7 @@ class _AppRoutes(RouteLimits):
         self.declared = declared
         self.defaults = tuple(defaults)
 
-    def rules_for(self, routes: Iterable[RouteInfo]) -> tuple[list[RateLimitRule], list[str]]:
+    def rules_for(self, routes: Iterable[RouteInfo]) -> tuple[list[RateLimitRule], list[ExemptRoute]]:
         token = _APP_DEFAULTS.set((self.scope, self.algorithm))
         try:
             rules, exempt = self.declared.rules_for(routes)
@@ -458,7 +458,7 @@ class Limiter:
                     marked.append(bp)
             if endpoint == "static" or endpoint.endswith(".static"):
                 marked.append(self._static)
-            infos.append(RouteInfo(rule.rule, frozenset(rule.methods or ()), view, tuple(marked)))
+            infos.append(RouteInfo(_template(rule), frozenset(rule.methods or ()), view, tuple(marked)))
         return infos
 
     # -- the request hooks ---------------------------------------------------------------
@@ -481,7 +481,7 @@ class Limiter:
             _Headers(native.headers),
             native.remote_addr or None,
             self._user(app, state, native) if _needs_user(state, pipeline.registry.ruleset) else None,
-            route=url_rule.rule if url_rule is not None else None,
+            route=_template(url_rule) if url_rule is not None else None,
             native=native,
         )
         outcome = pipeline.check(request)
@@ -566,7 +566,15 @@ def _needs_user(state: _AppState, ruleset: RuleSet) -> bool:
 
 
 def _templates(app: Flask) -> list[str]:
-    return [rule.rule for rule in app.url_map.iter_rules()]
+    return [_template(rule) for rule in app.url_map.iter_rules()]
+
+
+def _template(rule: Any) -> str:
+    """A Werkzeug rule as the route it is: its path, under its host
+    (``host_matching``) or subdomain as ``//host/path``, so ``/login`` of
+    the ``api`` subdomain and the app's own ``/login`` are two routes."""
+    host = rule.host or rule.subdomain
+    return f"//{host}{rule.rule}" if host else str(rule.rule)
 
 
 def _config(app: Flask) -> dict[str, Any]:

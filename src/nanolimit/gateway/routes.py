@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from .._shared import Algorithm, ValidationError
 from .rates import Rate, parse_rates
-from .rules import KeyScope, RateLimitRule, RuleRegistry, RuleValidationError, route_key
+from .rules import ExemptRoute, KeyScope, RateLimitRule, RuleRegistry, RuleValidationError, route_key
 
 __all__ = ["Limit", "LimitDependency", "RouteInfo", "RouteLimits"]
 
@@ -260,11 +260,18 @@ class RouteLimits:
         return target
 
     # -- binding ------------------------------------------------------------------
-    def rules_for(self, routes: Iterable[RouteInfo]) -> tuple[list[RateLimitRule], list[str]]:
-        """The declared rules and exempt templates of an app's routes."""
+    def rules_for(self, routes: Iterable[RouteInfo]) -> tuple[list[RateLimitRule], list[ExemptRoute]]:
+        """The declared rules and exempt routes of an app's routes. An
+        exempt route is its template, with the methods it answers when
+        another route of the app shares the template (one view of
+        ``/x`` exempt is not the other's)."""
+        routes = list(routes)
         per_view: dict[int, tuple[Any, list[str], list[Limit]]] = {}
         shared: dict[str, tuple[Limit, list[str]]] = {}
-        exempt: list[str] = []
+        exempt: list[ExemptRoute] = []
+        views: dict[str, set[int]] = {}
+        for info in routes:
+            views.setdefault(route_key(info.template), set()).add(id(info.endpoint))
         for info in routes:
             template = route_key(info.template)
             found: list[Limit] = []
@@ -276,7 +283,8 @@ class RouteLimits:
                     skip = True
                 found.extend(d for d in declarations(holder) if d.owner is self or d.owner is None)
             if skip:
-                exempt.append(template)
+                shared_template = len(views[template]) > 1
+                exempt.append((template, info.methods) if shared_template and info.methods else template)
                 continue
             for d in found:
                 if d.name is not None:
@@ -317,15 +325,14 @@ class RouteLimits:
         with self._lock:
             if not self.bound:
                 rules, exempt = self.rules_for(routes)
-                self.registry.declare(rules, exempt=exempt)
+                # every rule's routes bound to the app's own templates (a
+                # rule naming none is an error naming both, raised here)
+                self.registry.declare(rules, exempt=exempt, known_routes=templates)
                 self.bound = True
+            elif self.registry.ruleset.known_routes != frozenset(templates):
+                registry = self.registry
+                registry.declare(registry.declared, exempt=registry.declared_exempt, known_routes=templates)
             ruleset = self.registry.ruleset
-        for rule in ruleset.rules:
-            for template in rule.routes:
-                if template not in templates:
-                    raise RuleValidationError(
-                        rule.name, "routes", f"{template!r} matches no route of the app"
-                    )
         return ruleset.rules
 
 

@@ -148,14 +148,39 @@ class KeyScope(str, enum.Enum):
 # Route templates
 
 _PLACEHOLDER = re.compile(r"\{[^{}]*\}|<[^<>]*>")
+# the converters a placeholder has when it names none (Starlette's str,
+# Werkzeug's string, Django's str): spelt or not, the same route
+_DEFAULT_CONVERTERS = frozenset({"", "str", "string"})
+
+
+def _placeholder(match: re.Match[str]) -> str:
+    """One placeholder in the canonical spelling: ``{name}`` or
+    ``{name:converter}`` (Starlette's order), from ``{name:converter}`` or
+    Werkzeug's and Django's ``<converter:name>``."""
+    text = match.group(0)
+    inner = text[1:-1]
+    if text[0] == "{":
+        name, _, converter = inner.partition(":")
+    else:
+        converter, _, name = inner.rpartition(":")
+    name, converter = name.strip(), converter.strip()
+    if converter in _DEFAULT_CONVERTERS:
+        return "{" + name + "}"
+    return "{" + name + ":" + converter + "}"
 
 
 def route_key(template: str) -> str:
-    """A framework's route template in the one form rules compare:
-    placeholders of any syntax become ``{}`` (Starlette's ``{id}`` and
-    ``{id:int}``, Flask's and Django's ``<int:id>``), and a leading ``/`` is
-    supplied (Django's routes have none). So a rule written for one
-    framework's spelling matches another's."""
+    """A framework's route template in the one spelling rules compare, with
+    everything that tells two routes apart kept: each placeholder's name and
+    converter. Starlette's ``{id:int}``, Werkzeug's and Django's
+    ``<int:id>`` are ``{id:int}``; ``{id}``, ``{id:str}``, ``<id>`` and
+    ``<string:id>`` are ``{id}``; a leading ``/`` is supplied (Django's
+    routes have none). So ``/items/{item_id:int}`` and ``/items/{name}``
+    stay two routes: an exemption of one never covers the other.
+
+    A rule may name a route more loosely (``/users/{id}`` for the app's
+    ``/users/<int:id>``): :func:`resolve_route` binds it to the app's own
+    template when the app's route table is read."""
     if not isinstance(template, str) or not template.strip():
         raise ValidationError(f"a route template must be a non-empty str, got {template!r}")
     text = template.strip()
@@ -163,7 +188,63 @@ def route_key(template: str) -> str:
         text = text[1:].rstrip("$")
     if text[:1] != "/":
         text = "/" + text
-    return _PLACEHOLDER.sub("{}", text)
+    return _PLACEHOLDER.sub(_placeholder, text)
+
+
+def route_shape(template: str) -> str:
+    """A template with every placeholder as ``{}``: what two spellings of
+    one route share, and what two different routes may share too (so it
+    only ever finds candidates, in :func:`resolve_route`)."""
+    return _PLACEHOLDER.sub("{}", route_key(template))
+
+
+def _placeholder_names(key: str) -> tuple[str, ...]:
+    return tuple(m.group(0)[1:-1].partition(":")[0] for m in _PLACEHOLDER.finditer(key))
+
+
+def _path_part(key: str) -> str:
+    """A route's path without the host a ``//host/path`` route names."""
+    if key[:2] != "//":
+        return key
+    cut = key.find("/", 2)
+    return "/" if cut < 0 else key[cut:]
+
+
+def resolve_route(template: str, known: Iterable[str]) -> tuple[str, ...]:
+    """The app's routes (canonical, :func:`route_key`) that a rule's
+    ``template`` names: the one spelt the same, name and converter; else
+    the one route of the same shape and placeholder names (``/users/{id}``
+    for ``/users/<int:id>``); else the one route of the same shape. A
+    template without a host may name a route under one (Starlette's
+    ``Host``, Flask's subdomains: ``//api.example.com/login``) the same
+    ways. Empty when none matches; two candidates at the deciding step are
+    an error naming both, so a loose name never silently covers a second
+    route."""
+    key = route_key(template)
+    known = frozenset(known)
+    if key in known:
+        return (key,)
+    found = _candidates(key, known, route_key)
+    if not found and key[:2] != "//":
+        found = _candidates(key, {k for k in known if k[:2] == "//"}, _path_part)
+    if len(found) > 1:
+        raise ValidationError(
+            f"{template!r} could name any of the routes {', '.join(map(repr, found))}: "
+            "spell the one meant as the app does, converter and host included"
+        )
+    return tuple(found)
+
+
+def _candidates(key: str, known: Iterable[str], part: Callable[[str], str]) -> list[str]:
+    """The routes whose ``part`` is ``key`` spelt the same, else of its
+    shape with its placeholder names, else of its shape."""
+    exact = sorted(k for k in known if part(k) == key)
+    if exact:
+        return exact
+    shape = route_shape(key)
+    same_shape = sorted(k for k in known if route_shape(part(k)) == shape)
+    names = _placeholder_names(key)
+    return [k for k in same_shape if _placeholder_names(part(k)) == names] or same_shape
 
 
 def _status_set(value: Any) -> frozenset[int]:
@@ -570,6 +651,27 @@ class _Node:
 
 _MISSING: Any = object()
 
+# An exempt route: a template (every method), or a template and the methods
+# its route answers, when another route shares the template (Flask's
+# ``/x`` GET and POST bound to two views): exempting one is not the other.
+ExemptRoute = str | tuple[str, frozenset[str]]
+
+
+def exempt_routes(exempt: Iterable[ExemptRoute] | str) -> frozenset[ExemptRoute]:
+    """Exempt routes in canonical form (:func:`route_key`, methods upper-cased)."""
+    if isinstance(exempt, str):
+        exempt = (exempt,)
+    out: set[ExemptRoute] = set()
+    for entry in exempt:
+        if isinstance(entry, tuple):
+            template, methods = entry
+            if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
+                raise ValidationError(f"exempt: the methods of {template!r} must be strs, got {methods!r}")
+            out.add((route_key(template), frozenset(m.upper() for m in methods)))
+        else:
+            out.add(route_key(entry))
+    return frozenset(out)
+
 
 def _by_method(
     by_method: dict[str, list[tuple[RateLimitRule, bool]]],
@@ -608,11 +710,14 @@ class RuleSet:
         "_cache_bytes",
         "_cache_max_bytes",
         "_cache_size",
+        "_exempt",
         "_root",
         "_route_index",
         "default",
         "exempt",
         "has_tiers",
+        "known_routes",
+        "routed",
         "rules",
         "stacked",
     )
@@ -625,14 +730,25 @@ class RuleSet:
         stacked: bool = False,
         cache_size: int = 4096,
         cache_bytes: int = CACHE_KEY_BYTES,
-        exempt: Iterable[str] = (),
+        exempt: Iterable[ExemptRoute] = (),
+        known_routes: Iterable[str] | None = None,
     ) -> None:
         if isinstance(rules, RateLimitRule):
             rules = (rules,)  # RuleRegistry(rule): one rule is a ruleset of one
         rules = tuple(rules)
-        if isinstance(exempt, str):
-            exempt = (exempt,)
-        self.exempt = frozenset(route_key(r) for r in exempt)
+        self.known_routes = None if known_routes is None else frozenset(map(route_key, known_routes))
+        self.exempt = exempt_routes(exempt)
+        # exempt route -> the methods it is exempt for (None: every method)
+        self._exempt: dict[str, frozenset[str] | None] = {}
+        for entry in self.exempt:
+            template, methods = (entry, None) if isinstance(entry, str) else entry
+            try:
+                keys = self._bind_route(template)
+            except ValidationError as exc:
+                raise ValidationError(f"exempt: {exc}") from None
+            for key in keys:
+                held = self._exempt.get(key, frozenset())
+                self._exempt[key] = None if methods is None or held is None else held | methods
         seen: set[str] = set()
         # The default counts once: listing it among the rules as well is
         # harmless, but a different rule under its name would share its state.
@@ -662,7 +778,12 @@ class RuleSet:
         for rule in rules:
             if rule.routes:  # declared on routes: matched by route, never by prefix
                 for template in rule.routes:
-                    by_route.setdefault(template, {}).setdefault(rule.method, []).append((rule, False))
+                    try:
+                        keys = self._bind_route(template)
+                    except ValidationError as exc:
+                        raise RuleValidationError(rule.name, "routes", str(exc)) from None
+                    for key in keys:
+                        by_route.setdefault(key, {}).setdefault(rule.method, []).append((rule, False))
                 continue
             segs, needs_more = _segments(rule.path_prefix)
             node = root
@@ -677,6 +798,21 @@ class RuleSet:
             nodes[node_id].ends = _by_method(by_method)
         self._root = root
         self._route_index = {template: _by_method(entries) for template, entries in by_route.items()}
+        # whether the matched route decides anything: the pipeline's route
+        # cache then keys by the route too (RateLimitMiddleware)
+        self.routed = bool(self._route_index or self._exempt)
+
+    def _bind_route(self, template: str) -> tuple[str, ...]:
+        """The app's routes that a rule or exemption names: itself, when no
+        route table is known; else as :func:`resolve_route` finds them, and
+        one that names no route of the app is an error."""
+        known = self.known_routes
+        if known is None:
+            return (route_key(template),)
+        found = resolve_route(template, known)
+        if not found:
+            raise ValidationError(f"{template!r} matches no route of the app")
+        return found
 
     def _walk(self, method: str, path: str, tier: str | None, first: bool) -> list[RateLimitRule]:
         """Every matching rule, most specific first (or only the best one),
@@ -744,9 +880,10 @@ class RuleSet:
         its ``group`` (a rate list); stacked, every match applies."""
         method = method.upper()
         own: tuple[RateLimitRule, ...] = ()
-        if route is not None and (self._route_index or self.exempt):
+        if route is not None and self.routed:
             key = route_key(route)
-            if key in self.exempt:
+            exempt = self._exempt.get(key, _MISSING)
+            if exempt is not _MISSING and (exempt is None or method in exempt):
                 return ()
             ends = self._route_index.get(key)
             if ends:
@@ -843,6 +980,9 @@ class RuleRegistry:
 
     __slots__ = ("_cache_bytes", "_cache_size", "_declared_exempt", "declared", "ruleset")
 
+    # what the declared exemptions are kept as (see :func:`exempt_routes`)
+    _declared_exempt: frozenset[ExemptRoute]
+
     def __init__(
         self,
         rules: Iterable[RateLimitRule] | RateLimitRule = (),
@@ -851,7 +991,7 @@ class RuleRegistry:
         stacked: bool = False,
         cache_size: int = 4096,
         cache_bytes: int = CACHE_KEY_BYTES,
-        exempt: Iterable[str] = (),
+        exempt: Iterable[ExemptRoute] = (),
     ) -> None:
         if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0:
             raise ValidationError(f"cache_size must be an int >= 0, got {cache_size!r}")
@@ -861,7 +1001,7 @@ class RuleRegistry:
         self._cache_bytes = cache_bytes
         # rules declared on routes (nanolimit.gateway.routes): every replace() keeps them
         self.declared: tuple[RateLimitRule, ...] = ()
-        self._declared_exempt: frozenset[str] = frozenset()
+        self._declared_exempt = frozenset()
         # The current snapshot: read it once per request (the pipeline does);
         # assign it only through replace(), which validates first.
         self.ruleset = RuleSet(
@@ -920,11 +1060,13 @@ class RuleRegistry:
         *,
         default: RateLimitRule | None = _KEEP,
         stacked: bool = _KEEP,
-        exempt: Iterable[str] = _KEEP,
+        exempt: Iterable[ExemptRoute] = _KEEP,
+        known_routes: Iterable[str] | None = _KEEP,
     ) -> RuleSet:
         """Swap in a new ruleset in one assignment (hot reload). The new set
         is built and validated first, so a bad ruleset changes nothing.
-        ``default``, ``stacked`` and ``exempt`` are kept unless given."""
+        ``default``, ``stacked``, ``exempt`` and the app's ``known_routes``
+        (see :meth:`declare`) are kept unless given."""
         current = self.ruleset
         declared = set(self.declared)
         if isinstance(rules, RateLimitRule):
@@ -935,17 +1077,27 @@ class RuleRegistry:
             stacked=current.stacked if stacked is _KEEP else stacked,
             cache_size=self._cache_size,
             cache_bytes=self._cache_bytes,
-            exempt=current.exempt if exempt is _KEEP else {*map(route_key, exempt), *self._declared_exempt},
+            exempt=current.exempt if exempt is _KEEP else exempt_routes(exempt) | self._declared_exempt,
+            known_routes=current.known_routes if known_routes is _KEEP else known_routes,
         )
         self.ruleset = new
         return new
 
-    def declare(self, rules: Iterable[RateLimitRule], *, exempt: Iterable[str] = ()) -> RuleSet:
+    def declare(
+        self,
+        rules: Iterable[RateLimitRule],
+        *,
+        exempt: Iterable[ExemptRoute] = (),
+        known_routes: Iterable[str] | None = _KEEP,
+    ) -> RuleSet:
         """Add the rules declared on an app's routes (and its exempt
-        templates): kept by every later :meth:`replace`, so a reload of a
-        rules file never drops a route's limit."""
+        routes): kept by every later :meth:`replace`, so a reload of a
+        rules file never drops a route's limit. ``known_routes`` is every
+        template the app routes: each rule's and exemption's routes are
+        then bound to the app's own (:func:`resolve_route`), here and in
+        every later :meth:`replace`, and one naming no route is an error."""
         rules = tuple(rules)
-        keys = frozenset(route_key(e) for e in exempt)
+        keys = exempt_routes(exempt)
         current = self.ruleset
         kept = [r for r in current.rules if r not in set(self.declared)]
         new = RuleSet(
@@ -954,12 +1106,18 @@ class RuleRegistry:
             stacked=current.stacked,
             cache_size=self._cache_size,
             cache_bytes=self._cache_bytes,
-            exempt=current.exempt | keys,
+            exempt=(current.exempt - self._declared_exempt) | keys,
+            known_routes=current.known_routes if known_routes is _KEEP else known_routes,
         )
         self.declared = rules
         self._declared_exempt = keys
         self.ruleset = new
         return new
+
+    @property
+    def declared_exempt(self) -> frozenset[ExemptRoute]:
+        """The exempt routes declared on an app's routes (kept by :meth:`replace`)."""
+        return self._declared_exempt
 
     def __len__(self) -> int:
         return len(self.ruleset.rules)

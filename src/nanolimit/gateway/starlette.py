@@ -17,7 +17,7 @@ from typing import Any
 from .request import Request
 from .routes import LimitDependency, RouteInfo
 
-__all__ = ["LimitDependency", "resolver_for", "routes_of"]  # LimitDependency lives in routes
+__all__ = ["LimitDependency", "context_for", "resolver_for", "routes_of"]  # LimitDependency lives in routes
 
 Scope = MutableMapping[str, Any]
 
@@ -44,6 +44,16 @@ def _app_routes(app: Any) -> list[Any] | None:
         router = getattr(app, "router", None)
         routes = getattr(router, "routes", None)
     return _expand(routes) if routes is not None else None
+
+
+def _prefix(route: Any, prefix: str) -> str:
+    """The template prefix a Mount or Host adds: a mount's path; a host's
+    name as ``//host`` (a network-path reference), so ``/login`` on
+    ``api.example.com`` and ``/login`` elsewhere are two routes."""
+    host = getattr(route, "host", None)
+    if isinstance(host, str) and not hasattr(route, "path"):
+        return "//" + host + prefix
+    return prefix + (getattr(route, "path", "") or "")
 
 
 def _dependency_marks(route: Any) -> Iterator[Any]:
@@ -80,7 +90,7 @@ def routes_of(app: Any) -> list[RouteInfo]:
                 sub_app = getattr(route, "app", None)
                 if sub_app is not None:
                     here = (*here, sub_app)
-                path = prefix + (getattr(route, "path", "") or "")
+                path = _prefix(route, prefix)
                 if inner:
                     walk(_expand(inner), path, here)
                 else:  # a mounted app without routes (static files): its whole subtree
@@ -112,7 +122,7 @@ def _match(routes: list[Any], scope: Scope, prefix: str) -> str | None:
         inner = getattr(route, "routes", None)
         if inner is not None and not hasattr(route, "endpoint"):
             if value == _FULL:
-                path = prefix + (getattr(route, "path", "") or "")
+                path = _prefix(route, prefix)
                 if not inner:
                     return path + "/{path:path}"
                 found = _match(_expand(inner), {**scope, **child}, path)
@@ -127,12 +137,72 @@ def _match(routes: list[Any], scope: Scope, prefix: str) -> str | None:
     return partial
 
 
+def _litestar_formats(routes: list[Any]) -> dict[str, str]:
+    """Litestar's matched ``path_template`` (``/items/{item_id}``, its
+    ``path_format``) -> the route's template (``/items/{item_id:int}``):
+    the route the app declared, converter and all."""
+    out: dict[str, str] = {}
+    for route in routes:
+        fmt, path = getattr(route, "path_format", None), getattr(route, "path", None)
+        if isinstance(fmt, str) and isinstance(path, str):
+            out[fmt] = path
+    return out
+
+
+# Route classes whose ``matches`` reads only the scope's type, path,
+# root_path, method and (a Host) its Host header: what context_for keys by.
+_KNOWN_MATCHERS = ("starlette.routing", "fastapi.routing")
+
+
+def context_for(app: Any) -> Callable[[Request], str] | None:
+    """What Starlette's router reads of a request besides its method and
+    path, as one str: the scope's type (a websocket is not an HTTP GET),
+    its ``root_path`` and, when the app routes by ``Host``, the Host
+    header; Litestar's matched template when it put one in the scope. The
+    pipeline's route cache keys by it. None when some route is of a class
+    whose matching may read more: the pipeline then resolves every request.
+    """
+    routes = _app_routes(app)
+    if routes is None:
+        raise TypeError(f"cannot read the routes of {type(app).__name__}")
+    formats = _litestar_formats(routes)
+    by_host = False
+    stack = list(routes)
+    while stack:
+        route = stack.pop()
+        matches = getattr(type(route), "matches", None)
+        if getattr(matches, "__module__", None) not in _KNOWN_MATCHERS:
+            return None
+        if isinstance(getattr(route, "host", None), str):
+            by_host = True
+        if not hasattr(route, "endpoint"):
+            stack.extend(_expand(getattr(route, "routes", None) or ()))
+
+    def context(request: Request) -> str:
+        scope = request.native
+        if not isinstance(scope, MutableMapping):
+            return ""
+        template = scope.get("path_template")
+        if isinstance(template, str):
+            return formats.get(template, template)
+        host = ""
+        if by_host:
+            for name, value in scope.get("headers") or ():
+                if name == b"host":
+                    host = value.decode("latin-1")
+                    break
+        return f"{scope.get('type')}\x00{scope.get('root_path', '')}\x00{host}"
+
+    return context
+
+
 def resolver_for(app: Any) -> Callable[[Request], str | None]:
     """The route template a request reaches, as Starlette's router would
     pick it (the pipeline asks on a route-cache miss only)."""
     routes = _app_routes(app)
     if routes is None:
         raise TypeError(f"cannot read the routes of {type(app).__name__}")
+    formats = _litestar_formats(routes)
 
     def resolve(request: Request) -> str | None:
         scope = request.native
@@ -140,7 +210,7 @@ def resolver_for(app: Any) -> Callable[[Request], str | None]:
             return None
         template = scope.get("path_template")  # Litestar's router has matched already: its template
         if isinstance(template, str):
-            return template
+            return formats.get(template, template)
         return _match(routes, scope, "")
 
     return resolve
