@@ -221,7 +221,7 @@ class RateLimitMiddleware:
     def _bind(self, app: Any) -> None:
         """Read the app's routes into the declared rules, and install the
         route resolver (once)."""
-        from .starlette import resolver_for, routes_of
+        from .starlette import context_for, resolver_for, routes_of
 
         limits = self.limits
         assert limits is not None
@@ -231,6 +231,7 @@ class RateLimitMiddleware:
             )
         limits.bind(routes_of(app))
         self.core.route_resolver = resolver_for(app)
+        self.core.route_context = context_for(app)
         self._unbound = False
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -262,7 +263,12 @@ class RateLimitMiddleware:
             routes = core._routes
             if routes[0] is ruleset and not ruleset.has_tiers:
                 request = request_from_scope(scope)
-                b: Any = routes[1].get((request.method, request.path, None), MISSING)
+                b: Any = routes[1].get(
+                    (request.method, request.path, None)
+                    if not ruleset.routed
+                    else core._routed_key(request, None),
+                    MISSING,
+                )
                 if b.simple and request.cost == 1:
                     d = b.allow(core._key(request, b.scope))
                     if self.limits is not None:

@@ -314,7 +314,7 @@ class _DenialLog:
         )
 
 
-_HOOK_NAMES = ("on_breach", "route_resolver")
+_HOOK_NAMES = ("on_breach", "route_resolver", "route_context")
 # The fast lanes test ``request.cost is _ONE``: the int 1 is one object in
 # CPython, and anything else (True included, refused there) takes check().
 _ONE = 1
@@ -363,7 +363,11 @@ class RateLimitMiddleware:
     ``nanolimit.denials`` records per rule (None: no records).
     ``route_resolver(request) -> template | None`` finds the matched route
     of a request that does not carry one, on a route-cache miss only (the
-    framework adapters install it).
+    framework adapters install it); ``route_context(request) -> str`` is
+    everything that resolver reads besides the method and the path (the
+    scope's type, the Host), which the route cache then keys by. A
+    resolver without one is asked on every request of a ruleset with route
+    rules, and the cache keys by its answer.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> RateLimitMiddleware:
@@ -397,6 +401,7 @@ class RateLimitMiddleware:
         on_breach: Callable[[Request, Outcome], Any] | None = None,
         log_denials: float | None = 1.0,
         route_resolver: Callable[[Request], str | None] | None = None,
+        route_context: Callable[[Request], str] | None = None,
     ) -> None:
         if not isinstance(registry, RuleRegistry):
             raise ValidationError(f"registry must be a RuleRegistry, got {type(registry).__name__}")
@@ -415,7 +420,7 @@ class RateLimitMiddleware:
             isinstance(log_denials, bool) or not isinstance(log_denials, (int, float)) or not log_denials >= 0
         ):
             raise ValidationError(f"log_denials must be seconds >= 0 or None, got {log_denials!r}")
-        for hook_name, hook in zip(_HOOK_NAMES, (on_breach, route_resolver)):
+        for hook_name, hook in zip(_HOOK_NAMES, (on_breach, route_resolver, route_context)):
             if hook is not None and not callable(hook):
                 raise ValidationError(f"{hook_name} must be callable, got {hook!r}")
         self.registry = registry
@@ -428,6 +433,7 @@ class RateLimitMiddleware:
         self.header_names = renames
         self.on_breach = on_breach
         self.route_resolver = route_resolver
+        self.route_context = route_context
         self._log = None if log_denials is None else _DenialLog(float(log_denials))
         fast = getattr(self.extractor, "storage_key_for", None)
         if fast is None:
@@ -447,9 +453,14 @@ class RateLimitMiddleware:
         # tier) -> route, for one snapshot, keyed by the request's own method
         # and path, so a hit normalises nothing. A miss walks the ruleset
         # uncached (RuleSet.lookup_route): the route is never cached twice.
-        # (Values are _Route; typed Any so that the hot paths read a value's
-        # attributes after the one ``simple`` test, without a narrowing call.)
-        self._routes: tuple[RuleSet | None, dict[tuple[str, str, str | None], Any]] = (None, {})
+        # A ruleset whose rules or exemptions name routes (``routed``) is
+        # decided by the matched route as well, so its key has a fourth
+        # part, the route (see _routed_key): a websocket, another Host or a
+        # request that matched no route is then cached apart, and never
+        # decides the next request. (Values are _Route; typed Any so that
+        # the hot paths read a value's attributes after the one ``simple``
+        # test, without a narrowing call.)
+        self._routes: tuple[RuleSet | None, dict[tuple[Any, ...], Any]] = (None, {})
         self.route_cache_size = 4096
         # bounded by bytes too: keys over MAX_CACHED_KEY_BYTES are never
         # cached, and the cached keys take at most route_cache_bytes in all
@@ -487,10 +498,28 @@ class RateLimitMiddleware:
             stack = stacks[key] = _Stack(bindings)
         return stack
 
-    def _route(self, request: Request, ruleset: RuleSet, tier: str | None) -> _Route:
-        """Resolve and remember the route of a (method, path, tier): a
-        binding, a stack of them (stacked mode, a rate list, a route's
-        declarations), or ``_UNLIMITED``."""
+    def _routed_key(self, request: Request, tier: str | None) -> tuple[Any, ...]:
+        """The route-cache key of a request under a ``routed`` ruleset:
+        method, path, tier and what decides the matched route: the route
+        the front end matched, else what the resolver reads
+        (``route_context``), else the resolver's answer itself."""
+        route = request.route
+        if route is None:
+            if self.route_context is not None:
+                route = self.route_context(request)
+            elif self.route_resolver is not None:
+                route = self.route_resolver(request)
+        return (request.method, request.path, tier, route)
+
+    def _cache_key(self, request: Request, ruleset: RuleSet, tier: str | None) -> tuple[Any, ...]:
+        if ruleset.routed:
+            return self._routed_key(request, tier)
+        return (request.method, request.path, tier)
+
+    def _route(self, request: Request, ruleset: RuleSet, tier: str | None, key: tuple[Any, ...]) -> _Route:
+        """Resolve and remember the route of a request under its cache
+        ``key``: a binding, a stack of them (stacked mode, a rate list, a
+        route's declarations), or ``_UNLIMITED``."""
         method = request.method
         path = request.path
         route_template = request.route
@@ -505,8 +534,10 @@ class RateLimitMiddleware:
         else:
             route = self._stack(rules, ruleset)
         size = key_bytes(method, path, tier)
+        if len(key) > 3 and key[3] is not None:
+            size += key_bytes("", key[3], None)
         if size > MAX_CACHED_KEY_BYTES:
-            return route  # a hostile long path or method: decided, never kept
+            return route  # a hostile long path, method or Host: decided, never kept
         routes = self._routes
         if routes[0] is not ruleset:
             routes = (ruleset, {})
@@ -516,7 +547,7 @@ class RateLimitMiddleware:
         if len(table) >= self.route_cache_size or self._route_bytes + size > self.route_cache_bytes:
             table.clear()  # bounded: unique hostile paths cost a miss, never memory
             self._route_bytes = 0
-        table[(method, path, tier)] = route
+        table[key] = route
         self._route_bytes += size
         return route
 
@@ -565,12 +596,13 @@ class RateLimitMiddleware:
         (and remembered) by :meth:`_route`."""
         ruleset = self.registry.ruleset
         tier = self.extractor.tier_for(request) if ruleset.has_tiers else None
+        key = self._cache_key(request, ruleset, tier)
         routes = self._routes
         if routes[0] is ruleset:
-            b = routes[1].get((request.method, request.path, tier), _MISSING)
+            b = routes[1].get(key, _MISSING)
             if b is not _MISSING:
                 return b
-        return self._route(request, ruleset, tier)
+        return self._route(request, ruleset, tier, key)
 
     # -- the decision -----------------------------------------------------------
     def check(self, request: Request) -> Outcome | None:
@@ -584,14 +616,11 @@ class RateLimitMiddleware:
         # _lookup inlined: a method call is a tenth of this path
         ruleset = self.registry.ruleset
         tier = self.extractor.tier_for(request) if ruleset.has_tiers else None
+        where = self._routed_key(request, tier) if ruleset.routed else (request.method, request.path, tier)
         routes = self._routes
-        b: Any = (
-            routes[1].get((request.method, request.path, tier), _MISSING)
-            if routes[0] is ruleset
-            else _MISSING
-        )
+        b: Any = routes[1].get(where, _MISSING) if routes[0] is ruleset else _MISSING
         if b is _MISSING:
-            b = self._route(request, ruleset, tier)
+            b = self._route(request, ruleset, tier, where)
         if b.simple and request.cost is _ONE:
             d = b.allow(self._key(request, b.scope))
             if d.allowed:
@@ -835,7 +864,12 @@ class RateLimitMiddleware:
         ruleset = self.registry.ruleset
         routes = self._routes
         if routes[0] is ruleset and self._inline and not ruleset.has_tiers and request.cost is _ONE:
-            b: Any = routes[1].get((request.method, request.path, None), _MISSING)
+            b: Any = routes[1].get(
+                (request.method, request.path, None)
+                if not ruleset.routed
+                else self._routed_key(request, None),
+                _MISSING,
+            )
             if b.simple:
                 d = b.allow(self._key(request, b.scope))
                 if d.allowed:
