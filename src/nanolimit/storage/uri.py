@@ -232,8 +232,8 @@ _TABLE_OPTIONS: Final = {
 }
 _ZONE_OPTIONS: Final = {
     **_TABLE_OPTIONS,
-    "max_keys": _Option(_int(1)),
-    "arena_bytes": _Option(_int(0)),
+    "max_keys": _Option(_int(1, 1 << 30)),  # the zone's ZONE_MAX_KEYS (_core_zone.pxi)
+    "arena_bytes": _Option(_int(0, 1 << 40)),  # as the zone checks it
     "if_stale": _Option(_choice("reuse", "reset")),
 }
 # redis-py's names for what the storage sets itself: said in the error
@@ -558,7 +558,7 @@ def storage_kind(uri: str) -> str:
     return parts.base if parts.base in ("memory", "shm") else "redis"
 
 
-def _memory(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
+def _memory(parts: _Parts, keywords: Mapping[str, Any], dry: bool = False) -> Any:
     form = "memory://[?max_keys=N&stripes=N&on_full=evict|deny_new&evict_idle_after=SECONDS]"
     if parts.authority or parts.username or parts.password is not None:
         raise ValidationError(f"memory:// names no host: {form}")
@@ -566,14 +566,23 @@ def _memory(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
     opts = _options(parts, _TABLE_OPTIONS, keywords, {})
     opts.setdefault("max_keys", DEFAULT_MEMORY_MAX_KEYS)
     from .._select import twin
+    from .._validation import check_storage_options
 
     try:
+        if dry:
+            return check_storage_options(
+                opts.get("stripes", 64),
+                opts.get("max_key_bytes", 1024),
+                opts["max_keys"],
+                opts.get("on_full", "evict"),
+                opts.get("evict_idle_after"),
+            )
         return twin.InMemoryStorage(**opts)
     except ValidationError as exc:
         raise ValidationError(f"memory://: {exc}") from None
 
 
-def _zone(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
+def _zone(parts: _Parts, keywords: Mapping[str, Any], dry: bool = False) -> Any:
     form = "shm://NAME[?max_keys=N&...] (without max_keys: attach to the zone NAME that exists)"
     if parts.username or parts.password is not None:
         raise ValidationError(f"shm:// takes no user or password: {form}")
@@ -582,6 +591,10 @@ def _zone(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
     if not name:
         raise ValidationError(f"shm:// needs the zone's name: {form}")
     opts = _options(parts, _ZONE_OPTIONS, keywords, {})
+    if dry:
+        if opts and "max_keys" not in opts:
+            raise ValidationError(f"shm://: {', '.join(sorted(opts))} need max_keys")
+        return None
     from .shared_memory import SharedMemoryStorage
 
     try:
@@ -664,35 +677,36 @@ def _redis_table(parts: _Parts) -> tuple[dict[str, _Option], dict[str, str]]:
 
 
 def check_storage_uri(uri: str, **options: Any) -> str:
-    """Check ``uri`` and its options as :func:`storage_from_uri` would, with
+    """Check ``uri`` and its options as :func:`storage_from_uri` does, with
     nothing made or connected (``nanolimit check-config`` reads a rules
     file's ``[storage]`` with it): a :class:`ValidationError` naming the
     option and its bounds, or the URI's kind (:func:`storage_kind`)."""
     parts = _split(uri)
     if parts.base == "memory":
-        opts = _options(parts, _TABLE_OPTIONS, options, {})
-        from .._validation import check_storage_options
-
-        try:
-            check_storage_options(
-                opts.get("stripes", 64),
-                opts.get("max_key_bytes", 1024),
-                opts.get("max_keys", DEFAULT_MEMORY_MAX_KEYS),
-                opts.get("on_full", "evict"),
-                opts.get("evict_idle_after"),
-            )
-        except ValidationError as exc:
-            raise ValidationError(f"memory://: {exc}") from None
+        _memory(parts, options, dry=True)
         return "memory"
     if parts.base == "shm":
-        _options(parts, _ZONE_OPTIONS, options, {})
+        _zone(parts, options, dry=True)
         return "shm"
-    table, why_not = _redis_table(parts)
-    _options(parts, table, options, why_not)
+    _redis(parts, options, dry=True)
     return "async" if parts.asyncio else "redis"
 
 
-def _redis(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
+class _Dry:
+    """A client library that makes nothing: ``check_storage_uri`` runs the
+    URI's own checks (hosts, path, database) through it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def master_for(self, service: str) -> _Dry:
+        return self
+
+
+_DRY: Final = _Library("dry", _Dry, _Dry, _Dry, _Dry)
+
+
+def _redis(parts: _Parts, keywords: Mapping[str, Any], dry: bool = False) -> Any:
     tls = parts.base in _TLS
     storage_table = _redis_options()
     table, why_not = _redis_table(parts)
@@ -710,6 +724,9 @@ def _redis(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
     client_opts["socket_connect_timeout"] = timeout if connect is None else connect
     if tls:
         client_opts["ssl"] = True
+    if dry:
+        _make_client(parts, _DRY, client_opts)
+        return None
     lib = _library(parts.base, parts.asyncio)
     client = _make_client(parts, lib, client_opts)
     from .redis import AsyncRedisStorage, RedisStorage
