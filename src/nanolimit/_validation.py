@@ -15,6 +15,7 @@ from ._errors import ValidationError
 __all__ = [
     "DUPLICATE_COMPOUND",
     "MAX_COST",
+    "MAX_KEYS",
     "MAX_KEY_BYTES",
     "MAX_LIMIT",
     "MAX_LOG_CAPACITY",
@@ -27,7 +28,9 @@ __all__ = [
     "check_bounds",
     "check_cost",
     "check_cutoff",
+    "check_int_option",
     "check_key",
+    "check_seconds_option",
     "check_storage_options",
     "compound_items",
     "stripes_within",
@@ -58,21 +61,70 @@ MAX_LOG_CAPACITY = 1 << 24
 ON_FULL_POLICIES = ("evict", "deny_new")
 
 
+# A table's bound: each stripe's capacity is a uint32 in the native table (a
+# larger one raised OverflowError only when the table was first used: for a
+# Redis storage's local fallback, at the first decision of an outage).
+MAX_KEYS = (1 << 32) - 1
+
+
+def _shown(value: object) -> str:
+    """``value`` as a message shows it: short, and never failing (an int
+    past ``sys.get_int_max_str_digits`` has no repr)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an int of {value.bit_length()} bits" if isinstance(value, int) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_int_option(name: str, value: object, low: int, high: int) -> int:
+    """An int option in ``[low, high]``, checked where it is given: ``bool``
+    is refused (``True`` is not a count), and so is a value the store could
+    only fail on later (an int that overflows a C field, a count no memory
+    holds). The message names the option and its bounds."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValidationError(f"{name} must be an int in [{low}, {high}], got {_shown(value)}")
+    return int(value)
+
+
+def check_seconds_option(
+    name: str, value: object, low: float, high: float, *, low_open: bool = True
+) -> float:
+    """A number of seconds in ``(low, high]`` (``[low, high]`` when not
+    ``low_open``): a finite int or float, not a bool, not NaN or inf."""
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and (low < value if low_open else low <= value)
+        and value <= high
+    )
+    if not ok:
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValidationError(f"{name} must be a finite number of seconds in {bounds}, got {_shown(value)}")
+    return float(value)  # type: ignore[arg-type]
+
+
 def check_bounds(
     max_keys: object, on_full: object, evict_idle_after: object
 ) -> tuple[int | None, str, float | None]:
     """Validate the bounded-memory options of an InMemoryStorage."""
-    if max_keys is not None and (isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1):
-        raise ValidationError(f"max_keys must be an int >= 1 or None, got {max_keys!r}")
+    if max_keys is not None and (
+        isinstance(max_keys, bool) or not isinstance(max_keys, int) or not 1 <= max_keys <= MAX_KEYS
+    ):
+        raise ValidationError(f"max_keys must be an int in [1, {MAX_KEYS}] or None, got {_shown(max_keys)}")
     if on_full not in ON_FULL_POLICIES:
         raise ValidationError(f"on_full must be one of {ON_FULL_POLICIES}, got {on_full!r}")
     idle: float | None = None
     if evict_idle_after is not None:
         if isinstance(evict_idle_after, bool) or not isinstance(evict_idle_after, (int, float)):
-            raise ValidationError(f"evict_idle_after must be seconds or None, got {evict_idle_after!r}")
-        idle = float(evict_idle_after)
+            raise ValidationError(f"evict_idle_after must be seconds or None, got {_shown(evict_idle_after)}")
+        try:
+            idle = float(evict_idle_after)
+        except OverflowError:
+            idle = math.inf
         if not math.isfinite(idle) or idle <= 0:
-            raise ValidationError(f"evict_idle_after must be finite and > 0, got {evict_idle_after!r}")
+            raise ValidationError(f"evict_idle_after must be finite and > 0, got {_shown(evict_idle_after)}")
     assert isinstance(on_full, str)
     return max_keys, on_full, idle
 
@@ -92,13 +144,13 @@ def check_storage_options(
         or not 1 <= stripes <= MAX_STRIPES
         or stripes & (stripes - 1)
     ):
-        raise ValidationError(f"stripes must be a power of two in [1, {MAX_STRIPES}], got {stripes!r}")
+        raise ValidationError(f"stripes must be a power of two in [1, {MAX_STRIPES}], got {_shown(stripes)}")
     if (
         isinstance(max_key_bytes, bool)
         or not isinstance(max_key_bytes, int)
         or not 1 <= max_key_bytes <= 1 << 20
     ):
-        raise ValidationError(f"max_key_bytes must be an int in [1, 1048576], got {max_key_bytes!r}")
+        raise ValidationError(f"max_key_bytes must be an int in [1, 1048576], got {_shown(max_key_bytes)}")
     bounded, policy, idle = check_bounds(max_keys, on_full, evict_idle_after)
     return stripes_within(stripes, bounded), max_key_bytes, bounded, policy, idle
 

@@ -325,17 +325,10 @@ def run(
 
 
 def _public_url(url: str) -> str:
-    """``url`` without its password, for a report."""
-    from urllib.parse import urlsplit, urlunsplit
+    """``url`` without its passwords, for a report (``redact_uri``: every spelling)."""
+    from ..storage.uri import redact_uri
 
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host += f":{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + host))
+    return redact_uri(url)
 
 
 def _run_cells(

@@ -19,8 +19,8 @@ def check_config(path: str) -> int:
     mode = "stacked (every matching rule applies)" if loaded.stacked else "most specific rule wins"
     print(f"{path}: OK, {len(loaded.rules)} rule(s), {mode}")
     if loaded.storage is not None:
-        options = " ".join(f"{key}={value!r}" for key, value in loaded.storage.options)
-        print(f"  storage: {loaded.storage.type} {options}".rstrip())
+        # never a password: the URI is shown redacted, a secret option as ***
+        print(f"  storage: {loaded.storage.type} {loaded.storage.shown_options()}".rstrip())
     rows = [*loaded.rules, *(() if loaded.default is None else (loaded.default,))]
     for rule in rows:
         extras = []

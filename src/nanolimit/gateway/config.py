@@ -153,12 +153,38 @@ class ConfigError(ValidationError):
         super().__init__(f"{source}: {len(problems)} problem(s):\n{lines}")
 
 
+def _shown_option(key: str, value: Any) -> str:
+    """An option's value as any output shows it: a URI with its passwords
+    as ``***`` (``redact_uri``), a secret-looking option as ``***`` whole."""
+    from ..storage.uri import _SECRET_NAME, redact_uri
+
+    if key == "uri":
+        return repr(redact_uri(value)) if isinstance(value, str) else f"<{type(value).__name__}>"
+    if _SECRET_NAME.search(key):
+        return "'***'"
+    return repr(value)
+
+
 @dataclass(frozen=True)
 class StorageSection:
-    """A rules file's ``[storage]``: the type and its options, checked."""
+    """A rules file's ``[storage]``: the type and its options, checked.
+
+    Its ``repr`` (and so a ``LoadedRules``' one, and what an ``on_reload``
+    hook logs of either) shows a URI without its passwords: ``options``
+    keeps the URI as given, for ``build`` alone."""
 
     type: str = "memory"
     options: tuple[tuple[str, Any], ...] = ()
+
+    def shown_options(self) -> str:
+        """``key=value ...`` as output may show them (no password in any spelling)."""
+        return " ".join(f"{key}={_shown_option(key, value)}" for key, value in self.options)
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"({key!r}, {_shown_option(key, value)})" for key, value in self.options)
+        if len(self.options) == 1:
+            options += ","
+        return f"StorageSection(type={self.type!r}, options=({options}))"
 
     def build(self) -> Any:
         """The storage it describes: every worker that builds a
@@ -296,11 +322,51 @@ def _storage(table: Any, problems: list[Problem]) -> StorageSection | None:
             continue
         value = table[key]
         if isinstance(value, bool) or not isinstance(value, types):
-            problems.append(Problem("storage", key, f"must be {what}, got {value!r}"))
+            got = "a " + type(value).__name__ if key == "uri" else _shown_option(key, value)
+            problems.append(Problem("storage", key, f"must be {what}, got {got}"))
         options.append((key, value))
     if len(problems) > before:
         return None
-    return StorageSection(kind, tuple(options))
+    section = StorageSection(kind, tuple(options))
+    problem = _check_section(section)
+    if problem is not None:
+        problems.append(problem)
+        return None
+    return section
+
+
+def _check_section(section: StorageSection) -> Problem | None:
+    """The section's options range-checked now, as the storage would check
+    them when it is built (so check-config and a reload refuse what the
+    gateway's start would): nothing is made or connected."""
+    from .._validation import check_storage_options
+    from ..storage.uri import check_storage_uri
+
+    options = dict(section.options)
+    try:
+        if section.type == "uri":
+            check_storage_uri(options["uri"])
+        elif section.type == "memory":
+            from .factory import DEFAULT_MAX_KEYS
+
+            check_storage_options(
+                options.get("stripes", 64),
+                1024,
+                options.get("max_keys", DEFAULT_MAX_KEYS),
+                options.get("on_full", "evict"),
+                options.get("evict_idle_after"),
+            )
+        else:
+            check_storage_options(
+                options.get("stripes", 64),
+                1024,
+                options["max_keys"],
+                options.get("on_full", "evict"),
+                options.get("evict_idle_after"),
+            )
+    except ValidationError as exc:
+        return Problem("storage", section.type, str(exc))
+    return None
 
 
 def parse_rules(data: Any, source: str = "<rules>") -> LoadedRules:

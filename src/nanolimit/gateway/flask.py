@@ -646,7 +646,7 @@ def _storage(storage: Storage | str) -> Storage:
         uri = importlib.import_module("nanolimit.storage.uri")
     except ImportError:  # pragma: no cover - the URI module ships with the storage layer
         raise ValidationError(
-            f"a storage URI ({storage!r}) needs nanolimit.storage.uri; pass a Storage object instead"
+            "a storage URI needs nanolimit.storage.uri; pass a Storage object instead"
         ) from None
     made: Storage = uri.storage_from_uri(storage)
     return made

@@ -51,6 +51,7 @@ from .._shared import (
     ValidationError,
     check_now,
 )
+from .._validation import check_int_option, check_seconds_option
 from .redis import RedisStorage
 from .redis._connections import _client_package, derive_client
 from .redis._resilience import _is_noscript
@@ -324,18 +325,20 @@ class TwoTierStorage:
     ) -> None:
         if remote is None:
             raise ValidationError("TwoTierStorage needs a remote: a RedisStorage or a redis client")
-        if not (isinstance(sync_interval, (int, float)) and 0 < sync_interval <= 60):
-            raise ValidationError(f"sync_interval must be seconds in (0, 60], got {sync_interval!r}")
-        if not (isinstance(heartbeat_ttl, (int, float)) and heartbeat_ttl >= 2 * sync_interval):
+        # every option is checked here, where it is given (a bool is no number
+        # of seconds, NaN and inf none either), never at the first sync
+        sync_interval = check_seconds_option("sync_interval", sync_interval, 0, 60)
+        heartbeat_ttl = check_seconds_option("heartbeat_ttl", heartbeat_ttl, 0, 86_400)
+        if heartbeat_ttl < 2 * sync_interval:
             raise ValidationError("heartbeat_ttl must be seconds >= 2 * sync_interval")
-        if not (
-            isinstance(partition_grace, (int, float))
-            and not isinstance(partition_grace, bool)
-            and heartbeat_ttl <= partition_grace <= 86_400
-        ):
+        partition_grace = check_seconds_option("partition_grace", partition_grace, 0, 86_400)
+        if partition_grace < heartbeat_ttl:
             raise ValidationError(
                 f"partition_grace must be seconds in [heartbeat_ttl, 86400], got {partition_grace!r}"
             )
+        if timeout is not None:
+            timeout = check_seconds_option("timeout", timeout, 0, 60)
+        instances = check_int_option("instances", instances, 1, (1 << 31) - 1)
         if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
             raise ValidationError("prefix must be a str without '{' or '}'")
         if local is None:
@@ -367,8 +370,6 @@ class TwoTierStorage:
         self._gate: Any = None if self._native is None else self._native.LeaseGate(self._wake_sync)
         self._books: dict[LimiterConfig, Any] = {}
         self._lock = _Guard(self, self._gate)
-        if isinstance(instances, bool) or not isinstance(instances, int) or instances < 1:
-            raise ValidationError(f"instances must be an int >= 1, got {instances!r}")
         # N until the first sync answers: an instance born during a partition has
         # no live count to divide by, so the operator's estimate stands in
         self._instances = instances

@@ -26,8 +26,16 @@ from urllib.parse import unquote, unquote_plus
 
 from .._errors import ValidationError
 from .._protocols import Storage
+from .._validation import MAX_KEYS, MAX_STRIPES, MAX_WINDOW
 
-__all__ = ["DEFAULT_MEMORY_MAX_KEYS", "SCHEMES", "redact_uri", "storage_from_uri", "storage_kind"]
+__all__ = [
+    "DEFAULT_MEMORY_MAX_KEYS",
+    "SCHEMES",
+    "check_storage_uri",
+    "redact_uri",
+    "storage_from_uri",
+    "storage_kind",
+]
 
 #: ``memory://``'s bound when none is given: the same as LimiterFactory's
 #: default store (a store named in a config must not grow without limit).
@@ -58,6 +66,8 @@ _TRUE: Final = ("true", "1", "yes", "on")
 _FALSE: Final = ("false", "0", "no", "off")
 _NONE: Final = ("none", "")
 _INT = re.compile(r"[+-]?[0-9]+")
+#: the bound of a client's counts (database, connections): what a server takes
+_MAX_INT32: Final = (1 << 31) - 1
 
 
 class _Bad(Exception):
@@ -76,20 +86,26 @@ def _as_bool(value: Any) -> bool:
     raise _Bad(f"must be a bool ({'/'.join(_TRUE)} or {'/'.join(_FALSE)})")
 
 
-def _int(low: int | None = None) -> Callable[[Any], int]:
+def _int(low: int | None = None, high: int | None = None) -> Callable[[Any], int]:
     def convert(value: Any) -> int:
         if isinstance(value, str) and _INT.fullmatch(value.strip()):
+            if len(value.strip()) > 40:  # no option takes a number that long (nor has int() one)
+                raise _Bad(
+                    "must be an int" + (f" in [{low}, {high}]" if high is not None else " of under 40 digits")
+                )
             value = int(value.strip())
         if isinstance(value, bool) or not isinstance(value, int):
             raise _Bad("must be an int")
         if low is not None and value < low:
             raise _Bad(f"must be an int >= {low}")
+        if high is not None and value > high:
+            raise _Bad(f"must be an int in [{low}, {high}]")
         return value
 
     return convert
 
 
-def _float(positive: bool) -> Callable[[Any], float]:
+def _float(positive: bool, high: float | None = None) -> Callable[[Any], float]:
     def convert(value: Any) -> float:
         if isinstance(value, str):
             try:
@@ -100,6 +116,8 @@ def _float(positive: bool) -> Callable[[Any], float]:
             raise _Bad("must be a finite number of seconds")
         if value < 0 or (positive and value == 0):
             raise _Bad("must be a number of seconds " + ("> 0" if positive else ">= 0"))
+        if high is not None and value > high:
+            raise _Bad(f"must be a number of seconds in {'(' if positive else '['}0, {high:g}]")
         return float(value)
 
     return convert
@@ -149,28 +167,32 @@ def _policies() -> tuple[str, ...]:
     return tuple(_POLICIES)
 
 
+#: the Redis storages' bound of a count option (storage/redis/_base.py's MAX_COUNT)
+MAX_COUNT: Final = (1 << 31) - 1
+
+
 def _redis_options() -> dict[str, _Option]:
     """What the Redis storages take."""
     return {
-        "timeout": _Option(_float(True)),
-        "connect_timeout": _Option(_float(True)),
+        "timeout": _Option(_float(True, 60)),
+        "connect_timeout": _Option(_float(True, 60)),
         "on_error": _Option(_choice(*_policies())),
         "prefix": _Option(_text),
-        "breaker_threshold": _Option(_int(1)),
-        "breaker_cooldown": _Option(_float(False)),
+        "breaker_threshold": _Option(_int(1, MAX_COUNT)),
+        "breaker_cooldown": _Option(_float(False, 86_400)),
         "near_cache": _Option(_as_bool),
-        "near_cache_size": _Option(_int(1)),
-        "near_cache_ttl": _Option(_float(True)),
-        "keep_connections": _Option(_int(0)),
+        "near_cache_size": _Option(_int(1, MAX_COUNT)),
+        "near_cache_ttl": _Option(_float(True, 86_400)),
+        "keep_connections": _Option(_int(0, 1 << 16)),
         "local_share": _Option(_optional(_float(True))),  # > 0 here; the storage checks <= 1
-        "local_instances": _Option(_int(1)),
-        "local_max_keys": _Option(_int(1)),
+        "local_instances": _Option(_int(1, _MAX_INT32)),
+        "local_max_keys": _Option(_int(1, MAX_KEYS)),
         "batch": _Option(_choice("script", "pipeline")),
-        "deny_retry_after": _Option(_float(True)),
+        "deny_retry_after": _Option(_float(True, MAX_WINDOW)),
         "clock": _Option(_choice("server", "client")),
         "hash_identities": _Option(_as_bool),
-        "max_identity_bytes": _Option(_int(1)),
-        "max_key_bytes": _Option(_int(1)),
+        "max_identity_bytes": _Option(_int(1, 1 << 20)),
+        "max_key_bytes": _Option(_int(1, 1 << 20)),
         "rule_on_error": _Option(_as_is, keyword_only=True),
         "secret_rules": _Option(_as_is, keyword_only=True),
         "key_salt": _Option(_as_is, secret=True, keyword_only=True),
@@ -181,10 +203,10 @@ def _redis_options() -> dict[str, _Option]:
 _CLIENT_OPTIONS: Final = {
     "username": _Option(_text),
     "password": _Option(_text, secret=True),
-    "db": _Option(_int(0)),
+    "db": _Option(_int(0, _MAX_INT32)),
     "client_name": _Option(_text),
-    "max_connections": _Option(_int(1)),
-    "health_check_interval": _Option(_float(False)),
+    "max_connections": _Option(_int(1, _MAX_INT32)),
+    "health_check_interval": _Option(_float(False, 86_400)),
     "socket_keepalive": _Option(_as_bool),
     "protocol": _Option(_choice(2, 3)),
 }
@@ -202,16 +224,16 @@ _SENTINEL_OPTIONS: Final = {
     "sentinel_password": _Option(_text, secret=True),
 }
 _TABLE_OPTIONS: Final = {
-    "max_keys": _Option(_optional(_int(1))),
-    "stripes": _Option(_int(1)),
+    "max_keys": _Option(_optional(_int(1, MAX_KEYS))),
+    "stripes": _Option(_int(1, MAX_STRIPES)),
     "on_full": _Option(_choice("evict", "deny_new")),
     "evict_idle_after": _Option(_optional(_float(True))),
-    "max_key_bytes": _Option(_int(1)),
+    "max_key_bytes": _Option(_int(1, 1 << 20)),
 }
 _ZONE_OPTIONS: Final = {
     **_TABLE_OPTIONS,
-    "max_keys": _Option(_int(1)),
-    "arena_bytes": _Option(_int(0)),
+    "max_keys": _Option(_int(1, 1 << 30)),  # the zone's ZONE_MAX_KEYS (_core_zone.pxi)
+    "arena_bytes": _Option(_int(0, 1 << 40)),  # as the zone checks it
     "if_stale": _Option(_choice("reuse", "reset")),
 }
 # redis-py's names for what the storage sets itself: said in the error
@@ -221,26 +243,111 @@ _INSTEAD: Final = {
     "retry_on_timeout": "nothing: decisions are never retried",
     "ssl": "the rediss:// scheme",
 }
-_SECRET_QUERY = re.compile(r"((?:^|[?&])[^=&]*password=)[^&]*", re.IGNORECASE)
+#: What a field's name says about its value: shown as ``***`` by
+#: :func:`redact_uri` (``password``, ``sentinel_password``, ``ssl_password``,
+#: and the misspellings and inventions an operator may bring).
+_SECRET_NAME = re.compile(r"pass|pwd|secret|salt|token|auth|cred", re.IGNORECASE)
+
+
+def _option_names() -> frozenset[str]:
+    """Every option name a query may hold (and redis-py's that are refused)."""
+    names = set(_redis_options()) | set(_INSTEAD)
+    for table in (_CLIENT_OPTIONS, _TLS_OPTIONS, _SENTINEL_OPTIONS, _ZONE_OPTIONS):
+        names.update(table)
+    return frozenset(names)
+
+
+def _query_start(rest: str) -> int:
+    """Where the query of ``rest`` (what follows ``scheme://``) begins: the
+    first ``?`` followed by a known option's ``name=``, or -1. A ``?`` that
+    is not is taken for part of a password written unencoded (base64
+    secrets hold ``/``, ``+`` and ``=``; generated ones ``?``, ``#``, ``@``)."""
+    names = _option_names()
+    at = rest.find("?")
+    while at != -1:
+        name, eq, _ = rest[at + 1 :].partition("=")
+        if eq and unquote_plus(name.partition("&")[0]) in names:
+            return at
+        at = rest.find("?", at + 1)
+    return -1
+
+
+def _userinfo(rest: str, socket_path: bool) -> tuple[str | None, str]:
+    """``(userinfo, the rest after it)`` of what follows ``scheme://``.
+
+    The userinfo ends at the last ``@`` before the query, so a password may
+    hold any character, written raw or percent-encoded: ``/ ? # @ :`` too
+    (RFC 3986 wants them encoded; secrets are pasted as they are). A Unix
+    socket's URI (``unix://[[USER]:PASSWORD@]/PATH``) is the exception: its
+    path may hold an ``@``, so its userinfo ends at the last ``@/``, and a
+    URI whose rest starts with ``/`` has none."""
+    if socket_path:
+        if rest.startswith("/"):
+            return None, rest
+        query = _query_start(rest)
+        at = rest.rfind("@/", 0, len(rest) if query == -1 else query)
+    else:
+        query = _query_start(rest)
+        at = rest.rfind("@", 0, len(rest) if query == -1 else query)
+    if at == -1:
+        return None, rest
+    return rest[:at], rest[at + 1 :]
+
+
+def _redact_query(query: str) -> str:
+    """A query's fields with every secret value as ``***``. A field that does
+    not begin with a known option's ``name=`` continues the value before it
+    (a password holding a raw ``&``): after a secret field it is masked too."""
+    names = _option_names()
+    out: list[str] = []
+    masking = False
+    for field in query.split("&"):
+        name, eq, _ = field.partition("=")
+        decoded = unquote_plus(name)
+        if eq and decoded in names:
+            masking = bool(_SECRET_NAME.search(decoded))
+        elif eq and _SECRET_NAME.search(decoded):
+            masking = True  # an unknown secret-looking name: refused, but not shown
+        elif masking:
+            continue  # the secret value's continuation: folded into its ***
+        else:
+            masking = False
+        out.append(f"{name}=***" if masking else field)
+    return "&".join(out)
 
 
 def redact_uri(uri: str) -> str:
-    """``uri`` with its passwords (``user:password@``, ``password=``,
-    ``sentinel_password=``, ``ssl_password=``) shown as ``***``."""
+    """``uri`` with every password shown as ``***``: the userinfo's
+    (``user:password@``, ``:password@``), and the query's ``password=``,
+    ``sentinel_password=``, ``ssl_password=`` (any name that looks secret),
+    in any spelling a URI allows: raw ``/ ? # @ : &``, percent-encoded,
+    ``+`` for a space. What cannot be read as a URI is ``***`` whole."""
     if not isinstance(uri, str):
         return repr(type(uri))
     scheme, sep, rest = uri.partition("://")
-    if not sep:
-        return "***" if "@" in uri else uri
-    authority, tail = _authority(rest)
-    userinfo, at, hosts = authority.rpartition("@")
-    if at:
+    if not sep or not scheme.replace("+", "").replace("-", "").replace(".", "").isalnum():
+        return "***" if ("@" in uri or _SECRET_NAME.search(uri)) else uri
+    low = scheme.lower()
+    userinfo, rest = _userinfo(rest, low.endswith("unix"))
+    shown = ""
+    if userinfo is not None:
         user, colon, _ = userinfo.partition(":")
-        authority = f"{user}{':***' if colon else ''}@{hosts}"
-    path, q, query = tail.partition("?")
-    if q:
-        query = _SECRET_QUERY.sub(r"\1***", query)
-    return f"{scheme}://{authority}{path}{q}{query}"
+        if colon or _SECRET_NAME.search(unquote(user)):
+            shown = f"{user}:***@" if colon else "***@"
+        else:
+            shown = f"{user}@"
+    query = _query_start(rest)
+    if query == -1:
+        query = rest.find("?")
+    head, tail = (rest, "") if query == -1 else (rest[:query], rest[query + 1 :])
+    if userinfo is None and "@" in head and not head.startswith("/"):
+        # no userinfo found but an @ before the query: whatever it is, it
+        # is not shown
+        head = "***@" + head.rpartition("@")[2]
+    out = f"{scheme}://{shown}{head}"
+    if query != -1:
+        out += "?" + _redact_query(tail)
+    return out
 
 
 # -- the URI's parts ---------------------------------------------------------------
@@ -255,13 +362,15 @@ class _Parts:
     authority: str  # the host part as written (shm's name)
     path: str
     query: dict[str, str]
+    #: query names that follow a secret field and are no option: likely the
+    #: rest of a password holding a raw ``&``, so never shown in a message
+    hidden: frozenset[str] = frozenset()
 
 
-def _authority(rest: str) -> tuple[str, str]:
-    """What follows ``scheme://`` split where the path or the query starts."""
-    ends = [i for i in (rest.find("/"), rest.find("?")) if i != -1]
-    end = min(ends, default=len(rest))
-    return rest[:end], rest[end:]
+def _authority(head: str) -> tuple[str, str]:
+    """What follows the userinfo, up to the query, split where the path starts."""
+    host, slash, path = head.partition("/")
+    return host, slash + path
 
 
 def _schemes_line() -> str:
@@ -283,35 +392,52 @@ def _split(uri: str) -> _Parts:
     base, _, topology = name.partition("+")
     known = name in SCHEMES and not (asyncio and base in ("memory", "shm"))
     if not known:
-        raise ValidationError(f"unknown storage scheme {_shown(scheme)}://; {_schemes_line()}")
-    authority, tail = _authority(rest)
-    path, _, query_text = tail.partition("?")
-    userinfo, at, hostpart = authority.rpartition("@")
+        shown = (
+            _shown(scheme) if re.fullmatch(r"[a-z0-9+.-]+", scheme) else "(not shown: it is no scheme name)"
+        )
+        raise ValidationError(f"unknown storage scheme {shown}://; {_schemes_line()}")
+    userinfo, rest = _userinfo(rest, topology == "unix")
+    query = _query_start(rest)
+    if query == -1 and "?" in rest:
+        # a query of no known option: split at its first '?' (and refuse its options, by name)
+        query = rest.find("?")
+    head, query_text = (rest, "") if query == -1 else (rest[:query], rest[query + 1 :])
+    hostpart, path = _authority(head)
     username = password = None
-    if at:
+    if userinfo is not None:
         user, colon, secret = userinfo.partition(":")
         username = unquote(user) or None
         password = unquote(secret) if colon else None
-    return _Parts(
-        scheme, asyncio, base, topology, username, password, hostpart, path, _query(query_text, scheme)
-    )
+    fields, hidden = _query(query_text, scheme)
+    return _Parts(scheme, asyncio, base, topology, username, password, hostpart, path, fields, hidden)
 
 
-def _query(text: str, scheme: str) -> dict[str, str]:
+def _query(text: str, scheme: str) -> tuple[dict[str, str], frozenset[str]]:
     out: dict[str, str] = {}
+    hidden: set[str] = set()
     if not text:
-        return out
+        return out, frozenset()
+    names = _option_names()
+    after_secret = False
     for i, field in enumerate(text.split("&")):
         if not field:
             continue
         name, eq, value = field.partition("=")
         name = unquote_plus(name)
+        if name in names:
+            after_secret = bool(_SECRET_NAME.search(name))
+        elif after_secret or _SECRET_NAME.search(name):
+            hidden.add(name)
         if not eq:
-            raise ValidationError(f"{scheme}://: query field #{i + 1} has no '=' (write name=value)")
+            raise ValidationError(
+                f"{scheme}://: query field #{i + 1} has no '=' (write name=value; "
+                "a raw '&' in a password is written %26)"
+            )
         if name in out:
-            raise ValidationError(f"{scheme}://: option {_shown(name)} is given twice in the query")
+            shown = "a field" if name in hidden else f"option {_shown(name)}"
+            raise ValidationError(f"{scheme}://: {shown} is given twice in the query")
         out[name] = unquote_plus(value)
-    return out
+    return out, frozenset(hidden)
 
 
 def _shown(name: str) -> str:
@@ -341,7 +467,12 @@ def _hosts(parts: _Parts, several: bool, default_port: int, form: str) -> list[t
             raise ValidationError(f"{parts.scheme}://: host #{n} is empty: {form}")
         port = default_port
         if port_text:
-            if not (port_text.isdigit() and 1 <= int(port_text) <= 65535):
+            if not (
+                port_text.isascii()
+                and port_text.isdigit()
+                and len(port_text) <= 5
+                and 1 <= int(port_text) <= 65535
+            ):
                 raise ValidationError(
                     f"{parts.scheme}://: the port of host #{n} must be a number in 1..65535"
                 )
@@ -363,9 +494,12 @@ def _options(
         if option is None:
             hint = why_not.get(name) or (f" (use {_INSTEAD[name]})" if name in _INSTEAD else "")
             accepted = ", ".join(sorted(n for n in table if keyword or not table[n].keyword_only))
-            raise ValidationError(
-                f"{parts.scheme}:// has no option {_shown(name)}{hint}; it accepts: {accepted}"
+            shown = (
+                "option named by a field that follows a secret one (a raw '&' in a password is written %26)"
+                if name in parts.hidden
+                else f"option {_shown(name)}{hint}"
             )
+            raise ValidationError(f"{parts.scheme}:// has no {shown}; it accepts: {accepted}")
         if option.keyword_only and not keyword:
             raise ValidationError(
                 f"{parts.scheme}://: option {name!r} is given as a keyword only, not in the query"
@@ -424,7 +558,7 @@ def storage_kind(uri: str) -> str:
     return parts.base if parts.base in ("memory", "shm") else "redis"
 
 
-def _memory(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
+def _memory(parts: _Parts, keywords: Mapping[str, Any], dry: bool = False) -> Any:
     form = "memory://[?max_keys=N&stripes=N&on_full=evict|deny_new&evict_idle_after=SECONDS]"
     if parts.authority or parts.username or parts.password is not None:
         raise ValidationError(f"memory:// names no host: {form}")
@@ -432,14 +566,23 @@ def _memory(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
     opts = _options(parts, _TABLE_OPTIONS, keywords, {})
     opts.setdefault("max_keys", DEFAULT_MEMORY_MAX_KEYS)
     from .._select import twin
+    from .._validation import check_storage_options
 
     try:
+        if dry:
+            return check_storage_options(
+                opts.get("stripes", 64),
+                opts.get("max_key_bytes", 1024),
+                opts["max_keys"],
+                opts.get("on_full", "evict"),
+                opts.get("evict_idle_after"),
+            )
         return twin.InMemoryStorage(**opts)
     except ValidationError as exc:
         raise ValidationError(f"memory://: {exc}") from None
 
 
-def _zone(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
+def _zone(parts: _Parts, keywords: Mapping[str, Any], dry: bool = False) -> Any:
     form = "shm://NAME[?max_keys=N&...] (without max_keys: attach to the zone NAME that exists)"
     if parts.username or parts.password is not None:
         raise ValidationError(f"shm:// takes no user or password: {form}")
@@ -448,6 +591,10 @@ def _zone(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
     if not name:
         raise ValidationError(f"shm:// needs the zone's name: {form}")
     opts = _options(parts, _ZONE_OPTIONS, keywords, {})
+    if dry:
+        if opts and "max_keys" not in opts:
+            raise ValidationError(f"shm://: {', '.join(sorted(opts))} need max_keys")
+        return None
     from .shared_memory import SharedMemoryStorage
 
     try:
@@ -509,11 +656,11 @@ def _check_taken(parts: _Parts, cls: Any, kwargs: Mapping[str, Any]) -> None:
             )
 
 
-def _redis(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
+def _redis_table(parts: _Parts) -> tuple[dict[str, _Option], dict[str, str]]:
+    """The options a Redis/Valkey scheme takes, and why the others are not."""
     tls = parts.base in _TLS
     top = parts.topology
-    storage_table = _redis_options()
-    table: dict[str, _Option] = {**storage_table, **_CLIENT_OPTIONS}
+    table: dict[str, _Option] = {**_redis_options(), **_CLIENT_OPTIONS}
     why_not: dict[str, str] = {}
     if tls:
         table.update(_TLS_OPTIONS)
@@ -526,6 +673,43 @@ def _redis(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
     if top == "cluster":
         del table["db"]
         why_not["db"] = " (a cluster has database 0 only)"
+    return table, why_not
+
+
+def check_storage_uri(uri: str, **options: Any) -> str:
+    """Check ``uri`` and its options as :func:`storage_from_uri` does, with
+    nothing made or connected (``nanolimit check-config`` reads a rules
+    file's ``[storage]`` with it): a :class:`ValidationError` naming the
+    option and its bounds, or the URI's kind (:func:`storage_kind`)."""
+    parts = _split(uri)
+    if parts.base == "memory":
+        _memory(parts, options, dry=True)
+        return "memory"
+    if parts.base == "shm":
+        _zone(parts, options, dry=True)
+        return "shm"
+    _redis(parts, options, dry=True)
+    return "async" if parts.asyncio else "redis"
+
+
+class _Dry:
+    """A client library that makes nothing: ``check_storage_uri`` runs the
+    URI's own checks (hosts, path, database) through it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def master_for(self, service: str) -> _Dry:
+        return self
+
+
+_DRY: Final = _Library("dry", _Dry, _Dry, _Dry, _Dry)
+
+
+def _redis(parts: _Parts, keywords: Mapping[str, Any], dry: bool = False) -> Any:
+    tls = parts.base in _TLS
+    storage_table = _redis_options()
+    table, why_not = _redis_table(parts)
     opts = _options(parts, table, keywords, why_not)
     storage_opts = {n: v for n, v in opts.items() if n in storage_table}
     client_opts = {n: v for n, v in opts.items() if n not in storage_table}
@@ -540,6 +724,9 @@ def _redis(parts: _Parts, keywords: Mapping[str, Any]) -> Any:
     client_opts["socket_connect_timeout"] = timeout if connect is None else connect
     if tls:
         client_opts["ssl"] = True
+    if dry:
+        _make_client(parts, _DRY, client_opts)
+        return None
     lib = _library(parts.base, parts.asyncio)
     client = _make_client(parts, lib, client_opts)
     from .redis import AsyncRedisStorage, RedisStorage
@@ -578,7 +765,7 @@ def _make_client(parts: _Parts, lib: _Library, opts: dict[str, Any]) -> Any:
         pieces = [unquote(p) for p in parts.path.split("/")[1:]]
         if not pieces or not pieces[0]:
             raise ValidationError(f"{parts.scheme}:// needs the service name the Sentinels watch: {form}")
-        if len(pieces) > 2 or (len(pieces) == 2 and not pieces[1].isdigit()):
+        if len(pieces) > 2 or (len(pieces) == 2 and not _db_number(pieces[1])):
             raise ValidationError(f"{parts.scheme}://: after the service name only a database number: {form}")
         if len(pieces) == 2:
             opts.setdefault("db", int(pieces[1]))
@@ -616,11 +803,16 @@ def _make_client(parts: _Parts, lib: _Library, opts: dict[str, Any]) -> Any:
     [(host, port)] = _hosts(parts, False, _DEFAULT_PORT, form)
     path = parts.path.strip("/")
     if path:
-        if not path.isdigit():
+        if not _db_number(path):
             raise ValidationError(f"{parts.scheme}://: the path is the database number: {form}")
         opts.setdefault("db", int(path))
     _check_taken(parts, lib.client, opts)
     return lib.client(host=host, port=port, **opts)
+
+
+def _db_number(text: str) -> bool:
+    """A database number as a path holds it: digits, within an int32."""
+    return text.isascii() and text.isdigit() and len(text) <= 10 and int(text) <= _MAX_INT32
 
 
 def _failures(lib: _Library) -> tuple[type[BaseException], ...]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-import math
 import sys
 import threading
 import time
@@ -35,6 +34,7 @@ from ..._shared import (
     decision_from_verdict,
     event_counter,
 )
+from ..._validation import MAX_WINDOW, check_int_option, check_seconds_option
 from ._connections import (
     _AsyncSpareConnections,
     _client_package,
@@ -69,6 +69,10 @@ from ._scripts import (
     _parse_verdict,
     _Script,
 )
+
+#: The bound of a count option (breaker threshold, near-cache entries): an
+#: int32, so no count is ever a number no table or counter could hold.
+MAX_COUNT = (1 << 31) - 1  # storage/uri.py names the same bound
 
 # --------------------------------------------------------------------------
 # Near-cache
@@ -174,8 +178,10 @@ class _RedisBase:
         local_instances: int = 1,
         local_max_keys: int = DEFAULT_LOCAL_MAX_KEYS,
     ) -> None:
-        if type(keep_connections) is not int or keep_connections < 0:
-            raise ValidationError(f"keep_connections must be an int >= 0, got {keep_connections!r}")
+        # every option is checked here, where it is given, and never later:
+        # a value that only fails when it is first used (a local fallback's
+        # bound at the first decision of an outage) fails now instead
+        keep_connections = check_int_option("keep_connections", keep_connections, 0, 1 << 16)
         if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
             raise ValidationError("prefix must be a str without '{' or '}' (they would become a hash tag)")
         if batch not in ("script", "pipeline"):
@@ -185,15 +191,19 @@ class _RedisBase:
         for policy in (on_error, *(rule_on_error or {}).values()):
             if policy not in _POLICIES:
                 raise ValidationError(f"on_error must be one of {_POLICIES}, got {policy!r}")
-        if not (isinstance(timeout, (int, float)) and 0 < timeout <= 60):
-            raise ValidationError(f"timeout must be seconds in (0, 60], got {timeout!r}")
-        if not (deny_retry_after > 0 and math.isfinite(deny_retry_after)):
-            raise ValidationError("deny_retry_after must be finite and > 0")
-        if not isinstance(breaker_threshold, int) or breaker_threshold < 1:
-            raise ValidationError("breaker_threshold must be an int >= 1")
+        timeout = check_seconds_option("timeout", timeout, 0, 60)
+        deny_retry_after = check_seconds_option("deny_retry_after", deny_retry_after, 0, MAX_WINDOW)
+        breaker_threshold = check_int_option("breaker_threshold", breaker_threshold, 1, MAX_COUNT)
+        breaker_cooldown = check_seconds_option(
+            "breaker_cooldown", breaker_cooldown, 0, 86_400, low_open=False
+        )
+        near_cache_size = check_int_option("near_cache_size", near_cache_size, 1, MAX_COUNT)
+        near_cache_ttl = check_seconds_option("near_cache_ttl", near_cache_ttl, 0, 86_400)
+        max_identity_bytes = check_int_option("max_identity_bytes", max_identity_bytes, 1, 1 << 20)
+        max_key_bytes = check_int_option("max_key_bytes", max_key_bytes, 1, 1 << 20)
         share, instances, local_keys = check_local_options(local_share, local_instances, local_max_keys)
-        if len(key_salt) > 64:
-            raise ValidationError("key_salt is at most 64 bytes (BLAKE2b key)")
+        if not isinstance(key_salt, (bytes, bytearray, memoryview)) or len(key_salt) > 64:
+            raise ValidationError("key_salt must be bytes, at most 64 of them (a BLAKE2b key)")
         check_client(client)
         if is_asyncio_client(client) is not self._asyncio:
             want, other = (
@@ -218,7 +228,7 @@ class _RedisBase:
         self.max_identity_bytes = max_identity_bytes
         self.key_salt = bytes(key_salt)
         self.max_key_bytes = max_key_bytes
-        self._breaker = _Breaker(breaker_threshold, float(breaker_cooldown))
+        self._breaker = _Breaker(breaker_threshold, breaker_cooldown)
         # the local store of on_error="local", made only when a rule uses it
         self._local: LocalFallback | None = None
         if "local" in (on_error, *self.rule_on_error.values()):

@@ -68,6 +68,10 @@ def _client_package(client: Any) -> Any:
 
 
 def _shown(value: Any) -> str:
+    if isinstance(value, str):  # a URL given where a client belongs: never its password
+        from ..uri import redact_uri
+
+        value = redact_uri(value)
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..._select import twin
 from ..._shared import LIMITER_CLASS_NAMES, KernelVerdict, LimiterConfig, ValidationError
+from ..._validation import MAX_KEYS, check_int_option
 
 # Decision.reason of a decision the local store made during an outage.
 REASON_STORE_UNAVAILABLE_LOCAL = "store_unavailable_local"
@@ -42,10 +43,10 @@ def check_local_options(
 ) -> tuple[float, int | None, int]:
     """The checked options: the share, the instance count it came from
     (None when the share was given), and the store's bound."""
-    if isinstance(local_instances, bool) or not isinstance(local_instances, int) or local_instances < 1:
-        raise ValidationError(f"local_instances must be an int >= 1, got {local_instances!r}")
-    if isinstance(local_max_keys, bool) or not isinstance(local_max_keys, int) or local_max_keys < 1:
-        raise ValidationError(f"local_max_keys must be an int >= 1, got {local_max_keys!r}")
+    local_instances = check_int_option("local_instances", local_instances, 1, (1 << 31) - 1)
+    # the local store is an InMemoryStorage made at the first decision of an
+    # outage: a bound it refuses must be refused here, not then
+    local_max_keys = check_int_option("local_max_keys", local_max_keys, 1, MAX_KEYS)
     if local_share is None:
         return 1.0 / local_instances, local_instances, local_max_keys
     if (
@@ -54,7 +55,7 @@ def check_local_options(
         or not math.isfinite(local_share)
         or not 0 < local_share <= 1
     ):
-        raise ValidationError(f"local_share must be a number in (0, 1], got {local_share!r}")
+        raise ValidationError(f"local_share must be a number in (0, 1], got {str(local_share)[:60]}")
     return float(local_share), None, local_max_keys
 
 
