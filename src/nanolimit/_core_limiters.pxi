@@ -174,14 +174,16 @@ cdef class _Limiter:
         cdef const char* data
         cdef int64_t units
         cdef double now = 0.0
+        cdef int status
         if self.system_clock:
             now = nl_wall_now()
         data = key_bytes(key, self.max_key_bytes, &klen)
         units = cost_value(cost, self.p.capacity)
         if not self.system_clock:
             now = clock_value(self._clock.now())
-        if self.zone.decide(self.ns, self.seed, data, klen, now, units, &self.p, commit, &v) != NL_OK:
-            raise_status(NL_NOMEM)
+        status = self.zone.decide(self.ns, self.seed, data, klen, now, units, &self.p, commit, &v)
+        if status != NL_OK:
+            raise_status(status)
         return make_decision(&v, self.p.capacity, self._rule, self.p.window)
 
     cdef Decision foreign(self, object key, object cost, bint commit):
@@ -373,6 +375,8 @@ cdef class _Limiter:
             if status == NL_OK and refused > 0:
                 # which requests a bounded storage refused (no room for a new key)
                 reasons = {i: REASON_STORAGE_FULL for i in range(n) if storage_full[i]}
+            if status == NL_CORRUPT and self.zone is not None:
+                self.zone.raise_corrupt_at(hashes[done])    # repaired, its lock released
         finally:
             for i in range(nheld):
                 Py_DECREF(<object>held[i])
