@@ -195,7 +195,7 @@ class Segment:
 
 def populated(core: Any, name: str) -> Any:
     """A zone with keys of every algorithm in it (a sliding log's ring among
-    them), this process detached from it as a worker that exited would be."""
+    them)."""
     zone = core.SharedMemoryStorage(name, **OPTS)
     clock = FakeClock(T0)
     for cls in ("TokenBucket", "FixedWindowCounter", "SlidingWindowLog", "GCRA"):
@@ -204,6 +204,17 @@ def populated(core: Any, name: str) -> Any:
             lim.allow(f"k{i}")
         lim.allow("victim", 3)
     return zone
+
+
+def detached_segment(core: Any, name: str) -> Segment:
+    """A populated zone this process has closed (as a worker that exited
+    would have), mapped for writing: the bad bytes go in after this process
+    is done with the zone, so only the fresh worker meets them."""
+    zone = populated(core, name)
+    zone.close()
+    seg = Segment(zone)
+    del zone
+    return seg
 
 
 def assert_survived(result: dict[str, Any], name: str) -> dict[str, Any]:
@@ -228,14 +239,11 @@ def assert_made_again(result: dict[str, Any]) -> None:
 def test_a_zone_left_retired_by_a_killed_unlinker_is_made_again(core, name):
     """``unlink()`` killed between marking the zone retired and removing its
     name: a fresh worker must not wait on it forever, but make the zone again."""
-    zone = populated(core, name)
-    seg = Segment(zone)
+    seg = detached_segment(core, name)
     try:
         seg.put((0, "<Q"), ZONE_RETIRED)  # what unlink() writes first
     finally:
         seg.close()
-    zone.close()
-    del zone
     result, took = run_worker(name)
     assert_made_again(result)  # it created the zone afresh
     assert took < 10.0, took
@@ -263,8 +271,7 @@ def test_a_retired_zone_still_mapped_by_a_live_worker_is_made_again_and_left_to_
 def test_a_retired_zone_whose_unlinker_holds_the_registry_lock_dead_is_made_again(core, name):
     """``if_stale="reset"`` killed between retiring and unlinking: the zone is
     retired and its registry lock still names the dead process."""
-    zone = populated(core, name)
-    seg = Segment(zone)
+    seg = detached_segment(core, name)
     try:
         child = subprocess.Popen([sys.executable, "-c", "pass"])
         child.wait(timeout=30)
@@ -272,8 +279,6 @@ def test_a_retired_zone_whose_unlinker_holds_the_registry_lock_dead_is_made_agai
         seg.put((0, "<Q"), ZONE_RETIRED)
     finally:
         seg.close()
-    zone.close()
-    del zone
     assert_made_again(run_worker(name)[0])
 
 
@@ -294,43 +299,34 @@ def test_a_retired_zone_whose_unlinker_holds_the_registry_lock_dead_is_made_agai
     ],
 )
 def test_a_header_that_names_what_is_not_there_is_refused_at_attach(core, name, field, value):
-    zone = populated(core, name)
-    seg = Segment(zone)
+    seg = detached_segment(core, name)
     try:
         seg.put(field, value)
     finally:
         seg.close()
-    zone.close()
-    del zone
     result = assert_survived(run_worker(name)[0], name)
     assert "refused" in result, result
 
 
 def test_an_arena_header_beyond_the_segment_is_refused_at_attach(core, name):
-    zone = populated(core, name)
-    seg = Segment(zone)
+    seg = detached_segment(core, name)
     try:
         arena = seg.get(H_ARENA_OFFSET)
         seg.put((ARENA_TOP, "<Q"), 1 << 40, arena)
     finally:
         seg.close()
-    zone.close()
-    del zone
     result = assert_survived(run_worker(name)[0], name)
     assert "refused" in result and "arena" in result["refused"], result
 
 
 @pytest.mark.parametrize("count", [0xFFFFFFF0, 1 << 20, 81])
 def test_a_stripe_count_beyond_its_capacity_is_an_error_then_a_repair(core, name, count):
-    zone = populated(core, name)
-    seg = Segment(zone)
+    seg = detached_segment(core, name)
     try:
         for i in range(seg.get(H_STRIPES)):
             seg.put((64, "<I"), count, seg.stripe(i))  # ZoneStripe.count
     finally:
         seg.close()
-    zone.close()
-    del zone
     assert_survived(run_worker(name)[0], name)
 
 
@@ -343,16 +339,13 @@ def test_a_stripe_count_beyond_its_capacity_is_an_error_then_a_repair(core, name
     ],
 )
 def test_garbage_index_slots_never_probe_forever(core, name, garbage):
-    zone = populated(core, name)
-    seg = Segment(zone)
+    seg = detached_segment(core, name)
     try:
         start = seg.get(H_INDEX_OFFSET)
         size = seg.get(H_STRIPES) * seg.get(H_INDEX_SLOTS) * 4
         seg.map[start : start + size] = (garbage * (size // len(garbage) + 1))[:size]
     finally:
         seg.close()
-    zone.close()
-    del zone
     assert_survived(run_worker(name)[0], name)
 
 
@@ -367,8 +360,7 @@ def test_garbage_index_slots_never_probe_forever(core, name, garbage):
     ],
 )
 def test_a_sliding_log_ring_outside_the_arena_is_never_followed(core, name, ring, head, length):
-    zone = populated(core, name)
-    seg = Segment(zone)
+    seg = detached_segment(core, name)
     try:
         at = seg.entry_of(b"victim", ALG_SLIDING_LOG) + 32  # its ZoneLog
         if ring == "arena-end":
@@ -383,49 +375,38 @@ def test_a_sliding_log_ring_outside_the_arena_is_never_followed(core, name, ring
             struct.pack_into("<I", seg.map, at + 12, length)
     finally:
         seg.close()
-    zone.close()
-    del zone
     assert_survived(run_worker(name)[0], name)
 
 
 def test_an_arena_free_list_pointing_outside_the_arena_is_never_followed(core, name):
-    zone = populated(core, name)
-    seg = Segment(zone)
+    seg = detached_segment(core, name)
     try:
         arena = seg.get(H_ARENA_OFFSET)
         for k in range(48):
             seg.put((ARENA_FREE_HEADS + 8 * k, "<Q"), (1 << 40) + 64 * k, arena)
     finally:
         seg.close()
-    zone.close()
-    del zone
     assert_survived(run_worker(name)[0], name)
 
 
 def test_entries_with_garbage_namespaces_and_keys_are_dropped_not_followed(core, name):
-    zone = populated(core, name)
-    seg = Segment(zone)
+    seg = detached_segment(core, name)
     try:
         for at, _, _ in list(seg.entries())[::3]:
             struct.pack_into("<II", seg.map, at + 8, 0xFFFFFFFF, 0xFFFFFFFF)  # key_len, ns
     finally:
         seg.close()
-    zone.close()
-    del zone
     assert_survived(run_worker(name)[0], name)
 
 
 def test_a_garbage_stripe_lock_word_is_taken_over_not_waited_on(core, name):
     """A lock word that names no process (here pid -1, which ``kill`` reads
     as "every process") is a dead owner, not a live one to wait for."""
-    zone = populated(core, name)
-    seg = Segment(zone)
+    seg = detached_segment(core, name)
     try:
         for i in range(seg.get(H_STRIPES)):
             seg.put((0, "<Q"), 0xFFFFFFFFFFFFFFFF, seg.stripe(i))
         seg.put(H_REGISTRY_LOCK, 0xFFFFFFFFFFFFFFFF)
     finally:
         seg.close()
-    zone.close()
-    del zone
     assert_survived(run_worker(name)[0], name)
