@@ -360,6 +360,9 @@ def test_garbage_index_slots_never_probe_forever(core, name, garbage):
     ],
 )
 def test_a_sliding_log_ring_outside_the_arena_is_never_followed(core, name, ring, head, length):
+    """Not followed, and not taken for a ring either: the worker reports the
+    stripe corrupt (and repairs it), and a ring offset that names the header
+    never has stamps written over the header."""
     seg = detached_segment(core, name)
     try:
         at = seg.entry_of(b"victim", ALG_SLIDING_LOG) + 32  # its ZoneLog
@@ -373,9 +376,20 @@ def test_a_sliding_log_ring_outside_the_arena_is_never_followed(core, name, ring
             struct.pack_into("<I", seg.map, at + 8, head)
         if length is not None:
             struct.pack_into("<I", seg.map, at + 12, length)
+        header = bytes(seg.map[:392])  # up to the registry of processes
     finally:
         seg.close()
-    assert_survived(run_worker(name)[0], name)
+    result = assert_survived(run_worker(name)[0], name)
+    assert result.get("errors"), result  # found corrupt, not used as a ring
+    seg = Segment(core.SharedMemoryStorage(name, **OPTS))
+    try:
+        after = bytes(seg.map[:392])
+    finally:
+        seg.close()
+    # the header is as it was but for the counters and locks the worker moves
+    # (namespace_count, registry_lock, lock_recoveries)
+    for start, end in ((0, 68), (72, 168), (184, 392)):
+        assert after[start:end] == header[start:end], (start, end)
 
 
 def test_an_arena_free_list_pointing_outside_the_arena_is_never_followed(core, name):
