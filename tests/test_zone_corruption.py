@@ -246,7 +246,7 @@ def test_a_zone_left_retired_by_a_killed_unlinker_is_made_again(core, name):
         seg.close()
     result, took = run_worker(name)
     assert_made_again(result)  # it created the zone afresh
-    assert took < 10.0, took
+    assert WORKER_WRAP or took < 10.0, took  # (valgrind around the worker is slower)
 
 
 def test_a_retired_zone_still_mapped_by_a_live_worker_is_made_again_and_left_to_it(core, name):

@@ -375,13 +375,13 @@ cdef class _Limiter:
             if status == NL_OK and refused > 0:
                 # which requests a bounded storage refused (no room for a new key)
                 reasons = {i: REASON_STORAGE_FULL for i in range(n) if storage_full[i]}
-            if status == NL_CORRUPT and self.zone is not None:
-                self.zone.raise_corrupt_at(hashes[done])    # repaired, its lock released
         finally:
             for i in range(nheld):
                 Py_DECREF(<object>held[i])
             free(block)
         if status != NL_OK:
+            if status == NL_CORRUPT and self.zone is not None:
+                self.zone.raise_corrupt("a stripe of this batch")     # repaired, its lock released
             raise_status(status)
         return BatchResult(Decision, self.p.capacity, self._rule, self.p.window,
                            allowed, remaining, retry, reset, delay, refused > 0, reasons)

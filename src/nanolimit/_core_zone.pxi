@@ -609,9 +609,6 @@ cdef class SharedMemoryStorage:
             "dropping the entries that could not be trusted, and this call decided nothing; the next "
             "call decides on the repaired stripe")
 
-    cdef void raise_corrupt_at(self, uint64_t h) except *:
-        self.raise_corrupt(f"stripe {zone_stripe_of(&self.z, h)}")
-
     cdef int decide_batch(self, uint32_t ns, uint64_t seed, Py_ssize_t n, const char** keys,
                           const Py_ssize_t* sizes, const int64_t* costs, uint64_t* hashes,
                           double now, const double* times, const Params* p, uint8_t* allowed, int64_t* remaining,
