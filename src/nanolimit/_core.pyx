@@ -52,7 +52,7 @@ from nanolimit._table cimport (
 )
 from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET, ALG_SLIDING_COUNTER,
-    ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_NOMEM, NL_OK, NL_REENTRANT,
+    ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_CORRUPT, NL_NOMEM, NL_OK, NL_REENTRANT,
     NL_TABLE_FULL, Entry, LogState, Params, Verdict, nl_hash_seeded, nl_lock_spin, nl_mum,
     nl_namespace_seed, nl_set_secrets, nl_add_u64_relaxed, nl_load_u64_relaxed,
     nl_cas_u64, nl_floor_i64, nl_load_pointer_relaxed, nl_load_u64_seq,
@@ -136,6 +136,8 @@ cdef void raise_status(int status) except *:
             "InMemoryStorage.apply() called from inside a mutate function of the same "
             "storage; a mutate function must not call apply() of its storage"
         )
+    if status == NL_CORRUPT:
+        raise RuntimeError("nanolimit: a shared-memory zone's stripe was corrupt; it was repaired")
     raise RuntimeError(f"nanolimit: internal status {status}")
 
 

@@ -174,14 +174,16 @@ cdef class _Limiter:
         cdef const char* data
         cdef int64_t units
         cdef double now = 0.0
+        cdef int status
         if self.system_clock:
             now = nl_wall_now()
         data = key_bytes(key, self.max_key_bytes, &klen)
         units = cost_value(cost, self.p.capacity)
         if not self.system_clock:
             now = clock_value(self._clock.now())
-        if self.zone.decide(self.ns, self.seed, data, klen, now, units, &self.p, commit, &v) != NL_OK:
-            raise_status(NL_NOMEM)
+        status = self.zone.decide(self.ns, self.seed, data, klen, now, units, &self.p, commit, &v)
+        if status != NL_OK:
+            raise_status(status)
         return make_decision(&v, self.p.capacity, self._rule, self.p.window)
 
     cdef Decision foreign(self, object key, object cost, bint commit):
@@ -378,6 +380,8 @@ cdef class _Limiter:
                 Py_DECREF(<object>held[i])
             free(block)
         if status != NL_OK:
+            if status == NL_CORRUPT and self.zone is not None:
+                self.zone.raise_corrupt("a stripe of this batch")     # repaired, its lock released
             raise_status(status)
         return BatchResult(Decision, self.p.capacity, self._rule, self.p.window,
                            allowed, remaining, retry, reset, delay, refused > 0, reasons)

@@ -10,6 +10,8 @@ cdef uint64_t ZONE_RETIRED = 0x444552495445524EULL      # unlinked or reset: att
 cdef Py_ssize_t ZONE_MAX_KEYS = 1 << 30
 cdef double ZONE_ATTACH_SECONDS = 5.0     # for a creator that died before it wrote its token
 cdef double ZONE_SETUP_SECONDS = 120.0    # for a live creator to reserve and set up the segment
+cdef double ZONE_LOCK_SECONDS = 5.0       # for a live holder of a zone's registry lock (lifecycle only)
+cdef double ZONE_RETIRED_GRACE = 0.1      # for a retired zone's unlinker to remove its name itself
 cdef dict ZONE_ALGORITHMS = {number: algorithm for algorithm, number in ALGORITHM_IDS.items()}
 cdef str ZONE_NAME_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-"
 
@@ -78,6 +80,8 @@ cdef class SharedMemoryStorage:
 
     cdef Zone z
     cdef uint64_t mapped_bytes
+    cdef uint64_t ident                    # the segment's identity (nlz_open): its name is unlinked only
+                                           # while it names this segment (nlz_unlink_if)
     cdef bint is_closed
     cdef bint is_created
     cdef readonly str name
@@ -147,33 +151,46 @@ cdef class SharedMemoryStorage:
         """Create the segment, or attach to the one there; a half-made one
         whose creator died, and with ``reset_stale`` one no live process is
         attached to, are removed and made again. ``attach_only``: never
-        create (``attach``)."""
+        create (``attach``). Every wait here is bounded: a segment left
+        retired (its unlinker killed before it removed the name) has its
+        name removed here, and a zone not attached within the bounds is an
+        error that says what it waited on."""
         cdef void* base = NULL
-        cdef uint64_t mapped = 0
+        cdef uint64_t mapped = 0, ident = 0, retired_ident = 0
         cdef int err
         cdef ZoneHeader* header
         cdef bytes segment = self.segment_name.encode()
         per_stripe, slots, namespaces, stripes_at, entries_at, index_at, arena_at, total = self.layout(stripes)
-        deadline = time_module.monotonic() + ZONE_ATTACH_SECONDS
+        started = time_module.monotonic()
+        deadline = started + ZONE_ATTACH_SECONDS
+        give_up = started + ZONE_ATTACH_SECONDS + ZONE_SETUP_SECONDS + ZONE_LOCK_SECONDS
+        retired_since = 0.0
+        waited_on = "the segment"
         while True:
+            if time_module.monotonic() > give_up:
+                raise ValidationError(
+                    f"shared-memory zone {self.name!r} ({self.segment_name}): not attached in "
+                    f"{give_up - started:g} s; it waited on {waited_on}")
             err = errno_module.EEXIST if attach_only else nlz_open(segment, 1, total, nlz_self_token(),
-                                                                    &base, &mapped)
+                                                                    &base, &mapped, &ident)
             if err == 0:
                 self.is_created = True
                 self.mapped_bytes = mapped
+                self.ident = ident
                 self.initialise(<char*>base, stripes, per_stripe, slots, namespaces, stripes_at,
                                 entries_at, index_at, arena_at, total)
                 return
             if err != errno_module.EEXIST:
                 raise _zone_error(err, self.segment_name, total)
-            err = nlz_open(segment, 0, 0, 0, &base, &mapped)
+            err = nlz_open(segment, 0, 0, 0, &base, &mapped, &ident)
             if err == errno_module.ENOENT and attach_only:
                 raise ValidationError(f"there is no shared-memory zone called {self.name!r}")
             if err == errno_module.ENOENT:
                 continue                                # unlinked meanwhile: create it
             if err == errno_module.EAGAIN:              # its creator has not sized it yet
+                waited_on = "its creator to size the segment"
                 if time_module.monotonic() > deadline:
-                    nlz_unlink(segment)                 # a creator that died before sizing it
+                    nlz_unlink_if(segment, ident)       # a creator that died before sizing it
                     deadline = time_module.monotonic() + ZONE_ATTACH_SECONDS
                 time_module.sleep(0.001)
                 continue
@@ -192,19 +209,32 @@ cdef class SharedMemoryStorage:
                 # wrote its token within the bound (it died just after creating).
                 creator = nlz_load_u64_acquire(&header.creator_token)
                 nlz_unmap(base, mapped)
+                waited_on = f"its creator (pid {creator >> 32}) to set it up"
                 if creator != 0 and nlz_token_alive(creator):
                     if time_module.monotonic() > deadline + ZONE_SETUP_SECONDS:
                         raise ValidationError(
                             f"shared-memory zone {self.name!r}: its creator (pid {creator >> 32}) has not "
                             f"finished setting it up in {ZONE_SETUP_SECONDS:g} s")
                 elif creator != 0 or time_module.monotonic() > deadline:
-                    nlz_unlink(segment)
+                    nlz_unlink_if(segment, ident)
                     deadline = time_module.monotonic() + ZONE_ATTACH_SECONDS
                     continue
                 time_module.sleep(0.001)
                 continue
             if magic == ZONE_RETIRED:
-                nlz_unmap(base, mapped)
+                # Unlinked or reset: its unlinker removes the name next. One
+                # killed in between left it here for good: after a grace,
+                # the name is removed here, under the retired segment's
+                # registry lock, and only while it still names this segment.
+                waited_on = "a retired segment's name to be removed"
+                if ident != retired_ident:
+                    retired_ident = ident
+                    retired_since = time_module.monotonic()
+                try:
+                    if time_module.monotonic() - retired_since >= ZONE_RETIRED_GRACE:
+                        self.remove_retired(header, ident)
+                finally:
+                    nlz_unmap(base, mapped)
                 time_module.sleep(0.001)
                 continue
             if magic != ZONE_MAGIC:
@@ -213,18 +243,56 @@ cdef class SharedMemoryStorage:
                     f"{self.segment_name} is not a nanolimit shared-memory zone (magic {magic:#x}): "
                     "left untouched; remove it or choose another name")
             self.mapped_bytes = mapped
+            self.ident = ident
             self.bind(<char*>base)
-            problem = self.mismatch(stripes, total)
+            problem = self.mismatch(stripes)
             if problem:
                 self.z.base = NULL
                 nlz_unmap(base, mapped)
                 raise ValidationError(f"shared-memory zone {self.name!r} exists with other parameters: "
                                       f"{problem}; use its parameters, or unlink it first")
-            if self.join(reset_stale):
+            problem = self.corruption(per_stripe, slots, namespaces, stripes_at, entries_at, index_at,
+                                      arena_at, total)
+            if problem:
+                self.z.base = NULL
+                nlz_unmap(base, mapped)
+                raise ValidationError(
+                    f"shared-memory zone {self.name!r} ({self.segment_name}) is corrupt: {problem}; left "
+                    f"untouched: remove it (SharedMemoryStorage.unlink_segment({self.name!r}), or "
+                    f"nanolimit zone {self.name} --unlink) and the next process makes it afresh")
+            try:
+                joined = self.join(reset_stale)
+            except BaseException:
+                self.z.base = NULL
+                nlz_unmap(base, mapped)
+                raise
+            if joined:
                 return
-            # a stale zone, reset: retired and unlinked by join; make it again
+            # a stale zone, reset (retired and unlinked by join), or one
+            # retired while we waited: make it again, or attach to the new one
+            waited_on = "a zone retired while this process attached to it"
             self.z.base = NULL
             nlz_unmap(base, mapped)
+
+    cdef void remove_retired(self, ZoneHeader* h, uint64_t ident) except *:
+        """Remove the name of a retired segment whose unlinker did not (it
+        was killed between the two steps): under the segment's registry
+        lock, which every remover of a name it did not make holds (so two
+        cannot race), and only while the name still names this segment (a
+        newer zone made under it is left alone)."""
+        cdef int got
+        with nogil:
+            got = nlz_lock_timed(&h.registry_lock, ZONE_LOCK_SECONDS)
+        if got < 0:
+            raise ValidationError(
+                f"shared-memory zone {self.name!r} ({self.segment_name}) was retired (unlinked or reset) and "
+                f"its name is still there: waited {ZONE_LOCK_SECONDS:g} s on its registry lock, held by pid "
+                f"{nlz_lock_owner(&h.registry_lock) >> 32}, which is alive (stopped?); remove the name with "
+                f"SharedMemoryStorage.unlink_segment({self.name!r}) once that process is gone")
+        if got == 1:
+            h.lock_recoveries += 1
+        nlz_unlink_if(self.segment_name.encode(), ident)
+        nlz_unlock(&h.registry_lock)
 
     cdef void initialise(self, char* base, uint32_t stripes, uint64_t per_stripe, uint64_t slots,
                          uint64_t namespaces, uint64_t stripes_at, uint64_t entries_at, uint64_t index_at,
@@ -289,8 +357,11 @@ cdef class SharedMemoryStorage:
         self.z.k0, self.z.s1, self.z.s2, self.z.sip0, self.z.sip1 = h.k0, h.s1, h.s2, h.sip0, h.sip1
         self.z.evict_active = h.on_full == ON_FULL_EVICT
         self.z.idle_after = h.idle_after
+        self.z.arena_lo = h.arena_offset + ARENA_HEADER_BYTES
+        self.z.arena_hi = h.total_bytes
+        self.z.max_keys = h.max_keys
 
-    cdef str mismatch(self, uint32_t stripes, uint64_t total):
+    cdef str mismatch(self, uint32_t stripes):
         """What differs between the zone there and what this process asks for."""
         cdef ZoneHeader* h = self.z.header
         problems = []
@@ -320,8 +391,41 @@ cdef class SharedMemoryStorage:
                     f"pid:[{nlz_pid_namespace()}]): its locks name pids this process cannot see, so a dead "
                     "holder could not be told from a live one; share the PID namespace between the "
                     "containers (shareProcessNamespace, --pid=container:...) or use RedisStorage")
-            if not problems and (h.total_bytes != total or self.mapped_bytes < total):
-                problems.append(f"its segment is {self.mapped_bytes} bytes, not {total}")
+        return "; ".join(problems)
+
+    cdef str corruption(self, uint64_t per_stripe, uint64_t slots, uint64_t namespaces, uint64_t stripes_at,
+                        uint64_t entries_at, uint64_t index_at, uint64_t arena_at, uint64_t total):
+        """What the header (and the arena's header) says that the layout of
+        its parameters does not: every offset, size and count a process
+        follows is checked here, before any is followed (its parameters are
+        the ones asked for: ``mismatch`` found none that differ)."""
+        cdef ZoneHeader* h = self.z.header
+        cdef ZoneArena* a
+        problems = []
+        for field, there, laid_out in (
+                ("header_bytes", h.header_bytes, ZONE_HEADER_BYTES),
+                ("total_bytes", h.total_bytes, total),
+                ("stripe_entries", h.stripe_entries, per_stripe),
+                ("index_slots", h.index_slots, slots),
+                ("namespaces_offset", h.namespaces_offset, namespaces),
+                ("stripes_offset", h.stripes_offset, stripes_at),
+                ("entries_offset", h.entries_offset, entries_at),
+                ("index_offset", h.index_offset, index_at),
+                ("arena_offset", h.arena_offset, arena_at)):
+            if there != laid_out:
+                problems.append(f"its header says {field}={there}, the layout has {laid_out}")
+        if self.mapped_bytes < total:
+            problems.append(f"its segment is {self.mapped_bytes} bytes, the layout {total}")
+        if h.name_len > ZONE_NAME_BYTES:
+            problems.append(f"its header says name_len={h.name_len} (at most {ZONE_NAME_BYTES})")
+        if problems:
+            return "; ".join(problems)
+        a = self.z.arena
+        if a.end != total:
+            problems.append(f"its arena ends at {a.end}, the segment at {total}")
+        if not (arena_at + ARENA_HEADER_BYTES <= a.top <= total) or a.top % 64 != 0:
+            problems.append(f"its arena's next block is at {a.top}, outside the arena "
+                            f"[{arena_at + ARENA_HEADER_BYTES}, {total}]")
         return "; ".join(problems)
 
     cdef bint join(self, bint reset_stale) except *:
@@ -332,7 +436,7 @@ cdef class SharedMemoryStorage:
         cdef ZoneHeader* h = self.z.header
         cdef uint32_t i
         cdef bint live = False
-        self.lock_registry()
+        self.lock_registry("attaching")
         try:
             if nlz_load_u64_acquire(&h.magic) != ZONE_MAGIC:
                 return False                          # retired while we waited: attach again
@@ -344,7 +448,7 @@ cdef class SharedMemoryStorage:
                         h.processes[i] = 0
             if not live and reset_stale:
                 nlz_store_u64_release(&h.magic, ZONE_RETIRED)
-                nlz_unlink(self.segment_name.encode())
+                nlz_unlink_if(self.segment_name.encode(), self.ident)
                 return False
             self.add_process()
         finally:
@@ -353,13 +457,21 @@ cdef class SharedMemoryStorage:
             self.repair_abandoned()
         return True
 
-    cdef void lock_registry(self) noexcept:
-        cdef bint recovered
+    cdef void lock_registry(self, str doing) except *:
+        """Take the registry lock (namespaces and processes): taken over from
+        a dead holder, and waited on for ZONE_LOCK_SECONDS at most for a
+        live one (``doing`` says what for, in the error)."""
+        cdef int got
         if nlz_trylock(&self.z.header.registry_lock):
             return
         with nogil:
-            recovered = nlz_lock_slow(&self.z.header.registry_lock)
-        if recovered:
+            got = nlz_lock_timed(&self.z.header.registry_lock, ZONE_LOCK_SECONDS)
+        if got < 0:
+            raise ValidationError(
+                f"shared-memory zone {self.name!r}: {doing} waited {ZONE_LOCK_SECONDS:g} s on its registry "
+                f"lock, held by pid {nlz_lock_owner(&self.z.header.registry_lock) >> 32}, which is alive "
+                "(stopped?)")
+        if got == 1:
             self.z.header.lock_recoveries += 1
 
     cdef void add_process(self) noexcept:
@@ -380,7 +492,7 @@ cdef class SharedMemoryStorage:
     cdef void register_process(self) except *:
         if self.is_closed or self.z.base == NULL:
             return
-        self.lock_registry()
+        self.lock_registry("registering a forked process")
         self.add_process()
         nlz_unlock(&self.z.header.registry_lock)
 
@@ -431,7 +543,7 @@ cdef class SharedMemoryStorage:
             raise ValidationError(
                 f"a rule name on a shared-memory zone is at most {ZONE_RULE_BYTES} bytes, got {len(raw)}")
         with self._namespace_lock:
-            self.lock_registry()
+            self.lock_registry("registering a rule")
             try:
                 for i in range(<uint32_t>ZONE_NAMESPACES):
                     record = &self.z.namespaces[i]
@@ -481,8 +593,21 @@ cdef class SharedMemoryStorage:
         si = zone_stripe_of(&self.z, h)
         self.lock_stripe(si)
         status = zone_decide(&self.z, si, h, ns, stored, <uint32_t>klen, now, cost, p, commit, DECIDE_PLAIN, v)
+        if status == NL_CORRUPT:
+            zone_repair_stripe(&self.z, si)
         nlz_unlock(&self.z.stripes[si].lock)
+        if status == NL_CORRUPT:
+            self.raise_corrupt(f"stripe {si}")
         return status
+
+    cdef void raise_corrupt(self, str where) except *:
+        """The error of a call that found a stripe corrupt (and repaired it
+        under its lock, before releasing it)."""
+        raise RuntimeError(
+            f"shared-memory zone {self.name!r} ({self.segment_name}): {where} was corrupt (an index slot, "
+            "count or sliding-log ring that cannot be: a bad write into the segment); it was repaired, "
+            "dropping the entries that could not be trusted, and this call decided nothing; the next "
+            "call decides on the repaired stripe")
 
     cdef int decide_batch(self, uint32_t ns, uint64_t seed, Py_ssize_t n, const char** keys,
                           const Py_ssize_t* sizes, const int64_t* costs, uint64_t* hashes,
@@ -531,6 +656,8 @@ cdef class SharedMemoryStorage:
             status = zone_decide(z, si, hashes[i], ns, stored, <uint32_t>sizes[i],
                                  now if times == NULL else times[i], costs[i], p, True, DECIDE_PLAIN, &v)
             if status != NL_OK:
+                if status == NL_CORRUPT:
+                    zone_repair_stripe(z, si)
                 break
             allowed[i] = v.allowed
             storage_full[i] = v.storage_full
@@ -559,7 +686,11 @@ cdef class SharedMemoryStorage:
         si = zone_stripe_of(&self.z, h)
         self.lock_stripe(si)
         status = zone_refund(&self.z, si, h, ns, stored, <uint32_t>klen, now, cost, at, latest, p)
+        if status == NL_CORRUPT:
+            zone_repair_stripe(&self.z, si)
         nlz_unlock(&self.z.stripes[si].lock)
+        if status == NL_CORRUPT:
+            self.raise_corrupt(f"stripe {si}")
         if status != NL_OK:
             raise MemoryError(
                 f"shared-memory zone {self.name!r}: no arena room to refund a sliding log's stamps; nothing changed")
@@ -571,6 +702,7 @@ cdef class SharedMemoryStorage:
         cdef uint64_t h
         cdef uint32_t si, slot
         cdef Py_ssize_t position
+        cdef int status = NL_OK
         self.check_open()
         stored = zone_key(&self.z, key, <uint32_t>klen, digest)
         h = zone_hash(&self.z, seed, stored, <uint32_t>klen)
@@ -578,8 +710,14 @@ cdef class SharedMemoryStorage:
         self.lock_stripe(si)
         position = zone_find(&self.z, si, h, ns, stored, <uint32_t>klen, &slot)
         if position >= 0:
-            zone_delete(&self.z, si, slot, <uint32_t>position)
+            status = zone_delete(&self.z, si, slot, <uint32_t>position)
+        elif position == ZONE_FIND_CORRUPT:
+            status = NL_CORRUPT
+        if status == NL_CORRUPT:
+            zone_repair_stripe(&self.z, si)
         nlz_unlock(&self.z.stripes[si].lock)
+        if status == NL_CORRUPT:
+            self.raise_corrupt(f"stripe {si}")
         return 0
 
     cdef object snapshot(self, uint32_t ns, uint64_t seed, const char* key, Py_ssize_t klen, object algorithm):
@@ -598,8 +736,11 @@ cdef class SharedMemoryStorage:
         si = zone_stripe_of(&self.z, h)
         self.lock_stripe(si)
         position = zone_find(&self.z, si, h, ns, stored, <uint32_t>klen, &slot)
-        if position >= 0:
-            zone_view(&self.z, &stripe_entries(&self.z, si)[position], &copy)
+        if position == ZONE_FIND_CORRUPT:
+            status = NL_CORRUPT
+        elif position >= 0 and not zone_view(&self.z, &stripe_entries(&self.z, si)[position], &copy):
+            status = NL_CORRUPT
+        elif position >= 0:
             if (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG and copy.state.log.length:
                 log = <double*>malloc(copy.state.log.length * sizeof(double))
                 if log == NULL:
@@ -607,7 +748,11 @@ cdef class SharedMemoryStorage:
                 else:
                     for i in range(copy.state.log.length):
                         log[i] = log_at(&copy.state.log, i)
+        if status == NL_CORRUPT:
+            zone_repair_stripe(&self.z, si)
         nlz_unlock(&self.z.stripes[si].lock)
+        if status == NL_CORRUPT:
+            self.raise_corrupt(f"stripe {si}")
         if status != NL_OK:
             raise_status(status)
         if position < 0:
@@ -693,9 +838,14 @@ cdef class SharedMemoryStorage:
                 locked += 1
             status = zone_compound(&self.z, n, hashes, namespaces, data, sizes, nows, units, params,
                                    verdicts)
+            if status == NL_CORRUPT:        # one of them: each is checked and rebuilt
+                for j in range(stripes_used):
+                    zone_repair_stripe(&self.z, stripe_ids[j])
             while locked > 0:
                 locked -= 1
                 nlz_unlock(&self.z.stripes[stripe_ids[locked]].lock)
+            if status == NL_CORRUPT:
+                self.raise_corrupt("one of stripes " + ", ".join(str(stripe_ids[j]) for j in range(stripes_used)))
             if status != NL_OK:
                 raise_status(status)
             decisions = []
@@ -723,19 +873,25 @@ cdef class SharedMemoryStorage:
         cdef double limit = check_cutoff(cutoff)
         cdef Py_ssize_t removed = 0
         cdef uint32_t si, j
+        cdef int status
         cdef Entry* entries
         self.check_open()
         for si in range(self.z.stripe_mask + 1):
             self.lock_stripe(si)
             entries = stripe_entries(&self.z, si)
+            status = NL_CORRUPT if self.z.stripes[si].count > self.z.stripe_entries else NL_OK
             j = 0
-            while j < self.z.stripes[si].count:
+            while status == NL_OK and j < self.z.stripes[si].count:
                 if entries[j].updated_at < limit:
-                    zone_remove_position(&self.z, si, j)
+                    status = zone_remove_position(&self.z, si, j)
                     removed += 1
                 else:
                     j += 1
+            if status == NL_CORRUPT:
+                zone_repair_stripe(&self.z, si)
             nlz_unlock(&self.z.stripes[si].lock)
+            if status == NL_CORRUPT:
+                self.raise_corrupt(f"stripe {si}")
         return removed
 
     def __len__(self):
@@ -751,12 +907,22 @@ cdef class SharedMemoryStorage:
         its digest and listed as ``"#"`` and the digest's 32 hex digits."""
         cdef list out = []
         cdef uint32_t si, j, n
+        cdef bint corrupt
         cdef Entry* entries
         cdef char* copy
         self.check_open()
         for si in range(self.z.stripe_mask + 1):
             self.lock_stripe(si)
             n = self.z.stripes[si].count
+            corrupt = n > self.z.stripe_entries
+            j = 0
+            while not corrupt and j < n:
+                corrupt = not zone_entry_valid(&self.z, &stripe_entries(&self.z, si)[j])
+                j += 1
+            if corrupt:
+                zone_repair_stripe(&self.z, si)
+                nlz_unlock(&self.z.stripes[si].lock)
+                self.raise_corrupt(f"stripe {si}")
             copy = <char*>malloc(<size_t>(n if n else 1) * sizeof(Entry))
             if copy == NULL:
                 nlz_unlock(&self.z.stripes[si].lock)
@@ -855,7 +1021,7 @@ cdef class SharedMemoryStorage:
             raise ValidationError(f"what must be 'decision' or 'move', got {what!r}")
         self.lock_stripe(si)
         position = zone_find(&self.z, si, h, lim.ns, stored, <uint32_t>klen, &slot)
-        if position < 0 or (what == "move" and s.count < 2):
+        if position < 0 or (what == "move" and s.count < 2):  # (ZONE_FIND_CORRUPT too: not held)
             nlz_unlock(&s.lock)
             raise ValidationError("the key must be held (and, for 'move', share its stripe with another)")
         if what == "decision":
@@ -887,25 +1053,44 @@ cdef class SharedMemoryStorage:
         in flight on another thread finishes on it). The zone lives on for
         the other processes; ``unlink`` removes its name."""
         cdef uint32_t i
+        cdef int got
         if self.is_closed:
             return
-        self.lock_registry()
+        with nogil:
+            got = nlz_lock_timed(&self.z.header.registry_lock, ZONE_LOCK_SECONDS)
+        # with the lock held by a live process that does not let go, this
+        # process's own slot is cleared all the same (one store, of a slot
+        # nobody else writes while this process is alive)
         for i in range(<uint32_t>ZONE_PROCESSES):
             if self.z.header.processes[i] == nlz_self_token():
-                self.z.header.processes[i] = 0
-        nlz_unlock(&self.z.header.registry_lock)
+                nlz_store_u64_release(&self.z.header.processes[i], 0)
+        if got >= 0:
+            if got == 1:
+                self.z.header.lock_recoveries += 1
+            nlz_unlock(&self.z.header.registry_lock)
         self.is_closed = True
         _ZONES.discard(self)
 
     def unlink(self):
         """Remove the zone's name: processes attached keep deciding on it
         until they close, and the next ``SharedMemoryStorage(name, ...)``
-        creates a fresh, empty zone. Returns whether the name was there."""
-        if not self.is_closed and self.z.base != NULL:
-            self.lock_registry()
-            nlz_store_u64_release(&self.z.header.magic, ZONE_RETIRED)
+        creates a fresh, empty zone. Returns whether the name was removed:
+        False when it was not there, or when it names another segment now
+        (a newer zone made under the name after this one was retired), which
+        is left alone. The zone is marked retired and its name removed under
+        its registry lock, so a process killed between the two leaves a lock
+        that the next attacher takes over and finishes the removal under."""
+        cdef int err
+        if self.z.base == NULL:
+            return nlz_unlink(self.segment_name.encode()) == 0
+        self.lock_registry("unlinking")
+        try:
+            if not self.is_closed:
+                nlz_store_u64_release(&self.z.header.magic, ZONE_RETIRED)
+            err = nlz_unlink_if(self.segment_name.encode(), self.ident)
+        finally:
             nlz_unlock(&self.z.header.registry_lock)
-        return nlz_unlink(self.segment_name.encode()) == 0
+        return err == 0
 
     @staticmethod
     def attach(name):
@@ -913,12 +1098,12 @@ cdef class SharedMemoryStorage:
         created with (a tool that inspects a running gateway's zone does not
         know them); never creates one."""
         cdef void* base = NULL
-        cdef uint64_t mapped = 0
+        cdef uint64_t mapped = 0, ident = 0
         cdef ZoneHeader* h
         segment = _zone_segment_name(_check_zone_name(name))
         deadline = time_module.monotonic() + ZONE_ATTACH_SECONDS
         while True:
-            err = nlz_open(segment.encode(), 0, 0, 0, &base, &mapped)
+            err = nlz_open(segment.encode(), 0, 0, 0, &base, &mapped, &ident)
             if err == errno_module.ENOENT:
                 raise ValidationError(f"there is no shared-memory zone called {name!r}")
             if err != 0 and err != errno_module.EAGAIN:
@@ -965,16 +1150,19 @@ cdef int zone_decide(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* 
                      Verdict* v) noexcept nogil:
     """``table_decide`` on the zone: find or create the key, bring it to
     ``now`` (never backwards), decide, stamp. A committed change to a
-    present key is bracketed by the stripe's undo copy."""
+    present key is bracketed by the stripe's undo copy. NL_CORRUPT, nothing
+    decided, when the stripe cannot be read (the caller repairs it)."""
     cdef uint32_t slot, position
     cdef Py_ssize_t found = zone_find(z, si, h, ns, stored, klen, &slot)
     cdef Entry* e
     cdef Entry view
     cdef double now
-    cdef int status
+    cdef int status = NL_OK
     cdef ZoneStripe* s = &z.stripes[si]
     v.storage_full = False
     if found < 0:
+        if found == ZONE_FIND_CORRUPT:
+            return NL_CORRUPT
         return zone_decide_new(z, si, h, ns, stored, klen, slot, clock_now, cost, p, commit, mode, v)
     position = <uint32_t>found
     e = &stripe_entries(z, si)[position]
@@ -983,11 +1171,14 @@ cdef int zone_decide(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* 
     now = e.updated_at if e.updated_at > clock_now else clock_now
     v.at = now
     if not commit:
-        zone_view(z, e, &view)
+        if not zone_view(z, e, &view):
+            return NL_CORRUPT
         status = run_kernel(&view, now, cost, p, False, v)
     elif (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
-        e = zone_ring_for(z, si, e, &position, <int64_t>e.state.log.length + cost, p.capacity, now)
+        e = zone_ring_for(z, si, e, &position, <int64_t>e.state.log.length + cost, p.capacity, now, &status)
         if e == NULL:
+            if status != NL_OK:
+                return status
             refuse_new_key(v)
             return NL_OK
         zone_view(z, e, &view)
@@ -1013,31 +1204,46 @@ cdef int zone_decide_new(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const ch
     which goes in only once its charge succeeded."""
     cdef Entry scratch
     cdef Entry view
-    cdef int status
+    cdef int status = NL_OK, room
     cdef ZoneStripe* s = &z.stripes[si]
     v.at = clock_now
     if not commit:
         if mode == DECIDE_RESERVE:
-            if not zone_room_for_new_key(z, si, clock_now):
+            room = zone_room_for_new_key(z, si, clock_now)
+            if room < 0:
+                return room
+            if room == 0:
                 refuse_new_key(v)
                 return NL_OK
-        elif not z.evict_active and s.count >= s.cap and not zone_could_make_room(z, si, clock_now):
-            refuse_new_key(v)       # what allow would answer, counting nothing
-            return NL_OK
+        elif not z.evict_active and s.count >= s.cap:
+            room = zone_could_make_room(z, si, clock_now)
+            if room < 0:
+                return room
+            if room == 0:
+                refuse_new_key(v)       # what allow would answer, counting nothing
+                return NL_OK
         init_state(&scratch, clock_now, p)
         return run_kernel(&scratch, clock_now, cost, p, False, v)
-    if not zone_room_for_new_key(z, si, clock_now):
+    room = zone_room_for_new_key(z, si, clock_now)
+    if room < 0:
+        return room
+    if room == 0:
         refuse_new_key(v)
         return NL_OK
-    zone_find(z, si, h, ns, stored, klen, &slot)     # eviction may have moved the probe run
+    if zone_find(z, si, h, ns, stored, klen, &slot) != -1:     # eviction may have moved the probe run
+        return NL_CORRUPT
     memset(&scratch, 0, sizeof(Entry))
     scratch.ns = ns
     init_state(&scratch, clock_now, p)
     if (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
-        if zone_ring_for(z, si, &scratch, NULL, cost, p.capacity, clock_now) == NULL:
+        if zone_ring_for(z, si, &scratch, NULL, cost, p.capacity, clock_now, &status) == NULL:
+            if status != NL_OK:
+                return status
             refuse_new_key(v)
             return NL_OK
-        zone_find(z, si, h, ns, stored, klen, &slot)
+        if zone_find(z, si, h, ns, stored, klen, &slot) != -1:
+            arena_free(z, zone_log(&scratch).ring)
+            return NL_CORRUPT
         zone_view(z, &scratch, &view)
         status = run_kernel(&view, clock_now, cost, p, True, v)
         zone_store_view(&scratch, &view)
@@ -1057,11 +1263,12 @@ cdef int zone_after_clock_fault(Zone* z, uint32_t si, uint32_t position, double 
     clock lead ahead of the clock is moved back to it, then decided."""
     cdef Entry* e = &stripe_entries(z, si)[position]
     cdef Entry view
-    cdef int status
+    cdef int status = NL_OK
     cdef ZoneStripe* s = &z.stripes[si]
     v.at = clock_now
     if not commit:
-        zone_view(z, e, &view)
+        if not zone_view(z, e, &view):
+            return NL_CORRUPT
         status = clock_rebase(&view, clock_now, p, False)
         if status != NL_OK:
             return status
@@ -1070,8 +1277,11 @@ cdef int zone_after_clock_fault(Zone* z, uint32_t si, uint32_t position, double 
             log_free(&view.state.log)       # the private ring clock_rebase gave the copy
         return status
     if (e.ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
-        e = zone_ring_for(z, si, e, &position, <int64_t>e.state.log.length + cost, p.capacity, clock_now)
+        e = zone_ring_for(z, si, e, &position, <int64_t>e.state.log.length + cost, p.capacity, clock_now,
+                          &status)
         if e == NULL:
+            if status != NL_OK:
+                return status
             refuse_new_key(v)
             return NL_OK
     zone_view(z, e, &view)
@@ -1095,7 +1305,7 @@ cdef int zone_refund(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* 
     cdef double now
     cdef ZoneStripe* s = &z.stripes[si]
     if found < 0:
-        return NL_OK
+        return NL_CORRUPT if found == ZONE_FIND_CORRUPT else NL_OK
     position = <uint32_t>found
     e = &stripe_entries(z, si)[position]
     now = e.updated_at if e.updated_at > clock_now else clock_now
@@ -1126,7 +1336,8 @@ cdef int zone_refund_log(Zone* z, uint32_t si, uint32_t position, double now, in
     cdef uint32_t first, run, i, kept = 0
     cdef uint64_t block, old
     cdef double* fresh
-    zone_view(z, e, &view)
+    if not zone_view(z, e, &view):
+        return NL_CORRUPT
     log_expire(lg, now, p)
     run = log_run_of(lg, at, cost, &first)
     if run > 0 and first > 0 and first + run < lg.length:
@@ -1176,7 +1387,7 @@ cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint
     cdef uint32_t si, slot, position
     cdef Py_ssize_t found
     cdef bint all_allowed = True
-    cdef int status = NL_OK
+    cdef int status = NL_OK, undone
     cdef Entry* e
     cdef Entry fresh
     cdef Verdict settled
@@ -1193,6 +1404,8 @@ cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint
         for i in range(n):
             si = zone_stripe_of(z, hashes[i])
             found = zone_find(z, si, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], &slot)
+            if found == ZONE_FIND_CORRUPT:
+                return NL_CORRUPT
             if found < 0:
                 memset(&fresh, 0, sizeof(Entry))
                 fresh.ns = namespaces[i]
@@ -1209,7 +1422,9 @@ cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint
             position = <uint32_t>found
             e = &stripe_entries(z, si)[position]
             if zone_ring_for(z, si, e, &position, <int64_t>e.state.log.length + units[i],
-                             params[i].capacity, nows[i]) == NULL:
+                             params[i].capacity, nows[i], &status) == NULL:
+                if status != NL_OK:
+                    return status
                 refuse_new_key(&verdicts[i])
                 all_allowed = False
                 break
@@ -1218,14 +1433,22 @@ cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint
                 if created[i]:
                     si = zone_stripe_of(z, hashes[i])
                     found = zone_find(z, si, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], &slot)
+                    if found == ZONE_FIND_CORRUPT:
+                        return NL_CORRUPT
                     if found >= 0:
-                        zone_delete(z, si, slot, <uint32_t>found)
+                        undone = zone_delete(z, si, slot, <uint32_t>found)
+                        if undone != NL_OK:
+                            return undone
     if not all_allowed:
         for i in range(n):          # a key found stamped ahead is stored moved back (settle_clock_fault)
             si = zone_stripe_of(z, hashes[i])
             found = zone_find(z, si, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], &slot)
+            if found == ZONE_FIND_CORRUPT:
+                return NL_CORRUPT
             if found >= 0 and stripe_entries(z, si)[found].updated_at - nows[i] > MAX_CLOCK_LEAD_C:
-                zone_after_clock_fault(z, si, <uint32_t>found, nows[i], 0, params[i], True, &settled)
+                status = zone_after_clock_fault(z, si, <uint32_t>found, nows[i], 0, params[i], True, &settled)
+                if status == NL_CORRUPT:
+                    return status
         return NL_OK
     for i in range(n):
         si = zone_stripe_of(z, hashes[i])

@@ -48,6 +48,7 @@ cdef enum:
     NL_NOMEM = -1
     NL_TABLE_FULL = -2
     NL_REENTRANT = -3               # apply() called inside a mutate (apply's own check)
+    NL_CORRUPT = -4                 # a shared-memory zone's stripe held what cannot be (_zone.pxd)
 
 # Keys up to this many UTF-8 bytes live inside the entry; longer ones on the heap.
 cdef enum:

@@ -21,6 +21,7 @@
 #  include <sys/mman.h>
 #  include <sys/stat.h>
 #  include <sys/types.h>
+#  include <time.h>
 #  include <unistd.h>
 #endif
 
@@ -28,13 +29,16 @@
  * Segments. nlz_open returns 0 and fills base and mapped, or an errno. With
  * create, the segment is made with O_EXCL (EEXIST if it is there) and its
  * space is reserved (posix_fallocate on Linux), so a /dev/shm too small for
- * it fails here with ENOSPC instead of a SIGBUS on a later first touch. */
+ * it fails here with ENOSPC instead of a SIGBUS on a later first touch.
+ * ident gets the identity of the segment opened (its inode; also for
+ * EAGAIN), which nlz_unlink_if compares with what the name names now. */
 
 #ifdef _WIN32
 static inline int nlz_supported(void) { return 0; }
 static inline int nlz_open(const char *name, int create, uint64_t size, uint64_t token,
-                           void **base, uint64_t *mapped)
-{ (void)name; (void)create; (void)size; (void)token; *base = NULL; *mapped = 0; return ENOSYS; }
+                           void **base, uint64_t *mapped, uint64_t *ident)
+{ (void)name; (void)create; (void)size; (void)token; *base = NULL; *mapped = 0; *ident = 0; return ENOSYS; }
+static inline int nlz_unlink_if(const char *name, uint64_t ident) { (void)name; (void)ident; return ENOSYS; }
 static inline uint64_t nlz_pid_namespace(void) { return 0; }
 static inline int nlz_unmap(void *base, uint64_t size) { (void)base; (void)size; return ENOSYS; }
 static inline int nlz_unlink(const char *name) { (void)name; return ENOSYS; }
@@ -43,21 +47,45 @@ static inline void nlz_refresh_identity(void) {}
 static inline int nlz_token_alive(uint64_t token) { (void)token; return 1; }
 static inline int nlz_pid_alive(uint32_t pid) { (void)pid; return 1; }
 static inline uint32_t nlz_pid(void) { return 1; }
+static inline double nlz_monotonic(void) { return nl_wall_now(); }
 #else
+/* Seconds of a clock that never jumps: the lifecycle's deadlines. */
+static inline double nlz_monotonic(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
 static inline int nlz_supported(void) { return 1; }
 
+static inline uint64_t nlz_ident_of(const struct stat *st)
+{
+    return (uint64_t)st->st_ino ^ ((uint64_t)st->st_dev << 48);
+}
+
 static inline int nlz_open(const char *name, int create, uint64_t size, uint64_t token,
-                           void **base, uint64_t *mapped)
+                           void **base, uint64_t *mapped, uint64_t *ident)
 {
     int fd, err = 0;
     struct stat st;
     void *p;
     *base = NULL;
     *mapped = 0;
+    *ident = 0;
     fd = shm_open(name, create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR, 0600);
     if (fd < 0) {
         return errno;
     }
+    if (fstat(fd, &st) != 0) {
+        err = errno;
+        close(fd);
+        if (create) {
+            shm_unlink(name);
+        }
+        return err;
+    }
+    *ident = nlz_ident_of(&st);
     if (create) {
         if (ftruncate(fd, (off_t)size) != 0) {
             err = errno;
@@ -81,11 +109,6 @@ static inline int nlz_open(const char *name, int create, uint64_t size, uint64_t
             return err;
         }
     } else {
-        if (fstat(fd, &st) != 0) {
-            err = errno;
-            close(fd);
-            return err;
-        }
         size = (uint64_t)st.st_size;
         if (size == 0) {
             close(fd);
@@ -118,6 +141,31 @@ static inline int nlz_unmap(void *base, uint64_t size)
 
 static inline int nlz_unlink(const char *name)
 {
+    return shm_unlink(name) == 0 ? 0 : errno;
+}
+
+/* Remove the name only while it still names the segment ``ident`` (from
+ * nlz_open): 0, ESTALE when it names another segment now (a newer zone made
+ * under the same name: left alone), ENOENT when it names none. The check
+ * and the unlink are two calls; callers that remove a name they did not
+ * make hold the old segment's registry lock across both, as every such
+ * remover does, so no other remover can swap the name between them. */
+static inline int nlz_unlink_if(const char *name, uint64_t ident)
+{
+    struct stat st;
+    int fd = shm_open(name, O_RDONLY, 0);
+    if (fd < 0) {
+        return errno;
+    }
+    if (fstat(fd, &st) != 0) {
+        int err = errno;
+        close(fd);
+        return err;
+    }
+    close(fd);
+    if (nlz_ident_of(&st) != ident) {
+        return ESTALE;
+    }
     return shm_unlink(name) == 0 ? 0 : errno;
 }
 
@@ -210,7 +258,10 @@ static inline uint32_t nlz_pid(void) { return nlz_my_pid; }
 
 static inline int nlz_pid_alive(uint32_t pid)
 {
-    if (pid == 0) {
+    /* 0 and pids that do not fit a pid_t's positive range name no process:
+       kill() would read them as a process group or as "every process"
+       (-1), which a garbage lock word must never be taken for */
+    if (pid == 0 || pid > 0x7FFFFFFFu) {
         return 0;
     }
     return kill((pid_t)pid, 0) == 0 || errno == EPERM;
@@ -297,6 +348,53 @@ static inline int nlz_lock_slow(uint64_t *lock)
             continue;
         }
         now = nl_wall_now();
+        if (checked == 0.0) {
+            checked = now;
+        } else if (now - checked >= 0.001) {
+            checked = now;
+            owner = nlz_lock_owner(lock);
+            if (owner != 0 && !nlz_token_alive(owner)) {
+#if defined(_MSC_VER)
+                if ((uint64_t)_InterlockedCompareExchange64((volatile long long *)lock,
+                        (long long)nlz_self_token(), (long long)owner) == owner) {
+                    return 1;
+                }
+#else
+                if (__atomic_compare_exchange_n(lock, &owner, nlz_self_token(), 0,
+                                                __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+                    return 1;
+                }
+#endif
+            }
+        }
+    }
+}
+
+/* nlz_lock_slow with a deadline (seconds of wall time from now): 0 or 1 as
+ * nlz_lock_slow, -1 when a live owner still held it at the deadline. For the
+ * lifecycle (attach, join, unlink, close), which must never wait forever. */
+static inline int nlz_lock_timed(uint64_t *lock, double seconds)
+{
+    unsigned spins = 0;
+    double deadline = nlz_monotonic() + seconds, checked = 0.0, now;
+    uint64_t owner;
+    for (;;) {
+        owner = nlz_lock_owner(lock);
+        if (owner == 0 && nlz_trylock(lock)) {
+            return 0;
+        }
+        if (++spins < 64) {
+            nl_cpu_relax();
+            continue;
+        }
+        nl_yield_thread();
+        if ((spins & 63) != 0) {
+            continue;
+        }
+        now = nlz_monotonic();
+        if (now >= deadline) {
+            return -1;
+        }
         if (checked == 0.0) {
             checked = now;
         } else if (now - checked >= 0.001) {

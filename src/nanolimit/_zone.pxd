@@ -20,6 +20,15 @@
 #
 # Every function here runs under the stripe's lock and neither raises nor
 # touches a Python object.
+#
+# Nothing read from the segment is trusted before it is checked: the header
+# is checked against the layout at attach (_core_zone.pxi), and here every
+# probe is bounded by the index's size, every position an index slot names
+# is checked against the stripe's array, a count against the array before
+# it bounds a loop, and a ring offset, size, head and length against the
+# arena before the ring is read. What fails a check is NL_CORRUPT (or
+# ZONE_FIND_CORRUPT from zone_find): the caller repairs the stripe under its
+# lock (zone_repair_stripe), releases it, and raises.
 
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
@@ -30,17 +39,20 @@ from nanolimit._table cimport (
     entry_at_rest, entry_given_back, eviction_candidate, home_slot, slot_value,
 )
 from nanolimit._types cimport (
-    ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK, Entry, Params, Verdict, ZoneLog, nl_hash, nl_key_equal,
+    ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_CORRUPT, NL_NOMEM, NL_OK, Entry, Params, Verdict, ZoneLog, nl_hash, nl_key_equal,
     nl_mum, nl_prefetch, nl_load_u32_relaxed,
 )
 
 
 cdef extern from "_zone.h" nogil:
     bint nlz_supported()
-    int nlz_open(const char* name, int create, uint64_t size, uint64_t token, void** base, uint64_t* mapped)
+    int nlz_open(const char* name, int create, uint64_t size, uint64_t token, void** base, uint64_t* mapped,
+                 uint64_t* ident)
     uint64_t nlz_pid_namespace()
     int nlz_unmap(void* base, uint64_t size)
     int nlz_unlink(const char* name)
+    int nlz_unlink_if(const char* name, uint64_t ident)
+    double nlz_monotonic()
     uint64_t nlz_self_token()
     void nlz_refresh_identity()
     bint nlz_token_alive(uint64_t token)
@@ -48,6 +60,7 @@ cdef extern from "_zone.h" nogil:
     bint nlz_trylock(uint64_t* lock)
     int nlz_lock(uint64_t* lock)
     int nlz_lock_slow(uint64_t* lock)
+    int nlz_lock_timed(uint64_t* lock, double seconds)
     void nlz_unlock(uint64_t* lock)
     uint64_t nlz_lock_owner(const uint64_t* lock)
     void nlz_store_u32_release(uint32_t* p, uint32_t v)
@@ -72,6 +85,7 @@ cdef enum:
     DECIDE_RESERVE = 1              # threads of a process share the Zone): compound phase 1
     ON_FULL_EVICT = 0
     ON_FULL_DENY_NEW = 1
+    ZONE_FIND_CORRUPT = -2          # zone_find: the probe met what cannot be (garbage slots)
 
 
 ctypedef struct ZoneHeader:
@@ -166,6 +180,9 @@ ctypedef struct Zone:               # one process's view: addresses of the parts
     uint64_t sip1
     bint evict_active
     double idle_after
+    uint64_t arena_lo               # the arena's first block and its end (offsets): the bounds
+    uint64_t arena_hi               # every ring and free block is checked against, kept here, not read
+    uint64_t max_keys               # from the segment (where a bad byte could move them)
 
 
 # ---------------------------------------------------------------- keys and hashes
@@ -222,13 +239,16 @@ cdef inline const Params* zone_params(const Zone* z, uint32_t ns) noexcept nogil
 cdef inline Py_ssize_t zone_find(const Zone* z, uint32_t si, uint64_t h, uint32_t ns,
                                  const char* stored, uint32_t klen, uint32_t* slot_out) noexcept nogil:
     """Position of the key's entry in its stripe, or -1; ``slot_out`` gets
-    the key's index slot, or the empty slot that ended the probe."""
+    the key's index slot, or the empty slot that ended the probe.
+    ZONE_FIND_CORRUPT when a slot names a position outside the stripe's
+    array or no slot of the index is empty (it is never over 3/4 full):
+    a probe visits each slot once at most."""
     cdef uint32_t mask = z.index_mask
     cdef const uint32_t* index = stripe_index(z, si)
     cdef const Entry* entries = stripe_entries(z, si)
     cdef uint32_t fingerprint = <uint32_t>(h >> 32) & 0xFF
     cdef uint32_t i = home_slot(h, mask)
-    cdef uint32_t v, n = stored_len(klen)
+    cdef uint32_t v, n = stored_len(klen), position, steps = mask
     cdef const Entry* e
     while True:
         v = index[i]
@@ -236,10 +256,16 @@ cdef inline Py_ssize_t zone_find(const Zone* z, uint32_t si, uint64_t h, uint32_
             slot_out[0] = i
             return -1
         if (v >> 24) == fingerprint:
-            e = &entries[(v & SLOT_POSITION_MASK) - 1]
+            position = (v & SLOT_POSITION_MASK) - 1
+            if position >= z.stripe_entries:
+                return ZONE_FIND_CORRUPT
+            e = &entries[position]
             if e.ns == ns and e.key_len == klen and nl_key_equal(e.key.short_key, stored, n):
                 slot_out[0] = i
-                return (v & SLOT_POSITION_MASK) - 1
+                return position
+        if steps == 0:
+            return ZONE_FIND_CORRUPT
+        steps -= 1
         i = (i + 1) & mask
 
 
@@ -263,23 +289,42 @@ cdef inline void zone_prefetch_entry(const Zone* z, uint64_t h) noexcept nogil:
         nl_prefetch(<const char*>(e + 1) - 1)
 
 
-cdef inline void zone_remove_slot(const Zone* z, uint32_t si, uint32_t hole) noexcept nogil:
-    """Backward-shift deletion (as the in-memory table's index_remove_slot)."""
+cdef inline bint zone_remove_slot(const Zone* z, uint32_t si, uint32_t hole) noexcept nogil:
+    """Backward-shift deletion (as the in-memory table's index_remove_slot);
+    False, the index part-shifted, when it meets a slot naming no entry of
+    the stripe or no empty slot (the caller repairs the stripe)."""
     cdef uint32_t mask = z.index_mask
     cdef uint32_t* index = stripe_index(z, si)
     cdef const Entry* entries = stripe_entries(z, si)
     cdef uint32_t j = hole
-    cdef uint32_t v, home
-    while True:
+    cdef uint32_t v, home, position, steps
+    for steps in range(mask):
         j = (j + 1) & mask
         v = index[j]
         if v == 0:
-            break
-        home = home_slot(zone_entry_hash(z, &entries[(v & SLOT_POSITION_MASK) - 1]), mask)
+            index[hole] = 0
+            return True
+        position = (v & SLOT_POSITION_MASK) - 1
+        if position >= z.stripe_entries:
+            return False
+        home = home_slot(zone_entry_hash(z, &entries[position]), mask)
         if (j > hole and (home <= hole or home > j)) or (j < hole and home <= hole and home > j):
             index[hole] = v
             hole = j
-    index[hole] = 0
+    return False
+
+
+cdef inline uint32_t zone_slot_naming(const Zone* z, uint32_t si, uint64_t h, uint32_t position) noexcept nogil:
+    """The index slot that names ``position`` (its entry's hash ``h``), or
+    0xFFFFFFFF when none does within one lap of the index."""
+    cdef uint32_t mask = z.index_mask
+    cdef const uint32_t* index = stripe_index(z, si)
+    cdef uint32_t i = home_slot(h, mask), steps
+    for steps in range(mask + 1):
+        if (index[i] & SLOT_POSITION_MASK) == position + 1:
+            return i
+        i = (i + 1) & mask
+    return 0xFFFFFFFFU
 
 
 # ---------------------------------------------------------------- the arena
@@ -289,6 +334,19 @@ cdef inline uint32_t arena_class(uint64_t nbytes) noexcept nogil:
     while (<uint64_t>1 << k) < nbytes:
         k += 1
     return k
+
+
+cdef inline uint32_t arena_room(uint32_t k) noexcept nogil:
+    """The ring slots of a block of class ``k`` (its size word)."""
+    cdef uint64_t room = ((<uint64_t>1 << k) // 8) - 1
+    return <uint32_t>room if room <= 0xFFFFFFFFU else 0xFFFFFFFFU
+
+
+cdef inline bint arena_holds(const Zone* z, uint64_t offset, uint64_t size) noexcept nogil:
+    """Whether ``size`` bytes at ``offset`` are a place of the arena a block
+    can be (64-aligned, inside its bounds, clear of its header)."""
+    return (offset >= z.arena_lo and offset <= z.arena_hi and size <= z.arena_hi - offset
+            and (offset & 63) == 0)
 
 
 cdef inline double* zone_ring(const Zone* z, uint64_t offset) noexcept nogil:
@@ -302,32 +360,37 @@ cdef inline uint64_t arena_alloc(Zone* z, uint64_t slots) noexcept nogil:
     """A ring block of at least ``slots`` slots (offset; 0 when the arena is
     out of room). Under the arena lock, taken inside a stripe lock (never the
     other order). A holder killed here loses at most this block: each step
-    is one store that leaves the free list whole."""
+    is one store that leaves the free list whole. A free-list link or a top
+    that names no place of the arena is never followed: the list is cut
+    there (its blocks leaked), and a bad top allocates nothing."""
     cdef ZoneArena* a = z.arena
     cdef uint32_t k = arena_class((slots + 1) * 8)
-    cdef uint64_t offset = 0, size
-    cdef uint64_t room
+    cdef uint64_t offset = 0, size, top, following
     if k >= <uint32_t>ARENA_CLASSES:
         return 0
     size = <uint64_t>1 << k
     if nlz_lock(&a.lock):
         z.header.lock_recoveries += 1
-    if a.free_heads[k] != 0:
-        offset = a.free_heads[k]
-        a.free_heads[k] = (<uint64_t*>(z.base + offset))[0]
-    elif a.end - a.top >= size:
-        offset = a.top
-        a.top = a.top + size
+    offset = a.free_heads[k]
+    if offset != 0:
+        if arena_holds(z, offset, size):
+            following = (<uint64_t*>(z.base + offset))[0]
+            a.free_heads[k] = following if following == 0 or arena_holds(z, following, size) else 0
+        else:
+            a.free_heads[k] = 0
+            offset = 0
+    if offset == 0:
+        top = a.top
+        if arena_holds(z, top, size):
+            offset = top
+            a.top = top + size
     if offset != 0:
         a.used += size
     else:
         a.failures += 1
     nlz_unlock(&a.lock)
     if offset != 0:
-        room = size // 8 - 1
-        if room > 0xFFFFFFFFU:
-            room = 0xFFFFFFFFU
-        (<uint32_t*>(z.base + offset))[0] = <uint32_t>room
+        (<uint32_t*>(z.base + offset))[0] = arena_room(k)
         (<uint32_t*>(z.base + offset))[1] = k
     return offset
 
@@ -335,10 +398,10 @@ cdef inline uint64_t arena_alloc(Zone* z, uint64_t slots) noexcept nogil:
 cdef inline void arena_free(Zone* z, uint64_t offset) noexcept nogil:
     cdef ZoneArena* a = z.arena
     cdef uint32_t k
-    if offset == 0:
-        return
+    if offset == 0 or not arena_holds(z, offset, 64):
+        return                      # names no block of the arena: never followed
     k = (<uint32_t*>(z.base + offset))[1]
-    if k < <uint32_t>ARENA_MIN_CLASS or k >= <uint32_t>ARENA_CLASSES:
+    if k < <uint32_t>ARENA_MIN_CLASS or k >= <uint32_t>ARENA_CLASSES or not arena_holds(z, offset, <uint64_t>1 << k):
         return                      # not a block header: never put it on a list
     if nlz_lock(&a.lock):
         z.header.lock_recoveries += 1
@@ -348,17 +411,22 @@ cdef inline void arena_free(Zone* z, uint64_t offset) noexcept nogil:
     nlz_unlock(&a.lock)
 
 
-cdef inline bint arena_block_valid(const Zone* z, uint64_t offset) noexcept nogil:
-    """Whether an entry's ring offset names a block of the arena (repair)."""
-    cdef uint32_t k
-    if offset == 0:
-        return True
-    if offset < <uint64_t>(<char*>z.arena - z.base) + ARENA_HEADER_BYTES or offset + 64 > z.arena.end:
+cdef inline bint zone_log_valid(const Zone* z, const ZoneLog* lg) noexcept nogil:
+    """Whether a sliding log's ring may be read: no ring and no stamps, or a
+    block of the arena whose header is a block's (its class and size word
+    agree), with the head and the length inside it. Checked before a ring
+    is read, every time: a few compares, on the sliding log's path only."""
+    cdef uint64_t ring = lg.ring
+    cdef uint32_t k, size
+    if ring == 0:
+        return lg.length == 0
+    if not arena_holds(z, ring, 64):
         return False
-    if offset % 64 != 0:
+    k = (<const uint32_t*>(z.base + ring))[1]
+    if k < <uint32_t>ARENA_MIN_CLASS or k >= <uint32_t>ARENA_CLASSES or not arena_holds(z, ring, <uint64_t>1 << k):
         return False
-    k = (<const uint32_t*>(z.base + offset))[1]
-    return ARENA_MIN_CLASS <= k < ARENA_CLASSES and offset + (<uint64_t>1 << k) <= z.arena.end
+    size = (<const uint32_t*>(z.base + ring))[0]
+    return size == arena_room(k) and lg.length <= size and lg.head < size
 
 
 # ---------------------------------------------------------------- views
@@ -367,12 +435,20 @@ cdef inline ZoneLog* zone_log(Entry* e) noexcept nogil:
     return &e.state.zone_log
 
 
-cdef inline void zone_view(const Zone* z, const Entry* e, Entry* out) noexcept nogil:
+cdef inline bint zone_view(const Zone* z, const Entry* e, Entry* out) noexcept nogil:
     """A copy of the entry the kernels can run on: a sliding log's ring
-    offset turned into this process's address of the ring."""
+    offset turned into this process's address of the ring. False when the
+    log fails ``zone_log_valid``: the copy is then an empty log, and the
+    caller reports the stripe corrupt."""
     out[0] = e[0]
     if (e.ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
+        if not zone_log_valid(z, &e.state.zone_log):
+            out.state.log.ring = NULL
+            out.state.log.head = 0
+            out.state.log.length = 0
+            return False
         out.state.log.ring = zone_ring(z, e.state.zone_log.ring)
+    return True
 
 
 cdef inline void zone_store_view(Entry* e, const Entry* view) noexcept nogil:
@@ -387,53 +463,49 @@ cdef inline void zone_store_view(Entry* e, const Entry* view) noexcept nogil:
     e.updated_at = view.updated_at
 
 
-cdef inline bint zone_at_rest(const Zone* z, const Entry* e, const Params* p, double now) noexcept nogil:
-    cdef Entry view
-    zone_view(z, e, &view)
-    return entry_at_rest(&view, p, now)
-
-
 # ---------------------------------------------------------------- entries
 
-cdef inline void zone_delete(Zone* z, uint32_t si, uint32_t slot, uint32_t position) noexcept nogil:
+cdef inline int zone_delete(Zone* z, uint32_t si, uint32_t slot, uint32_t position) noexcept nogil:
     """Remove an entry: the last entry moves into its place, then the count
     drops, then its ring goes back to the arena. A holder killed part-way
     leaves at worst a duplicate of the moved entry (repair drops it) or a
-    leaked ring, never a ring used twice."""
+    leaked ring, never a ring used twice. NL_CORRUPT, the stripe left for
+    repair, when the count or the index cannot be."""
     cdef ZoneStripe* s = &z.stripes[si]
     cdef Entry* entries = stripe_entries(z, si)
     cdef uint32_t* index = stripe_index(z, si)
-    cdef uint32_t last = s.count - 1
-    cdef uint32_t mask = z.index_mask
-    cdef uint32_t i
+    cdef uint32_t count = s.count
+    cdef uint32_t last, i
     cdef uint64_t h, ring = 0
+    if count == 0 or count > z.stripe_entries or position >= count:
+        return NL_CORRUPT
+    last = count - 1
     if (entries[position].ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
         ring = zone_log(&entries[position]).ring
-    zone_remove_slot(z, si, slot)
+    if not zone_remove_slot(z, si, slot):
+        return NL_CORRUPT
     if position != last:
         entries[position] = entries[last]
         h = zone_entry_hash(z, &entries[position])
-        i = home_slot(h, mask)
-        while (index[i] & SLOT_POSITION_MASK) != last + 1:
-            i = (i + 1) & mask
+        i = zone_slot_naming(z, si, h, last)
+        if i == 0xFFFFFFFFU:
+            return NL_CORRUPT
         index[i] = slot_value(h, position)
     nlz_compiler_barrier()
     s.count = last
     nlz_compiler_barrier()
     arena_free(z, ring)
+    return NL_OK
 
 
-cdef inline uint32_t zone_slot_of(const Zone* z, uint32_t si, uint32_t position) noexcept nogil:
-    cdef uint32_t mask = z.index_mask
-    cdef const uint32_t* index = stripe_index(z, si)
-    cdef uint32_t i = home_slot(zone_entry_hash(z, &stripe_entries(z, si)[position]), mask)
-    while (index[i] & SLOT_POSITION_MASK) != position + 1:
-        i = (i + 1) & mask
-    return i
-
-
-cdef inline void zone_remove_position(Zone* z, uint32_t si, uint32_t position) noexcept nogil:
-    zone_delete(z, si, zone_slot_of(z, si, position), position)
+cdef inline int zone_remove_position(Zone* z, uint32_t si, uint32_t position) noexcept nogil:
+    cdef uint32_t slot
+    if position >= z.stripes[si].count or position >= z.stripe_entries:
+        return NL_CORRUPT
+    slot = zone_slot_naming(z, si, zone_entry_hash(z, &stripe_entries(z, si)[position]), position)
+    if slot == 0xFFFFFFFFU:
+        return NL_CORRUPT
+    return zone_delete(z, si, slot, position)
 
 
 cdef inline Entry* zone_insert(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* stored,
@@ -460,58 +532,70 @@ cdef inline Entry* zone_insert(Zone* z, uint32_t si, uint64_t h, uint32_t ns, co
     return e
 
 
-cdef inline void zone_forget_keeping(Zone* z, uint32_t si, uint32_t position, uint32_t* keep) noexcept nogil:
+cdef inline int zone_forget_keeping(Zone* z, uint32_t si, uint32_t position, uint32_t* keep) noexcept nogil:
     """Remove the entry at ``position``; ``keep`` follows the entry it names
     when that one is the last and moves into the hole."""
     if keep != NULL and keep[0] == z.stripes[si].count - 1:
         keep[0] = position
-    zone_remove_position(z, si, position)
+    return zone_remove_position(z, si, position)
 
 
-cdef inline void zone_sweep_idle(Zone* z, uint32_t si, double cutoff) noexcept nogil:
+cdef inline int zone_sweep_idle(Zone* z, uint32_t si, double cutoff) noexcept nogil:
     cdef ZoneStripe* s = &z.stripes[si]
     cdef Entry* entries = stripe_entries(z, si)
-    cdef int step
+    cdef int step, status
+    if s.count > z.stripe_entries:
+        return NL_CORRUPT
     for step in range(SWEEP_STEP):
         if s.count == 0:
-            return
+            return NL_OK
         if s.sweep >= s.count:
             s.sweep = 0
         if entries[s.sweep].updated_at < cutoff:
-            zone_remove_position(z, si, s.sweep)
+            status = zone_remove_position(z, si, s.sweep)
+            if status != NL_OK:
+                return status
             s.evicted_idle += 1
         else:
             s.sweep += 1
+    return NL_OK
 
 
-cdef inline bint zone_make_room(Zone* z, uint32_t si, double now, bint evict_active,
-                                uint32_t* keep) noexcept nogil:
+cdef inline int zone_make_room(Zone* z, uint32_t si, double now, bint evict_active,
+                               uint32_t* keep) noexcept nogil:
     """The in-memory table's eviction rule (``stripe_make_room``): an entry
     at rest first; else, when allowed, of those looked at and not in debt,
     the one whose forgetting hands back the fewest units. A key in debt is
     never forgotten. ``keep`` (or NULL): a position never to pick, updated
-    when the entry there moves. Returns False when nothing was freed."""
+    when the entry there moves. Returns 1 when an entry was freed, 0 when
+    none was, NL_CORRUPT when the stripe cannot be read."""
     cdef ZoneStripe* s = &z.stripes[si]
     cdef Entry* entries = stripe_entries(z, si)
     cdef uint32_t i, position, victim = 0
     cdef double fewest = 0.0, oldest = 0.0, given
     cdef bint have_victim = False, in_debt
+    cdef int status
     cdef Entry view
     cdef const Params* p
+    if s.count > z.stripe_entries:
+        return NL_CORRUPT
     if s.count == 0:
-        return False
+        return 0
     for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
         position = eviction_candidate(i, &s.sweep, &s.random, s.count)
         if keep != NULL and position == keep[0]:
             continue
-        zone_view(z, &entries[position], &view)
+        if not zone_view(z, &entries[position], &view):
+            return NL_CORRUPT
         p = zone_params(z, view.ns)
         if entry_at_rest(&view, p, now):
-            zone_forget_keeping(z, si, position, keep)
+            status = zone_forget_keeping(z, si, position, keep)
+            if status != NL_OK:
+                return status
             if s.sweep > position:
                 s.sweep = position
             s.evicted_at_rest += 1
-            return True
+            return 1
         if p == NULL:
             continue
         given = entry_given_back(&view, p, now, &in_debt)
@@ -523,47 +607,65 @@ cdef inline bint zone_make_room(Zone* z, uint32_t si, double now, bint evict_act
             oldest = view.updated_at
             have_victim = True
     if evict_active and have_victim:
-        zone_forget_keeping(z, si, victim, keep)
+        status = zone_forget_keeping(z, si, victim, keep)
+        if status != NL_OK:
+            return status
         s.evicted_active += 1
-        return True
-    return False
+        return 1
+    return 0
 
 
-cdef inline bint zone_could_make_room(const Zone* z, uint32_t si, double now) noexcept nogil:
+cdef inline int zone_could_make_room(const Zone* z, uint32_t si, double now) noexcept nogil:
     """``zone_make_room`` for ``peek`` on a full ``deny_new`` stripe: the same
-    answer, changing nothing (``stripe_could_make_room``)."""
+    answer (1 or 0), changing nothing (``stripe_could_make_room``);
+    NL_CORRUPT when the stripe cannot be read."""
     cdef const ZoneStripe* s = &z.stripes[si]
     cdef const Entry* entries = stripe_entries(z, si)
     cdef uint32_t i, position, cursor = s.sweep, x = s.random
+    cdef Entry view
+    if s.count > z.stripe_entries:
+        return NL_CORRUPT
     if s.count == 0:
-        return True
+        return 1
     if z.idle_after > 0.0:
         for i in range(<uint32_t>SWEEP_STEP):
             if cursor >= s.count:
                 cursor = 0
             if entries[cursor].updated_at < now - z.idle_after:
-                return True
+                return 1
             cursor += 1
     for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
         position = eviction_candidate(i, &cursor, &x, s.count)     # copies: nothing advances
-        if zone_at_rest(z, &entries[position], zone_params(z, entries[position].ns), now):
-            return True
-    return False
+        if not zone_view(z, &entries[position], &view):
+            return NL_CORRUPT
+        if entry_at_rest(&view, zone_params(z, view.ns), now):
+            return 1
+    return 0
 
 
-cdef inline bint zone_room_for_new_key(Zone* z, uint32_t si, double now) noexcept nogil:
+cdef inline int zone_room_for_new_key(Zone* z, uint32_t si, double now) noexcept nogil:
+    """1 when the stripe has room for a new key (made if need be), 0 when it
+    has none, NL_CORRUPT when its count or its cap cannot be."""
     cdef ZoneStripe* s = &z.stripes[si]
+    cdef int status
+    if s.count > z.stripe_entries or s.cap > z.stripe_entries - <uint32_t>ZONE_COMPOUND_MAX:
+        return NL_CORRUPT
     if z.idle_after > 0.0:
-        zone_sweep_idle(z, si, now - z.idle_after)
+        status = zone_sweep_idle(z, si, now - z.idle_after)
+        if status != NL_OK:
+            return status
     while s.count >= s.cap:
-        if not zone_make_room(z, si, now, z.evict_active, NULL):
+        status = zone_make_room(z, si, now, z.evict_active, NULL)
+        if status < 0:
+            return status
+        if status == 0:
             s.denied_new += 1
-            return False
-    return True
+            return 0
+    return 1
 
 
 cdef inline Entry* zone_ring_for(Zone* z, uint32_t si, Entry* e, uint32_t* keep, int64_t needed,
-                                 int64_t capacity, double now) noexcept nogil:
+                                 int64_t capacity, double now, int* status) noexcept nogil:
     """Make a sliding log's ring hold ``min(needed, capacity)`` stamps before
     its kernel runs, so the kernel never allocates (its rings are C heap;
     these are the arena's). Grows by doubling, as the in-memory log does.
@@ -571,13 +673,19 @@ cdef inline Entry* zone_ring_for(Zone* z, uint32_t si, Entry* e, uint32_t* keep,
     of the stripe and tries once more. ``keep`` is the position of ``e`` in
     the stripe (NULL for a scratch entry): eviction never picks it, and
     moves it if the entry it frees was the last. Returns ``e`` where it now
-    is, or NULL when there is no room (the caller refuses the request)."""
+    is, or NULL when there is no room (the caller refuses the request) or,
+    with ``status`` set to NL_CORRUPT, when the log or the stripe cannot be
+    read."""
     cdef ZoneLog* lg = zone_log(e)
     cdef uint32_t size = 0, i, j
     cdef int64_t want
+    cdef int freed = 0
     cdef uint64_t block, old
     cdef double* old_ring
     cdef double* new_ring
+    if not zone_log_valid(z, lg):
+        status[0] = NL_CORRUPT
+        return NULL
     if needed > capacity:
         needed = capacity
     if lg.ring != 0:
@@ -590,11 +698,16 @@ cdef inline Entry* zone_ring_for(Zone* z, uint32_t si, Entry* e, uint32_t* keep,
     if want > capacity:
         want = capacity
     block = arena_alloc(z, <uint64_t>want)
-    if block == 0 and z.evict_active and zone_make_room(z, si, now, True, keep):
-        if keep != NULL:
-            e = &stripe_entries(z, si)[keep[0]]
-            lg = zone_log(e)
-        block = arena_alloc(z, <uint64_t>want)
+    if block == 0 and z.evict_active:
+        freed = zone_make_room(z, si, now, True, keep)
+        if freed < 0:
+            status[0] = freed
+            return NULL
+        if freed > 0:
+            if keep != NULL:
+                e = &stripe_entries(z, si)[keep[0]]
+                lg = zone_log(e)
+            block = arena_alloc(z, <uint64_t>want)
     if block == 0:
         z.stripes[si].denied_arena += 1
         return NULL
@@ -632,29 +745,29 @@ cdef inline void zone_undo_end(ZoneStripe* s) noexcept nogil:
 # ---------------------------------------------------------------- repair
 
 cdef inline bint zone_entry_valid(const Zone* z, Entry* e) noexcept nogil:
-    """Whether an entry left by a dead lock holder can be trusted: its
-    namespace registered, its key length possible, its ring a real block."""
-    cdef ZoneLog* lg
-    cdef uint32_t size
+    """Whether an entry can be trusted: its namespace registered, its key
+    length possible, its ring (a sliding log's) a block of the arena that
+    holds its head and length."""
     if zone_params(z, e.ns) == NULL or e.key_len == 0 or e.key_len > z.max_key_bytes:
         return False
     if (e.ns & NS_ALGORITHM_MASK) != ALG_SLIDING_LOG:
         return True
-    lg = zone_log(e)
-    if not arena_block_valid(z, lg.ring):
-        return False
-    if lg.ring == 0:
-        return lg.length == 0
-    size = (<const uint32_t*>(z.base + lg.ring))[0]
-    return lg.length <= size and lg.head < size
+    return zone_log_valid(z, zone_log(e))
+
+
+cdef inline uint32_t zone_stripe_cap(const Zone* z, uint32_t si) noexcept nogil:
+    """The most entries stripe ``si`` may hold, as the creator set it."""
+    cdef uint64_t stripes = <uint64_t>z.stripe_mask + 1
+    return <uint32_t>(z.max_keys // stripes + (1 if si < z.max_keys % stripes else 0))
 
 
 cdef inline void zone_repair_stripe(Zone* z, uint32_t si) noexcept nogil:
     """Make a stripe whole again after its lock was taken over from a dead
-    holder: roll back the decision it had in flight (its undo copy), drop
-    entries that cannot be trusted and duplicates a half-done move left,
-    and rebuild the index from the entries. The holder's request was never
-    answered, so rolling it back loses nothing that was promised."""
+    holder, or after a check found it corrupt: roll back the decision in
+    flight (its undo copy), drop entries that cannot be trusted and
+    duplicates a half-done move left, and rebuild the index from the
+    entries. The holder's request was never answered, so rolling it back
+    loses nothing that was promised."""
     cdef ZoneStripe* s = &z.stripes[si]
     cdef Entry* entries = stripe_entries(z, si)
     cdef uint32_t* index = stripe_index(z, si)
@@ -662,6 +775,7 @@ cdef inline void zone_repair_stripe(Zone* z, uint32_t si) noexcept nogil:
     cdef uint64_t h
     if s.count > z.stripe_entries:
         s.count = z.stripe_entries
+    s.cap = zone_stripe_cap(z, si)
     if s.undo_valid and s.undo_position < s.count:
         entries[s.undo_position] = s.undo
     s.undo_valid = 0
@@ -676,7 +790,7 @@ cdef inline void zone_repair_stripe(Zone* z, uint32_t si) noexcept nogil:
     j = 0
     while j < s.count:
         h = zone_entry_hash(z, &entries[j])
-        if zone_find(z, si, h, entries[j].ns, entries[j].key.short_key, entries[j].key_len, &slot) >= 0:
+        if zone_find(z, si, h, entries[j].ns, entries[j].key.short_key, entries[j].key_len, &slot) != -1:
             entries[j] = entries[s.count - 1]     # a copy of a kept entry: its ring is the kept one's
             s.count -= 1
         else:
