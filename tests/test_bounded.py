@@ -175,17 +175,60 @@ def test_max_keys_below_the_stripe_count_still_bounds_the_keys(backend, max_keys
     assert backend.InMemoryStorage(max_keys=1024).stripes == 64  # room enough: unchanged
 
 
-def test_a_compound_overshoot_drains_at_the_next_new_key(backend) -> None:
-    """An all-or-nothing compound adds its new keys together and may leave a
-    stripe over its cap; the next new key brings the stripe back within it
-    (it used to stay over for good)."""
+def test_a_compound_never_leaves_a_stripe_over_its_cap(backend, request) -> None:
+    """An all-or-nothing compound makes room for its new keys of a stripe
+    together, never forgetting one of its own keys for another: it fits
+    within max_keys or is refused (storage_full), adding nothing. (It used
+    to add its new keys together and leave the stripe over its cap until
+    the next new key.)"""
+    if backend.name == "zone":
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="the zone still lets a compound overshoot max_keys by its own keys"
+            " (_core_zone.pxi, zone_compound): a separate change"))
     storage = backend.InMemoryStorage(stripes=1, max_keys=2)
     clock = backend.FakeClock(0.0)
     limiters = [backend.TokenBucket(5, 60.0, storage, clock, f"r{i}") for i in range(6)]
-    assert storage.allow_all([(limiter, "u") for limiter in limiters]).allowed
-    assert len(storage) == 6  # the documented, temporary overshoot
+    refused = storage.allow_all([(limiter, "u") for limiter in limiters])
+    assert not refused.allowed  # six new keys cannot fit in two
+    assert [d.reason == "storage_full" for d in refused.decisions] == [False, False] + [True] * 4
+    assert len(storage) == 0 and storage.stats()["denied_new"] == 4
+    assert storage.allow_all([(limiters[0], "u"), (limiters[1], "u")]).allowed
+    assert len(storage) == 2
+    # room for two at once: both "u" keys go (not in debt), neither new key stays out
+    assert storage.allow_all([(limiters[0], "v"), (limiters[1], "v")]).allowed
+    assert len(storage) == 2
+    assert limiters[0].state("u") is None and limiters[1].state("u") is None
     limiters[0].allow("next")
     assert len(storage) <= 2
     for i in range(20):
         limiters[0].allow(f"x{i}")
         assert len(storage) <= 2
+
+
+@pytest.mark.parametrize("on_full", ["evict", "deny_new"])
+def test_a_compound_never_forgets_its_own_key_to_make_room(backend, request, on_full: str) -> None:
+    """Making room for a compound's new key never forgets another key of the
+    same compound, even one at rest: the commit would write it back, one key
+    over the cap. With nothing else to forget, the compound is refused."""
+    if backend.name == "zone":
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="the zone may still forget a compound's own key at rest"
+            " (_core_zone.pxi, zone_compound): a separate change"))
+    storage = backend.InMemoryStorage(stripes=1, max_keys=2, on_full=on_full)
+    clock = backend.FakeClock(0.0)
+    limiter = backend.FixedWindowCounter(5, 1.0, storage, clock, rule="r")
+    assert limiter.allow("a").allowed
+    clock.advance(1.0)  # "a" is at rest: forgetting it would change no decision
+    assert limiter.allow("c").allowed
+    a_before = limiter.peek("a").remaining
+    decision = storage.allow_all([(limiter, "a"), (limiter, "b")])
+    assert len(storage) <= 2
+    if on_full == "evict":
+        assert decision.allowed  # "c" (not in debt) went, not "a"
+        assert limiter.state("c") is None
+        assert limiter.state("a") is not None and limiter.state("b") is not None
+    else:
+        assert not decision.allowed  # "c" is not at rest: nothing may go
+        assert decision.decisions[1].reason == "storage_full"
+        assert limiter.state("b") is None and limiter.state("c") is not None
+        assert limiter.peek("a").remaining == a_before  # the refused compound charged nothing

@@ -44,7 +44,7 @@ from nanolimit._kernels cimport (
 )
 from nanolimit._zone cimport *  # the zone layout and its nogil table (_core_zone.pxi)
 from nanolimit._table cimport (
-    NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
+    NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, CompoundKeys, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
     stripe_could_make_room, stripe_make_room, stripe_sweep_idle,
     prefetch_slot, stripe_clear, stripe_delete, stripe_evict, stripe_find, stripe_reclaim,
     BatchReaders, IndexHeader, batch_join, batch_leave,

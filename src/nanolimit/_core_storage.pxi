@@ -405,10 +405,15 @@ cdef class InMemoryStorage:
         cdef bint all_allowed = True
         cdef int status = NL_OK
         cdef Bounds reserve, unbounded
+        cdef CompoundKeys keep
+        cdef Stripe* s
+        cdef uint32_t slot
+        cdef bint absent = False
         cdef uint8_t* created
+        cdef uint8_t* reserved
         cdef size_t row = (sizeof(char*) + sizeof(Py_ssize_t) + sizeof(int64_t) + sizeof(uint64_t)
                            + sizeof(double) + sizeof(Params*) + 2 * sizeof(uint32_t) + sizeof(Verdict)
-                           + sizeof(uint8_t))
+                           + 2 * sizeof(uint8_t))
         block = <char*>malloc(<size_t>n * row)
         if block == NULL:
             raise MemoryError()
@@ -422,6 +427,7 @@ cdef class InMemoryStorage:
         namespaces = <uint32_t*>(params + n)
         stripe_ids = namespaces + n
         created = <uint8_t*>(stripe_ids + n)
+        reserved = created + n
         try:
             for i in range(n):
                 candidate, key, cost = items[i]
@@ -454,21 +460,41 @@ cdef class InMemoryStorage:
             for j in range(stripes_used):
                 lock_stripe(&self.stripes[stripe_ids[j]])
                 locked += 1
-            # Phase 1 may make room in full stripes; phase 2 then never refuses
-            # (a compound request can overshoot max_keys by its own few keys).
-            reserve = self.bounds
-            reserve.reserve_on_peek = True
+            # Phase 1 makes room in full stripes; phase 2 then never refuses.
+            # The room for a new key counts the compound's new keys of its
+            # stripe given room before it (not in yet), and no key of the
+            # compound is forgotten for it: all committed, a stripe holds
+            # at most its cap. Where that room cannot be made the key is
+            # refused as a lone new key would be (storage_full), so the
+            # compound is, charging nothing.
             unbounded = self.bounds
             unbounded.stripe_cap = 0
             unbounded.idle_after = 0.0
+            keep.n = n
+            keep.namespaces = namespaces
+            keep.data = data
+            keep.sizes = sizes
+            reserve = self.bounds
+            reserve.reserve_on_peek = True
+            reserve.keep = &keep
             if status == NL_OK:
                 for i in range(n):
-                    status = table_decide(self.stripe_for(hashes[i]), &reserve if self.bounded else NULL,
+                    s = self.stripe_for(hashes[i])
+                    reserved[i] = 0
+                    if self.bounded:
+                        reserve.pending = 0
+                        for j in range(i):
+                            if reserved[j] and self.stripe_for(hashes[j]) == s:
+                                reserve.pending += 1
+                        absent = stripe_find(s, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], &slot) < 0
+                    status = table_decide(s, &reserve if self.bounded else NULL,
                                           hashes[i], namespaces[i], data[i],
                                           <uint32_t>sizes[i], nows[i], units[i], params[i], False,
                                           &verdicts[i])
                     if status != NL_OK:
                         break
+                    if self.bounded and absent and not verdicts[i].storage_full:
+                        reserved[i] = 1     # room made: the commit writes it
                     all_allowed = all_allowed and verdicts[i].allowed
                 if status == NL_OK and not all_allowed:
                     for i in range(n):

@@ -8,16 +8,19 @@
 cdef inline bint room_for_new_key(Stripe* s, const Bounds* b, double now) noexcept nogil:
     """Bounded storages: run the idle sweep, then make room in a full stripe.
     False means the new key must be refused (``on_full="deny_new"``, or no
-    entry could be freed)."""
+    entry could be freed). In a compound's first phase the room counts the
+    compound's new keys of this stripe already given room and not in yet
+    (``b.pending``), and no key of the compound (``b.keep``) is forgotten
+    for it: committing then writes them all and the stripe stays within
+    its cap (docs/spec.md §5)."""
     if b.idle_after > 0.0:
-        stripe_sweep_idle(s, now - b.idle_after)
+        stripe_sweep_idle(s, now - b.idle_after, b.keep)
     if b.stripe_cap == 0:
         return True
-    # a loop, not one eviction: an all-or-nothing compound may have left the
-    # stripe over its cap (several new keys of one request), and the next
-    # new key brings it back within
-    while s.count >= s.cap:
-        if not stripe_make_room(s, b.chunks, now, b.evict_active):
+    # a loop, not one eviction: a compound's second new key of the stripe
+    # wants room for two, recounted after each forget
+    while <uint64_t>s.count + b.pending >= s.cap:
+        if not stripe_make_room(s, b.chunks, now, b.evict_active, b.keep):
             s.denied_new += 1
             return False
     return True

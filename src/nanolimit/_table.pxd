@@ -63,12 +63,20 @@ ctypedef struct IndexHeader:
     uint32_t mask
     uint8_t _pad[12]
 
+ctypedef struct CompoundKeys:       # the keys of the allow_all being decided
+    Py_ssize_t n
+    const uint32_t* namespaces
+    const char** data
+    const Py_ssize_t* sizes
+
 ctypedef struct Bounds:             # how a bounded storage limits its stripes
     uint32_t stripe_cap             # nonzero: each stripe holds at most its own ``cap``
     bint evict_active               # on_full="evict" (else "deny_new")
     bint reserve_on_peek            # compound phase 1: make room before committing
+    uint32_t pending                # compound phase 1: new keys of the stripe given room, not in yet
     double idle_after               # evict_idle_after seconds; 0: off
     Params** chunks                 # per-namespace parameters (for "at rest")
+    const CompoundKeys* keep        # compound phase 1: never forget these (NULL: none)
 
 ctypedef struct ObjectList:         # Python objects to release after unlocking
     void** items
@@ -613,9 +621,25 @@ cdef inline void stripe_remove_position(Stripe* s, uint32_t position) noexcept n
     stripe_delete(s, slot_of(s, position), position)
 
 
-cdef inline void stripe_sweep_idle(Stripe* s, double cutoff) noexcept nogil:
+cdef inline bint entry_kept(const Entry* e, const CompoundKeys* keep) noexcept nogil:
+    """Whether the entry is one of the keys of the compound being decided
+    (``keep``, or NULL for none): making room for one of its new keys never
+    forgets another of its keys, or the commit would write it back and the
+    stripe would end over its cap."""
+    cdef Py_ssize_t i
+    if keep == NULL:
+        return False
+    for i in range(keep.n):
+        if (keep.namespaces[i] == e.ns and <uint32_t>keep.sizes[i] == e.key_len
+                and nl_key_equal(entry_key(e), keep.data[i], e.key_len)):
+            return True
+    return False
+
+
+cdef inline void stripe_sweep_idle(Stripe* s, double cutoff, const CompoundKeys* keep) noexcept nogil:
     """A few steps of the incremental idle sweep: O(1) per insert, and over
-    many inserts it visits every entry, with no timer thread."""
+    many inserts it visits every entry, with no timer thread. A key of
+    ``keep`` (the compound being decided, or NULL) is stepped over."""
     cdef int step
     cdef Entry* e
     for step in range(SWEEP_STEP):
@@ -624,7 +648,7 @@ cdef inline void stripe_sweep_idle(Stripe* s, double cutoff) noexcept nogil:
         if s.sweep >= s.count:
             s.sweep = 0
         e = &s.entries[s.sweep]
-        if e.updated_at < cutoff and e.ns != ALG_APPLY:
+        if e.updated_at < cutoff and e.ns != ALG_APPLY and not entry_kept(e, keep):
             stripe_remove_position(s, s.sweep)     # the last entry moved here: look again
             s.evicted_idle += 1
         else:
@@ -637,8 +661,7 @@ cdef inline bint stripe_could_make_room(const Stripe* s, Params** chunks, double
     find room, changing nothing (``peek``): the idle sweep's steps and then
     ``stripe_make_room``'s scan and sample (from a copy of the stripe's
     random state), visited as they would be. Exact when the stripe holds
-    ``cap`` keys; one freed entry is taken as enough above it (a compound
-    request may leave a stripe over its cap)."""
+    ``cap`` keys, which no stripe holds more of."""
     cdef uint32_t i, position, cursor = s.sweep, x = s.random
     cdef const Entry* e
     if s.count == 0:
@@ -660,23 +683,29 @@ cdef inline bint stripe_could_make_room(const Stripe* s, Params** chunks, double
 
 
 cdef inline bint stripe_make_room(Stripe* s, Params** chunks, double now,
-                                  bint evict_active) noexcept nogil:
+                                  bint evict_active, const CompoundKeys* keep) noexcept nogil:
     """Free one entry of a full stripe. First an entry at rest (forgetting it
     changes no decision), looked for along the sweep cursor and in a random
     sample; else, when allowed, of those looked at and not in debt, the one
     whose forgetting hands back the fewest units, the least recently used
     among equals. A key in debt (a denied attacker's) is never forgotten to
     make room: when every key looked at is in debt, nothing is freed and the
-    new key is refused. O(1) per call. Returns False when nothing was freed."""
+    new key is refused. Nor is a key of ``keep`` (the compound being
+    decided, or NULL): those are looked at and passed over, so a stripe
+    holding only the compound's own keys frees nothing. O(1) per call (a
+    compound's keys: O(its size) more per entry looked at). Returns False
+    when nothing was freed."""
     cdef uint32_t i, position, victim = 0
     cdef double fewest = 0.0, oldest = 0.0, given
     cdef bint have_victim = False, in_debt
     cdef const Entry* e
     cdef const Params* p
+    if s.count == 0:
+        return False                # only a compound's own new keys want the room
     for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
         position = eviction_candidate(i, &s.sweep, &s.random, s.count)
         e = &s.entries[position]
-        if e.ns == ALG_APPLY:
+        if e.ns == ALG_APPLY or entry_kept(e, keep):
             continue
         p = params_for(chunks, e.ns)
         if entry_at_rest(e, p, now):

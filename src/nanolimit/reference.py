@@ -14,7 +14,7 @@ import sys
 import threading
 from array import array
 from collections import deque
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Container, Coroutine, Sequence
 from itertools import islice
 from typing import Any, ClassVar
 
@@ -557,22 +557,28 @@ class InMemoryStorage:
         """Remember the latest parameters of a namespace (for "at rest")."""
         self._params[ns] = cfg
 
-    def _room_for_new_key(self, stripe: int, now: float) -> bool:
+    def _room_for_new_key(
+        self, stripe: int, now: float, keep: Container[tuple[Any, ...]] = (), pending: int = 0
+    ) -> bool:
         """The bounded-table policy of the native twin, done exhaustively:
         idle sweep, then an entry at rest, then (``evict``) the least
-        recently used one. Built-in limiter entries only."""
+        recently used one. Built-in limiter entries only. In a compound's
+        first phase, ``pending`` counts its new keys of this stripe already
+        given room (not in yet) and no key of ``keep`` (the compound's) is
+        forgotten: committed, the stripe holds at most its cap."""
         counters = self._counters
         table = self._maps[stripe]
         if self.evict_idle_after is not None:
             cutoff = now - self.evict_idle_after
-            idle = [k for k, entry in table.items() if k[0] is not None and entry[0] < cutoff]
+            idle = [k for k, e in table.items() if k[0] is not None and e[0] < cutoff and k not in keep]
             for k in idle:
                 del table[k]
             counters["evicted_idle"] += len(idle)
         cap = self._caps[stripe]
-        # a loop: a compound may have left the stripe over its cap (native twin alike)
-        while cap and len(table) >= cap:
-            if not self._make_room(table, now):
+        # a loop: a compound's second new key of the stripe wants room for two,
+        # recounted after each forget (native twin alike)
+        while cap and len(table) + pending >= cap:
+            if not self._make_room(table, now, keep):
                 counters["denied_new"] += 1
                 return False
         return True
@@ -590,25 +596,30 @@ class InMemoryStorage:
                 return True
         return self._first_at_rest(table, now) is not None
 
-    def _first_at_rest(self, table: dict[tuple[Any, ...], list[Any]], now: float) -> tuple[Any, ...] | None:
+    def _first_at_rest(
+        self, table: dict[tuple[Any, ...], list[Any]], now: float, keep: Container[tuple[Any, ...]] = ()
+    ) -> tuple[Any, ...] | None:
         """A limiter's key whose state is at rest at ``now`` (forgetting it
-        changes no decision), or None. Like the native table it looks at a
-        bounded number of keys (the longest held), so a full table costs
-        O(1) per new key here too."""
+        changes no decision), or None; never a key of ``keep``. Like the
+        native table it looks at a bounded number of keys (the longest
+        held), so a full table costs O(1) per new key here too."""
         for k, entry in islice(table.items(), EVICTION_LOOK):
-            if k[0] is not None:
+            if k[0] is not None and k not in keep:
                 cfg = self._params.get(k[0])
                 if cfg is not None and _at_rest(entry[1], cfg, now):
                     return k
         return None
 
-    def _make_room(self, table: dict[tuple[Any, ...], list[Any]], now: float) -> bool:
+    def _make_room(
+        self, table: dict[tuple[Any, ...], list[Any]], now: float, keep: Container[tuple[Any, ...]] = ()
+    ) -> bool:
         """Forget one entry: one at rest, else (``evict``) of the keys not in
         debt the one whose forgetting hands back the fewest units, the least
         recently used among equals. A key in debt is never forgotten to make
-        room. False when nothing can go (the new key is refused)."""
+        room, nor a key of ``keep`` (the compound being decided). False when
+        nothing can go (the new key is refused)."""
         counters = self._counters
-        resting = self._first_at_rest(table, now)
+        resting = self._first_at_rest(table, now, keep)
         if resting is not None:
             del table[resting]
             counters["evicted_at_rest"] += 1
@@ -618,7 +629,7 @@ class InMemoryStorage:
         victim: tuple[Any, ...] | None = None
         best: tuple[float, float] = (0.0, 0.0)
         for full_key, entry in islice(table.items(), EVICTION_LOOK):
-            cfg = None if full_key[0] is None else self._params.get(full_key[0])
+            cfg = None if full_key[0] is None or full_key in keep else self._params.get(full_key[0])
             if cfg is None:
                 continue
             given, in_debt = _given_back(entry[1], cfg, now)
@@ -700,13 +711,18 @@ class InMemoryStorage:
         try:
             verdicts = []
             bounded = self._bounded
+            keep = {full_key for _, full_key, _ in plan}
+            pending = [0] * len(self._maps)  # new keys given room, by stripe, not in yet
             for (limiter, full_key, cost), now in zip(plan, nows):
                 stripe = hash(full_key) % len(self._maps)
                 entry = self._maps[stripe].get(full_key)
-                # make room now, so that committing below never refuses
-                if entry is None and bounded and not self._room_for_new_key(stripe, now):
-                    verdicts.append(STORAGE_FULL)
-                    continue
+                # make room now, so that committing below never refuses and
+                # leaves no stripe over its cap; else refuse as a lone new key
+                if entry is None and bounded:
+                    if not self._room_for_new_key(stripe, now, keep, pending[stripe]):
+                        verdicts.append(STORAGE_FULL)
+                        continue
+                    pending[stripe] += 1
                 state = None if entry is None else entry[1].copy()
                 verdicts.append(_decide(state, now, cost, limiter._cfg)[1])
             if not all(v[0] for v in verdicts):
