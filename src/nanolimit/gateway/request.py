@@ -29,9 +29,9 @@ class Request:
 
     ``cost`` is how many units the request spends (a fan-out search can
     declare 10); a rule's own ``cost`` multiplies it. ``route`` is the
-    framework's matched route template (``/users/{id}/avatar``), when the
-    front end knows it: rules declared on a route match it. It must follow
-    from the method and path (the pipeline caches routes by those).
+    framework's matched route template (``/users/{id}/avatar``, under its
+    host as ``//host/path``), when the front end knows it: rules declared
+    on a route match it, and the pipeline's route cache keys by it.
     ``native`` is the framework's own object (the ASGI scope, the WSGI
     environ, a Flask or Django request), for cost and denial hooks that
     need more than this view.
