@@ -663,3 +663,21 @@ def test_scope_and_algorithm_settings_are_the_declarations_defaults(nano: Any) -
     assert nd.limit("1/hour", scope="ip").scope.value == "ip"
     nano(DEFAULT="1/hour", SCOPE="api_key")
     assert nd.pipeline().registry.ruleset.default.scope.value == "api_key"  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------
+# Attacks: an exemption of one route, a probe before the victim
+
+
+@pytest.mark.parametrize("probe", ["/items/abc", "/items/-1", "/items/1/", "/nope", "/items/" + "9" * 20])
+def test_an_exempt_route_never_exempts_another_of_its_shape(nano: Any, probe: str) -> None:
+    """``items/<slug:name>`` exempt and ``items/<int:item_id>`` limited are
+    two routes: whatever another client sends first, the limited view
+    denies its third request and the exempt one never does."""
+    with override_settings(ROOT_URLCONF="django_project.urls_attack"):
+        client = Client()
+        get(client, probe, ip="192.0.2.77")
+        assert statuses(client, "/items/1", 3) == [200, 200, 429]
+        assert statuses(client, "/items/abc", 5) == [200] * 5
+        rules = nd.pipeline().registry.rules()
+        assert [r.routes for r in rules] == [("/items/{item_id:int}",)]
