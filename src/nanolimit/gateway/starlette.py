@@ -185,13 +185,19 @@ def context_for(app: Any) -> Callable[[Request], str] | None:
         template = scope.get("path_template")
         if isinstance(template, str):
             return formats.get(template, template)
-        host = ""
+        # the common case, "http" itself: nothing is built per request
+        context = str(scope.get("type"))
+        root = scope.get("root_path")
+        if root:
+            context = f"{context}\x00{root}"
         if by_host:
+            host = ""
             for name, value in scope.get("headers") or ():
                 if name == b"host":
                     host = value.decode("latin-1")
                     break
-        return f"{scope.get('type')}\x00{scope.get('root_path', '')}\x00{host}"
+            context = f"{context}\x01{host}"
+        return context
 
     return context
 
