@@ -1,4 +1,4 @@
-"""Is it the machine or the code? The two targets of issue 4 that depend on
+"""Is it the machine or the code? The two targets that depend on
 memory, set against what this machine's memory allows, measured in the same
 minutes.
 

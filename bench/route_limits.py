@@ -16,7 +16,7 @@ Variants, interleaved round by round, medians of the rounds' ns per call:
   route with ``RouteLimits`` (the route cache answers both; the Starlette
   app's own routing is the same in both).
 
-The targets (issue 20): counting by response within 1.2x plain counting;
+The targets: counting by response within 1.2x plain counting;
 a 429 at least as fast as an admitted request; a route-level declaration
 no slower than the middleware path.
 """

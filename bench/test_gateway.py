@@ -3,7 +3,7 @@ WSGI adapters' admitted path, ``rule_for`` with 1 vs 1,000 rules, and replay
 throughput on the native batch path.
 
 Each benchmarked call runs ``BATCH`` requests; read ``ns_per_request_median``
-in ``extra_info`` (pytest-benchmark's time / ``BATCH``). Targets (issue 8):
+in ``extra_info`` (pytest-benchmark's time / ``BATCH``). Targets:
 middleware ≤ 1.5 µs per request; ``rule_for`` with 1,000 rules within 2× of
 1 rule; replay ≥ 5 M decisions/s after parsing.
 """

@@ -4,7 +4,7 @@ server: a bare redis-py ``PING`` round trip (the floor), one decision
 limiter glue), a pipelined ``allow_many`` of 100 keys, and a denial answered by
 the near-cache.
 
-Targets (issue 3): one decision ≤ 1.2 × PING (and, for the asyncio client,
+Targets: one decision ≤ 1.2 × PING (and, for the asyncio client,
 ≤ 1.2 × its own ``PING``); ``allow_many`` of 100 ≥
 100,000 decisions/s; a near-cache denial ≤ 1 µs. ``extra_info`` holds
 ``us_median`` / ``decisions_per_s`` / ``ratio_to_ping``.

@@ -3,7 +3,7 @@
 thread runs against a throwaway loopback Redis, for the three supported
 algorithms and both twins; a hot key and 10,000 keys round-robin.
 
-Target (issue 7): a local decision ≤ 1.5 × the in-memory ``allow()`` (native
+Target: a local decision ≤ 1.5 × the in-memory ``allow()`` (native
 twin: the limiter decides against the lease in C); Redis round trips per
 decision ≤ 0.01. ``extra_info`` holds ``ns_median``, ``ratio_to_in_memory``
 and, for two-tier cases, ``redis_round_trips_per_decision`` (syncs, each one

@@ -29,7 +29,7 @@ def _limiter_classes(storage: object) -> Mapping[Algorithm, Any]:
 # The default store's bound: a copy-pasted ``LimiterFactory()`` must not grow
 # without limit under one-off clients (rotating IPv6 /64s, invented tokens).
 # About 6 MB of table at 62 bytes a key; keys at rest go first when it is full,
-# and a key in debt is never forgotten to make room (README, "Limits of the design").
+# and a key in debt is never forgotten to make room (docs/limits_of_the_design.md).
 DEFAULT_MAX_KEYS = 100_000
 
 
