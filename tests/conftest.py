@@ -9,8 +9,10 @@ A third parameter, ``zone``, runs the native twin with every
 ``backend.InMemoryStorage(...)`` made a ``SharedMemoryStorage`` (the
 shared-memory zone, same API): it is collected only in modules that set
 ``ZONE_SUITE = True`` (the SPEC scenarios, validation, bounded-store and
-compound suites), and a test there marked ``not_on_zone`` (the ``apply``
-seam, which a zone refuses) is deselected for it.
+compound suites) or in a test marked ``on_zone`` (one test of another
+module that holds for the zone too), and a test there marked
+``not_on_zone`` (the ``apply`` seam, which a zone refuses) is deselected
+for it.
 
 The native parameter is skipped only when asked to: ``--no-c-extensions`` or
 ``NANOLIMIT_NO_EXTENSIONS`` set. Otherwise a failing ``import nanolimit._core``
@@ -90,6 +92,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "not_on_zone: a ZONE_SUITE test of what only InMemoryStorage has (apply)"
     )
+    config.addinivalue_line(
+        "markers", "on_zone: run this test on the zone backend too, in a module without ZONE_SUITE"
+    )
     if config.getoption("--no-c-extensions"):
         # Run the identical suite pure: `import nanolimit` must pick the reference too.
         os.environ[NO_EXTENSIONS_ENV] = "1"
@@ -164,7 +169,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         callspec = getattr(item, "callspec", None)
         on_zone = callspec is not None and callspec.params.get("backend") == "zone"
-        opted_in = getattr(item.module, "ZONE_SUITE", False) and not item.get_closest_marker("not_on_zone")
+        opted_in = (getattr(item.module, "ZONE_SUITE", False) or item.get_closest_marker("on_zone")) and not (
+            item.get_closest_marker("not_on_zone"))
         if on_zone and not opted_in:
             dropped.append(item)
         else:

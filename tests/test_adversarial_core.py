@@ -502,6 +502,7 @@ def test_eight_thread_mix_on_a_full_table(backend: types.SimpleNamespace, algori
     assert len(storage) <= 64  # an all-or-nothing pair makes room for both its keys, or is refused
 
 
+@pytest.mark.on_zone  # the zone's allow_all holds the bound alike
 @pytest.mark.parametrize("on_full", ["evict", "deny_new"])
 def test_pair_compounds_on_a_full_table_stay_within_max_keys(
     backend: types.SimpleNamespace, on_full: str

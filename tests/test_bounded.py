@@ -175,16 +175,12 @@ def test_max_keys_below_the_stripe_count_still_bounds_the_keys(backend, max_keys
     assert backend.InMemoryStorage(max_keys=1024).stripes == 64  # room enough: unchanged
 
 
-def test_a_compound_never_leaves_a_stripe_over_its_cap(backend, request) -> None:
+def test_a_compound_never_leaves_a_stripe_over_its_cap(backend) -> None:
     """An all-or-nothing compound makes room for its new keys of a stripe
     together, never forgetting one of its own keys for another: it fits
     within max_keys or is refused (storage_full), adding nothing. (It used
     to add its new keys together and leave the stripe over its cap until
     the next new key.)"""
-    if backend.name == "zone":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="the zone still lets a compound overshoot max_keys by its own keys"
-            " (_core_zone.pxi, zone_compound): a separate change"))
     storage = backend.InMemoryStorage(stripes=1, max_keys=2)
     clock = backend.FakeClock(0.0)
     limiters = [backend.TokenBucket(5, 60.0, storage, clock, f"r{i}") for i in range(6)]
@@ -206,14 +202,10 @@ def test_a_compound_never_leaves_a_stripe_over_its_cap(backend, request) -> None
 
 
 @pytest.mark.parametrize("on_full", ["evict", "deny_new"])
-def test_a_compound_never_forgets_its_own_key_to_make_room(backend, request, on_full: str) -> None:
+def test_a_compound_never_forgets_its_own_key_to_make_room(backend, on_full: str) -> None:
     """Making room for a compound's new key never forgets another key of the
     same compound, even one at rest: the commit would write it back, one key
     over the cap. With nothing else to forget, the compound is refused."""
-    if backend.name == "zone":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="the zone may still forget a compound's own key at rest"
-            " (_core_zone.pxi, zone_compound): a separate change"))
     storage = backend.InMemoryStorage(stripes=1, max_keys=2, on_full=on_full)
     clock = backend.FakeClock(0.0)
     limiter = backend.FixedWindowCounter(5, 1.0, storage, clock, rule="r")

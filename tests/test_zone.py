@@ -441,6 +441,22 @@ def test_a_compound_that_cannot_get_a_ring_charges_nothing(core, name):
     assert bucket.allow("user", 5).allowed  # the bucket's budget untouched
 
 
+def test_a_ring_for_a_compound_never_forgets_one_of_its_keys(core, name):
+    # The arena holds one ring, "x"'s. A compound's new sliding log needs one:
+    # an evict zone forgets another key of the stripe for it, but never one of
+    # the compound's own, even at rest ("p"): it forgets "x" and the ring is had.
+    zone = core.SharedMemoryStorage(name, max_keys=3, stripes=1, arena_bytes=64)
+    clock = FakeClock(T0)
+    log = core.SlidingWindowLog(5, 60.0, zone, clock, rule="log")
+    window = core.FixedWindowCounter(5, 1.0, zone, clock, rule="fw")
+    assert log.allow("x").allowed and window.allow("p").allowed
+    clock.advance(1.0)  # "p" is at rest, "x" is not
+    decision = zone.allow_all([(window, "p"), (log, "q")])
+    assert decision.allowed, [d.reason for d in decision.decisions]
+    assert window.state("p") is not None and log.state("q") is not None and log.state("x") is None
+    assert len(zone) == 2 and zone.stats()["evicted_active"] == 1
+
+
 def test_compounds_on_one_thread_do_not_change_decisions_on_another(core, name):
     """allow_all's phases are its own: a thread deciding meanwhile on a
     full deny_new zone is refused as always, never let past the cap."""

@@ -7,7 +7,7 @@ test wrote through ``/dev/shm``: the worker is bounded by a timeout and
 killed by pid in ``finally``, so a hang is a failure (not a stuck run) and a
 segfault is a negative return code (not a dead pytest).
 
-White-box: the offsets below are layout 1 of ``_zone.pxd``; a test skips if
+White-box: the offsets below are layout 2 of ``_zone.pxd``; a test skips if
 the segment says another layout.
 
 ``NLTEST_WORKER_WRAP``, a command prefix, runs each worker under it (for
@@ -50,7 +50,7 @@ H_ENTRIES_OFFSET = (144, "<Q")
 H_INDEX_OFFSET = (152, "<Q")
 H_ARENA_OFFSET = (160, "<Q")
 H_REGISTRY_LOCK = (168, "<Q")
-STRIPE_BYTES = 128  # ZoneStripe: lock at 0, count at 64
+STRIPE_BYTES = 128  # ZoneStripe: lock at 0, count at 64, cap at 68
 ENTRY_BYTES = 48  # Entry: key_len at 8, ns at 12, key at 16, state at 32 (ZoneLog: ring, head, length)
 ARENA_TOP, ARENA_END, ARENA_FREE_HEADS = 8, 16, 40  # ZoneArena, at the arena offset
 ALG_SLIDING_LOG = 4
@@ -160,9 +160,9 @@ class Segment:
         with open(path, "r+b") as f:
             self.map = mmap.mmap(f.fileno(), 0)
         magic, version = struct.unpack_from("<QI", self.map, 0)
-        if magic != ZONE_MAGIC or version != 1:
+        if magic != ZONE_MAGIC or version != 2:
             self.map.close()
-            pytest.skip(f"zone layout {version} (magic {magic:#x}): this white-box test writes layout 1")
+            pytest.skip(f"zone layout {version} (magic {magic:#x}): this white-box test writes layout 2")
 
     def get(self, field: tuple[int, str], base: int = 0) -> int:
         return int(struct.unpack_from(field[1], self.map, base + field[0])[0])
@@ -308,6 +308,19 @@ def test_a_header_that_names_what_is_not_there_is_refused_at_attach(core, name, 
     assert "refused" in result, result
 
 
+def test_a_layout_1_zone_is_refused_not_misread(core, name):
+    # layout 1 gave each stripe's array 16 entries of compound slack: a zone
+    # an older nanolimit made is refused by its version, before any offset
+    seg = detached_segment(core, name)
+    try:
+        seg.put((8, "<I"), 1)  # ZoneHeader.layout_version
+        seg.put(H_STRIPE_ENTRIES, seg.get(H_STRIPE_ENTRIES) + 16)
+    finally:
+        seg.close()
+    result = run_worker(name)[0]
+    assert "layout version 1 (this nanolimit writes 2)" in result.get("refused", ""), result
+
+
 def test_an_arena_header_beyond_the_segment_is_refused_at_attach(core, name):
     seg = detached_segment(core, name)
     try:
@@ -319,7 +332,7 @@ def test_an_arena_header_beyond_the_segment_is_refused_at_attach(core, name):
     assert "refused" in result and "arena" in result["refused"], result
 
 
-@pytest.mark.parametrize("count", [0xFFFFFFF0, 1 << 20, 81])
+@pytest.mark.parametrize("count", [0xFFFFFFF0, 1 << 20, 81, 65])  # 65: one past a stripe's array (its cap)
 def test_a_stripe_count_beyond_its_capacity_is_an_error_then_a_repair(core, name, count):
     seg = detached_segment(core, name)
     try:
@@ -328,6 +341,25 @@ def test_a_stripe_count_beyond_its_capacity_is_an_error_then_a_repair(core, name
     finally:
         seg.close()
     assert_survived(run_worker(name)[0], name)
+
+
+@pytest.mark.parametrize("cap", [65, 0xFFFFFFFF])
+def test_a_stripe_cap_beyond_its_array_is_an_error_then_a_repair(core, name, cap):
+    # a stripe's array holds its cap and no more (layout 2): a cap past it
+    # would let inserts run off the array, so it is found, not used
+    seg = detached_segment(core, name)
+    try:
+        for i in range(seg.get(H_STRIPES)):
+            seg.put((68, "<I"), cap, seg.stripe(i))  # ZoneStripe.cap
+    finally:
+        seg.close()
+    result = assert_survived(run_worker(name)[0], name)
+    assert result.get("errors"), result
+    zone = core.SharedMemoryStorage(name, **OPTS)
+    try:
+        assert len(zone) <= OPTS["max_keys"]
+    finally:
+        zone.close()
 
 
 @pytest.mark.parametrize(

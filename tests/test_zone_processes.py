@@ -12,7 +12,7 @@ worker processes attach to; these tests start real processes (``fork`` and
    frozen keys' budgets account for every admission: a killed worker's
    in-flight decision is rolled back or completed, never doubled;
 3b. the same made certain: the victim is SIGSTOPped until the segment shows
-   it holding a stripe lock (white-box, layout 1), then SIGKILLed; the
+   it holding a stripe lock (white-box, layout 2), then SIGKILLed; the
    in-flight decision must be rolled back exactly; and a dead holder not yet
    reaped (a zombie) is dead to the waiters: they take its lock over at once;
 4. lifecycle: attach/close from a child, a mismatched attach, unlink while
@@ -393,7 +393,7 @@ def test_sigkill_mid_decision(zone_cls, zone_name, children, mode):
 # microsecond of each decision). These tests stop the victim with SIGSTOP at
 # random moments until the segment shows it holding a stripe lock, and only
 # then SIGKILL it, so the takeover-and-repair path runs every time. They read
-# the segment's layout (version 1, _zone.pxd): the stripes' offset in the
+# the segment's layout (version 2, _zone.pxd): the stripes' offset in the
 # header, then per 128-byte stripe the lock word (the owner's pid in its high
 # half) and the undo flag (a decision in flight under the lock).
 
@@ -411,9 +411,9 @@ class StripeLocks:
         with open(path, "rb") as f:
             self.map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
         magic, version = struct.unpack_from("<QI", self.map, 0)
-        if magic != ZONE_MAGIC or version != 1:
+        if magic != ZONE_MAGIC or version != 2:
             self.map.close()
-            pytest.skip(f"zone layout {version} (magic {magic:#x}): this white-box test reads layout 1")
+            pytest.skip(f"zone layout {version} (magic {magic:#x}): this white-box test reads layout 2")
         self.stripes = struct.unpack_from("<I", self.map, 48)[0]
         self.offset = struct.unpack_from("<Q", self.map, 136)[0]
         assert self.stripes == zone.stripes

@@ -135,7 +135,7 @@ cdef class SharedMemoryStorage:
     cdef object layout(self, uint32_t stripes):
         """Offsets and sizes of the parts for these parameters."""
         cdef uint64_t max_keys = self.max_keys
-        cdef uint64_t per_stripe = (max_keys + stripes - 1) // stripes + ZONE_COMPOUND_MAX
+        cdef uint64_t per_stripe = (max_keys + stripes - 1) // stripes   # the largest cap: never over it
         cdef uint64_t slots = 16
         while per_stripe * 4 > slots * 3:
             slots *= 2
@@ -592,7 +592,7 @@ cdef class SharedMemoryStorage:
         h = zone_hash(&self.z, seed, stored, <uint32_t>klen)
         si = zone_stripe_of(&self.z, h)
         self.lock_stripe(si)
-        status = zone_decide(&self.z, si, h, ns, stored, <uint32_t>klen, now, cost, p, commit, DECIDE_PLAIN, v)
+        status = zone_decide(&self.z, si, h, ns, stored, <uint32_t>klen, now, cost, p, commit, NULL, v)
         if status == NL_CORRUPT:
             zone_repair_stripe(&self.z, si)
         nlz_unlock(&self.z.stripes[si].lock)
@@ -654,7 +654,7 @@ cdef class SharedMemoryStorage:
             run += 1
             stored = keys[i] if sizes[i] <= INLINE_KEY_BYTES else digests + 16 * i
             status = zone_decide(z, si, hashes[i], ns, stored, <uint32_t>sizes[i],
-                                 now if times == NULL else times[i], costs[i], p, True, DECIDE_PLAIN, &v)
+                                 now if times == NULL else times[i], costs[i], p, True, NULL, &v)
             if status != NL_OK:
                 if status == NL_CORRUPT:
                     zone_repair_stripe(z, si)
@@ -1146,7 +1146,7 @@ cdef class SharedMemoryStorage:
 # ---------------------------------------------------------------- nogil decisions
 
 cdef int zone_decide(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* stored, uint32_t klen,
-                     double clock_now, int64_t cost, const Params* p, bint commit, int mode,
+                     double clock_now, int64_t cost, const Params* p, bint commit, ZoneCompound* reserve,
                      Verdict* v) noexcept nogil:
     """``table_decide`` on the zone: find or create the key, bring it to
     ``now`` (never backwards), decide, stamp. A committed change to a
@@ -1163,7 +1163,7 @@ cdef int zone_decide(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* 
     if found < 0:
         if found == ZONE_FIND_CORRUPT:
             return NL_CORRUPT
-        return zone_decide_new(z, si, h, ns, stored, klen, slot, clock_now, cost, p, commit, mode, v)
+        return zone_decide_new(z, si, h, ns, stored, klen, slot, clock_now, cost, p, commit, reserve, v)
     position = <uint32_t>found
     e = &stripe_entries(z, si)[position]
     if e.updated_at - clock_now > MAX_CLOCK_LEAD_C:
@@ -1175,7 +1175,8 @@ cdef int zone_decide(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* 
             return NL_CORRUPT
         status = run_kernel(&view, now, cost, p, False, v)
     elif (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
-        e = zone_ring_for(z, si, e, &position, <int64_t>e.state.log.length + cost, p.capacity, now, &status)
+        e = zone_ring_for(z, si, e, &position, <int64_t>e.state.log.length + cost, p.capacity, now, NULL,
+                          &status)
         if e == NULL:
             if status != NL_OK:
                 return status
@@ -1199,22 +1200,26 @@ cdef int zone_decide(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* 
 
 cdef int zone_decide_new(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* stored, uint32_t klen,
                          uint32_t slot, double clock_now, int64_t cost, const Params* p, bint commit,
-                         int mode, Verdict* v) noexcept nogil:
+                         ZoneCompound* reserve, Verdict* v) noexcept nogil:
     """``zone_decide`` for a key not in the zone: decided on a scratch entry,
-    which goes in only once its charge succeeded."""
+    which goes in only once its charge succeeded. ``reserve`` (compound
+    phase 1, not committing; else NULL): room is made for the key, counting
+    the compound's keys (``zone_room_for_new_key``), and ``reserve.reserved``
+    says whether it was."""
     cdef Entry scratch
     cdef Entry view
     cdef int status = NL_OK, room
     cdef ZoneStripe* s = &z.stripes[si]
     v.at = clock_now
     if not commit:
-        if mode == DECIDE_RESERVE:
-            room = zone_room_for_new_key(z, si, clock_now)
+        if reserve != NULL:
+            room = zone_room_for_new_key(z, si, clock_now, reserve)
             if room < 0:
                 return room
             if room == 0:
                 refuse_new_key(v)
                 return NL_OK
+            reserve.reserved = True
         elif not z.evict_active and s.count >= s.cap:
             room = zone_could_make_room(z, si, clock_now)
             if room < 0:
@@ -1224,7 +1229,7 @@ cdef int zone_decide_new(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const ch
                 return NL_OK
         init_state(&scratch, clock_now, p)
         return run_kernel(&scratch, clock_now, cost, p, False, v)
-    room = zone_room_for_new_key(z, si, clock_now)
+    room = zone_room_for_new_key(z, si, clock_now, NULL)
     if room < 0:
         return room
     if room == 0:
@@ -1236,7 +1241,7 @@ cdef int zone_decide_new(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const ch
     scratch.ns = ns
     init_state(&scratch, clock_now, p)
     if (ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
-        if zone_ring_for(z, si, &scratch, NULL, cost, p.capacity, clock_now, &status) == NULL:
+        if zone_ring_for(z, si, &scratch, NULL, cost, p.capacity, clock_now, NULL, &status) == NULL:
             if status != NL_OK:
                 return status
             refuse_new_key(v)
@@ -1278,7 +1283,7 @@ cdef int zone_after_clock_fault(Zone* z, uint32_t si, uint32_t position, double 
         return status
     if (e.ns & NS_ALGORITHM_MASK) == ALG_SLIDING_LOG:
         e = zone_ring_for(z, si, e, &position, <int64_t>e.state.log.length + cost, p.capacity, clock_now,
-                          &status)
+                          NULL, &status)
         if e == NULL:
             if status != NL_OK:
                 return status
@@ -1379,10 +1384,13 @@ cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint
     ``prepare_compound`` does: every new key's entry, and every sliding
     log's ring. If a ring cannot be had, the new entries go again and the
     request is refused (``storage_full``), nothing charged. Phase 2 then
-    charges each limit, which can no longer fail. Several new keys of one
-    stripe may take it over its cap: each stripe's array has
-    ZONE_COMPOUND_MAX entries of slack for that (the in-memory table lets a
-    compound overshoot ``max_keys`` by its own few keys alike)."""
+    charges each limit, which can no longer fail. The room for a new key
+    counts the compound's new keys of its stripe given room before it (not
+    in yet), and no key of the compound is forgotten for it, nor for a
+    ring: all inserted, a stripe holds at most its cap (as the in-memory
+    table's ``allow_all``). Where that room cannot be made the key is
+    refused as a lone new key is (``storage_full``), so the compound is,
+    charging nothing."""
     cdef Py_ssize_t i
     cdef uint32_t si, slot, position
     cdef Py_ssize_t found
@@ -1391,14 +1399,27 @@ cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint
     cdef Entry* e
     cdef Entry fresh
     cdef Verdict settled
+    cdef Py_ssize_t j
     cdef uint8_t created[16]        # ZONE_COMPOUND_MAX
+    cdef uint8_t reserved[16]       # room made in phase 1 for this new key
+    cdef ZoneCompound compound
+    compound.n = n
+    compound.namespaces = namespaces
+    compound.data = data
+    compound.sizes = sizes
     for i in range(n):
         created[i] = 0
         si = zone_stripe_of(z, hashes[i])
+        compound.pending = 0
+        for j in range(i):
+            if reserved[j] and zone_stripe_of(z, hashes[j]) == si:
+                compound.pending += 1
+        compound.reserved = False
         status = zone_decide(z, si, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], nows[i], units[i],
-                             params[i], False, DECIDE_RESERVE, &verdicts[i])
+                             params[i], False, &compound, &verdicts[i])
         if status != NL_OK:
             return status
+        reserved[i] = compound.reserved
         all_allowed = all_allowed and verdicts[i].allowed
     if all_allowed:
         for i in range(n):
@@ -1411,7 +1432,7 @@ cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint
                 fresh.ns = namespaces[i]
                 init_state(&fresh, nows[i], params[i])
                 e = zone_insert(z, si, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], slot, &fresh)
-                if e == NULL:           # cannot happen within the slack; refuse rather than overrun
+                if e == NULL:           # cannot happen: room was made for it; refuse rather than overrun
                     refuse_new_key(&verdicts[i])
                     all_allowed = False
                     break
@@ -1422,7 +1443,7 @@ cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint
             position = <uint32_t>found
             e = &stripe_entries(z, si)[position]
             if zone_ring_for(z, si, e, &position, <int64_t>e.state.log.length + units[i],
-                             params[i].capacity, nows[i], &status) == NULL:
+                             params[i].capacity, nows[i], &compound, &status) == NULL:
                 if status != NL_OK:
                     return status
                 refuse_new_key(&verdicts[i])
@@ -1453,7 +1474,7 @@ cdef int zone_compound(Zone* z, Py_ssize_t n, const uint64_t* hashes, const uint
     for i in range(n):
         si = zone_stripe_of(z, hashes[i])
         status = zone_decide(z, si, hashes[i], namespaces[i], data[i], <uint32_t>sizes[i], nows[i], units[i],
-                             params[i], True, DECIDE_PLAIN, &verdicts[i])
+                             params[i], True, NULL, &verdicts[i])
         if status != NL_OK:
             break
     return status

@@ -71,7 +71,7 @@ cdef extern from "_zone.h" nogil:
 
 
 cdef enum:
-    ZONE_LAYOUT_VERSION = 1
+    ZONE_LAYOUT_VERSION = 2         # 2: a stripe's array holds its cap, no compound slack
     ZONE_HEADER_BYTES = 4096
     ZONE_NAMESPACES = 1024          # (algorithm, rule) pairs a zone can hold
     ZONE_RULE_BYTES = 184           # a rule name's UTF-8 bytes, at most
@@ -80,9 +80,7 @@ cdef enum:
     ARENA_CLASSES = 48              # block sizes 2**6 .. 2**47 bytes
     ARENA_MIN_CLASS = 6
     ARENA_HEADER_BYTES = 512
-    ZONE_COMPOUND_MAX = 16          # limits in one allow_all (and each stripe's slack for them)
-    DECIDE_PLAIN = 0                # zone_decide's modes (a call's own, never the zone's:
-    DECIDE_RESERVE = 1              # threads of a process share the Zone): compound phase 1
+    ZONE_COMPOUND_MAX = 16          # limits in one allow_all
     ON_FULL_EVICT = 0
     ON_FULL_DENY_NEW = 1
     ZONE_FIND_CORRUPT = -2          # zone_find: the probe met what cannot be (garbage slots)
@@ -159,6 +157,15 @@ ctypedef struct ZoneArena:          # ARENA_HEADER_BYTES, then the blocks
     uint64_t used                   # bytes in live blocks
     uint64_t failures               # allocations refused
     uint64_t free_heads[48]         # per class: offset of the first free block, 0: none
+
+
+ctypedef struct ZoneCompound:       # the allow_all being decided: a call's own, never the zone's
+    Py_ssize_t n                    # (threads of a process share the Zone)
+    const uint32_t* namespaces
+    const char** data               # the keys as stored (a long key's digest)
+    const Py_ssize_t* sizes
+    uint32_t pending                # phase 1: new keys of this stripe given room, not in yet
+    bint reserved                   # phase 1, out: room was made for this (new) key
 
 
 ctypedef struct Zone:               # one process's view: addresses of the parts
@@ -540,7 +547,26 @@ cdef inline int zone_forget_keeping(Zone* z, uint32_t si, uint32_t position, uin
     return zone_remove_position(z, si, position)
 
 
-cdef inline int zone_sweep_idle(Zone* z, uint32_t si, double cutoff) noexcept nogil:
+cdef inline bint zone_entry_kept(const Entry* e, const ZoneCompound* compound) noexcept nogil:
+    """Whether the entry is a key of the compound being decided (or NULL:
+    none): making room for one of its keys never forgets another of them,
+    or the commit would write it back and the stripe end over its cap
+    (``entry_kept``). Only the entry's first ``stored_len`` bytes are read,
+    whatever its key_len says."""
+    cdef Py_ssize_t i
+    if compound == NULL:
+        return False
+    for i in range(compound.n):
+        if (compound.namespaces[i] == e.ns and <uint32_t>compound.sizes[i] == e.key_len
+                and nl_key_equal(e.key.short_key, compound.data[i], stored_len(e.key_len))):
+            return True
+    return False
+
+
+cdef inline int zone_sweep_idle(Zone* z, uint32_t si, double cutoff,
+                                const ZoneCompound* compound) noexcept nogil:
+    """A few steps of the incremental idle sweep; a key of ``compound``
+    (the one being decided, or NULL) is stepped over."""
     cdef ZoneStripe* s = &z.stripes[si]
     cdef Entry* entries = stripe_entries(z, si)
     cdef int step, status
@@ -551,7 +577,7 @@ cdef inline int zone_sweep_idle(Zone* z, uint32_t si, double cutoff) noexcept no
             return NL_OK
         if s.sweep >= s.count:
             s.sweep = 0
-        if entries[s.sweep].updated_at < cutoff:
+        if entries[s.sweep].updated_at < cutoff and not zone_entry_kept(&entries[s.sweep], compound):
             status = zone_remove_position(z, si, s.sweep)
             if status != NL_OK:
                 return status
@@ -562,13 +588,15 @@ cdef inline int zone_sweep_idle(Zone* z, uint32_t si, double cutoff) noexcept no
 
 
 cdef inline int zone_make_room(Zone* z, uint32_t si, double now, bint evict_active,
-                               uint32_t* keep) noexcept nogil:
+                               uint32_t* keep, const ZoneCompound* compound) noexcept nogil:
     """The in-memory table's eviction rule (``stripe_make_room``): an entry
     at rest first; else, when allowed, of those looked at and not in debt,
     the one whose forgetting hands back the fewest units. A key in debt is
     never forgotten. ``keep`` (or NULL): a position never to pick, updated
-    when the entry there moves. Returns 1 when an entry was freed, 0 when
-    none was, NL_CORRUPT when the stripe cannot be read."""
+    when the entry there moves. Nor is a key of ``compound`` (the allow_all
+    being decided, or NULL) picked: a stripe holding only its keys frees
+    nothing. Returns 1 when an entry was freed, 0 when none was, NL_CORRUPT
+    when the stripe cannot be read."""
     cdef ZoneStripe* s = &z.stripes[si]
     cdef Entry* entries = stripe_entries(z, si)
     cdef uint32_t i, position, victim = 0
@@ -583,7 +611,7 @@ cdef inline int zone_make_room(Zone* z, uint32_t si, double now, bint evict_acti
         return 0
     for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
         position = eviction_candidate(i, &s.sweep, &s.random, s.count)
-        if keep != NULL and position == keep[0]:
+        if (keep != NULL and position == keep[0]) or zone_entry_kept(&entries[position], compound):
             continue
         if not zone_view(z, &entries[position], &view):
             return NL_CORRUPT
@@ -643,19 +671,26 @@ cdef inline int zone_could_make_room(const Zone* z, uint32_t si, double now) noe
     return 0
 
 
-cdef inline int zone_room_for_new_key(Zone* z, uint32_t si, double now) noexcept nogil:
+cdef inline int zone_room_for_new_key(Zone* z, uint32_t si, double now,
+                                      const ZoneCompound* compound) noexcept nogil:
     """1 when the stripe has room for a new key (made if need be), 0 when it
-    has none, NL_CORRUPT when its count or its cap cannot be."""
+    has none, NL_CORRUPT when its count or its cap cannot be. In a
+    compound's first phase (``compound``, else NULL) the room counts the
+    compound's new keys of this stripe already given room and not in yet
+    (``compound.pending``), recounted after each forget, and no key of the
+    compound is forgotten for it: committed, they all fit within the cap
+    (``room_for_new_key``, docs/spec.md §5)."""
     cdef ZoneStripe* s = &z.stripes[si]
     cdef int status
-    if s.count > z.stripe_entries or s.cap > z.stripe_entries - <uint32_t>ZONE_COMPOUND_MAX:
+    cdef uint64_t pending = 0 if compound == NULL else compound.pending
+    if s.count > z.stripe_entries or s.cap > z.stripe_entries:
         return NL_CORRUPT
     if z.idle_after > 0.0:
-        status = zone_sweep_idle(z, si, now - z.idle_after)
+        status = zone_sweep_idle(z, si, now - z.idle_after, compound)
         if status != NL_OK:
             return status
-    while s.count >= s.cap:
-        status = zone_make_room(z, si, now, z.evict_active, NULL)
+    while <uint64_t>s.count + pending >= s.cap:
+        status = zone_make_room(z, si, now, z.evict_active, NULL, compound)
         if status < 0:
             return status
         if status == 0:
@@ -665,14 +700,16 @@ cdef inline int zone_room_for_new_key(Zone* z, uint32_t si, double now) noexcept
 
 
 cdef inline Entry* zone_ring_for(Zone* z, uint32_t si, Entry* e, uint32_t* keep, int64_t needed,
-                                 int64_t capacity, double now, int* status) noexcept nogil:
+                                 int64_t capacity, double now, const ZoneCompound* compound,
+                                 int* status) noexcept nogil:
     """Make a sliding log's ring hold ``min(needed, capacity)`` stamps before
     its kernel runs, so the kernel never allocates (its rings are C heap;
     these are the arena's). Grows by doubling, as the in-memory log does.
     When the arena is out of room, an ``evict`` zone forgets one other entry
     of the stripe and tries once more. ``keep`` is the position of ``e`` in
     the stripe (NULL for a scratch entry): eviction never picks it, and
-    moves it if the entry it frees was the last. Returns ``e`` where it now
+    moves it if the entry it frees was the last; nor does it pick a key of
+    ``compound`` (the allow_all being prepared, or NULL). Returns ``e`` where it now
     is, or NULL when there is no room (the caller refuses the request) or,
     with ``status`` set to NL_CORRUPT, when the log or the stripe cannot be
     read."""
@@ -699,7 +736,7 @@ cdef inline Entry* zone_ring_for(Zone* z, uint32_t si, Entry* e, uint32_t* keep,
         want = capacity
     block = arena_alloc(z, <uint64_t>want)
     if block == 0 and z.evict_active:
-        freed = zone_make_room(z, si, now, True, keep)
+        freed = zone_make_room(z, si, now, True, keep, compound)
         if freed < 0:
             status[0] = freed
             return NULL
