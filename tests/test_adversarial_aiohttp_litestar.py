@@ -866,3 +866,24 @@ def asgi_startup_failure(app: Any) -> str:
     asyncio.run(asyncio.wait_for(main(), TIMEOUT))
     failed = [m for m in sent if m["type"] == "lifespan.startup.failed"]
     return str(failed[0]["message"]) if failed else ""
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(
+            "middleware",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="Litestar's router rewrites scope['path'] of a mount to the path below it ('/a/' "
+                "for /static/a) before a Litestar middleware runs, and request_from_scope (asgi.py) "
+                "reads that path: a prefix rule on the mount never matches",
+            ),
+        ),
+        "wrapped",
+    ],
+)
+def test_litestar_a_prefix_rule_limits_a_mount(backend: types.SimpleNamespace, mode: str) -> None:
+    registry = RuleRegistry([rule("static", 2, "/static")])
+    app = ls_app(backend, mode, registry, handlers=[ls_static, ls_page])
+    assert ls_statuses(app, [("GET", "/static/a")] * 3) == [200, 200, 429]
