@@ -22,12 +22,13 @@ choice.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
 from .._shared import ValidationError
@@ -99,12 +100,12 @@ def request_from_aiohttp(request: web.Request) -> Request:
     resource = info.route.resource
     route = None
     if resource is not None:
-        route = resource.canonical
+        route = _template(resource)
         if _DOMAINS:
             for app in reversed(info.apps):
-                domain = _DOMAINS.get(app)
-                if domain is not None:
-                    route = domain + route
+                domains = _DOMAINS.get(app)
+                if domains:
+                    route = _domain(domains, request) + route
                     break
     return Request(
         request.method,
@@ -118,8 +119,40 @@ def request_from_aiohttp(request: web.Request) -> Request:
     )
 
 
-# the sub-apps of app.add_domain -> "//domain", filled by routes_of
-_DOMAINS: weakref.WeakKeyDictionary[web.Application, str] = weakref.WeakKeyDictionary()
+def _template(resource: Any) -> str:
+    """A resource's route id: its ``canonical``, with the regex of each
+    placeholder that has one kept (``/items/{id:\\d+}``): aiohttp's
+    canonical drops it, and ``/items/{id:\\d+}`` and ``/items/{id}`` are two
+    routes (an exemption of one must not cover the other)."""
+    canonical: str = resource.canonical
+    orig = getattr(resource, "_orig_path", None)
+    if isinstance(resource, web.DynamicResource) and isinstance(orig, str) and ":" in orig:
+        return _with_regexes(canonical, orig)
+    return canonical
+
+
+@functools.lru_cache(maxsize=1024)
+def _with_regexes(canonical: str, orig: str) -> str:
+    # canonical is the sub-apps' prefix + the formatter of the path as added
+    own = web.DynamicResource(orig).canonical
+    return canonical[: len(canonical) - len(own)] + orig
+
+
+# the sub-apps of app.add_domain -> {"//domain": its rule}, filled by routes_of
+_DOMAINS: weakref.WeakKeyDictionary[web.Application, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _domain(domains: dict[str, Any], request: web.Request) -> str:
+    """The domain a request reached a domain's sub-app under: the one, or,
+    for one sub-app added under several, the first whose rule takes the
+    Host (as aiohttp tries them), so each domain stays its own route."""
+    if len(domains) > 1:
+        host = request.headers.get(hdrs.HOST)
+        if host:
+            for domain, rule in domains.items():
+                if rule.match_domain(host):
+                    return domain
+    return next(iter(domains))
 
 
 def routes_of(app: web.Application) -> list[RouteInfo]:
@@ -135,15 +168,21 @@ def routes_of(app: web.Application) -> list[RouteInfo]:
             if isinstance(sub, web.Application):  # a sub-app: by prefix, or by domain
                 if type(resource).__name__ == "MatchedSubAppResource":
                     inner = "//" + resource.canonical
-                    _DOMAINS[sub] = inner
+                    _DOMAINS.setdefault(sub, {})[inner] = getattr(resource, "_rule", None)
                     walk(sub, inner)
                 else:
                     walk(sub, domain)
                 continue
+            claimed = {route.method.upper() for route in resource} - {"*"}
             for route in resource:
                 method = route.method.upper()
-                methods = frozenset() if method == "*" else frozenset({method})
-                out.append(RouteInfo(domain + resource.canonical, methods, route.handler))
+                if method != "*":
+                    methods = frozenset({method})
+                elif claimed:  # a web.View beside handlers of its path: what they leave it
+                    methods = frozenset(hdrs.METH_ALL) - claimed
+                else:
+                    methods = frozenset()
+                out.append(RouteInfo(domain + _template(resource), methods, route.handler))
 
     walk(app, "")
     return out

@@ -11,6 +11,7 @@ Starlette's objects by their public attributes (``routes``, ``path``,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
@@ -184,7 +185,7 @@ def context_for(app: Any) -> Callable[[Request], str] | None:
             return ""
         template = scope.get("path_template")
         if isinstance(template, str):
-            return formats.get(template, template)
+            return _litestar_route(template, scope.get("route_handler"), formats) or ""
         # the common case, "http" itself: nothing is built per request
         context = str(scope.get("type"))
         root = scope.get("root_path")
@@ -209,6 +210,7 @@ def resolver_for(app: Any) -> Callable[[Request], str | None]:
     if routes is None:
         raise TypeError(f"cannot read the routes of {type(app).__name__}")
     formats = _litestar_formats(routes)
+    litestar_routing = getattr(getattr(app, "asgi_router", None), "handle_routing", None)
 
     def resolve(request: Request) -> str | None:
         scope = request.native
@@ -216,7 +218,40 @@ def resolver_for(app: Any) -> Callable[[Request], str | None]:
             return None
         template = scope.get("path_template")  # Litestar's router has matched already: its template
         if isinstance(template, str):
-            return formats.get(template, template)
+            return _litestar_route(template, scope.get("route_handler"), formats)
+        if callable(litestar_routing):  # a Litestar app wrapped whole: ask its router
+            return _litestar_resolve(litestar_routing, scope, formats)
         return _match(routes, scope, "")
 
     return resolve
+
+
+def _litestar_route(template: str, handler: Any, formats: dict[str, str]) -> str | None:
+    """The route of Litestar's matched ``path_template``: a mount's is
+    empty (its router reports the root's), so a mount is its handler's
+    one path, and None when it has several (none to tell them by)."""
+    if template:
+        return formats.get(template, template)
+    paths = getattr(handler, "paths", None)
+    if paths and len(paths) == 1:
+        path = next(iter(paths))
+        if isinstance(path, str):
+            return formats.get(path, path)
+    return None
+
+
+def _litestar_resolve(routing: Callable[..., Any], scope: Scope, formats: dict[str, str]) -> str | None:
+    """The route a Litestar router will match for ``scope``, asked of the
+    router itself (its ``handle_routing``, cached by Litestar), as its
+    ASGI router reads the scope: the path below ``root_path``,
+    normalised, and the method (None for a websocket)."""
+    path = str(scope.get("path", ""))
+    root_path = scope.get("root_path", "")
+    if root_path:
+        path = path.split(root_path, maxsplit=1)[-1]
+    path = "/" + re.sub("/+", "/", path.strip("/"))
+    try:
+        _, handler, _, _, template = routing(path=path, method=scope.get("method"))
+    except Exception:  # noqa: BLE001 - a 404 or a 405: no route
+        return None
+    return _litestar_route(template, handler, formats)
