@@ -460,13 +460,6 @@ def test_aiohttp_one_sub_app_under_two_domains_is_two_routes(backend: types.Simp
     assert [s for s, _ in got] == [200, 200, 429, 200, 200, 200]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an exempt sub-app route exempts the app's own route of the same path and method, "
-    "which aiohttp serves instead: both are /sub/page GET, and RouteLimits.rules_for exempts "
-    "(template, methods) whoever answers them (fix in routes.py: no exemption for methods "
-    "another view of the template answers)",
-)
 def test_aiohttp_an_exempt_sub_app_route_does_not_exempt_the_apps_own_route(
     backend: types.SimpleNamespace,
 ) -> None:
@@ -790,12 +783,6 @@ def test_litestar_the_route_that_serves_decides_between_int_and_str_routes(
     assert ls_statuses(app, [("GET", "/items/1")] * 3 + [("GET", "/page")] * 3) == [200] * 5 + [429]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a registry whose only route entries are exemptions is never bound to the app "
-    "(routes.registry_and_limits asks ruleset.routes(), the rules' routes, not ruleset.exempt): "
-    "the ASGI middleware then installs no route resolver, and the exemption limits as before",
-)
 @pytest.mark.parametrize("mode", ["middleware", "wrapped"])
 def test_litestar_an_exemption_alone_exempts_its_route(backend: types.SimpleNamespace, mode: str) -> None:
     registry = RuleRegistry([rule("all")], exempt=("/names/{name}",))
@@ -868,21 +855,7 @@ def asgi_startup_failure(app: Any) -> str:
     return str(failed[0]["message"]) if failed else ""
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        pytest.param(
-            "middleware",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="Litestar's router rewrites scope['path'] of a mount to the path below it ('/a/' "
-                "for /static/a) before a Litestar middleware runs, and request_from_scope (asgi.py) "
-                "reads that path: a prefix rule on the mount never matches",
-            ),
-        ),
-        "wrapped",
-    ],
-)
+@pytest.mark.parametrize("mode", ["middleware", "wrapped"])
 def test_litestar_a_prefix_rule_limits_a_mount(backend: types.SimpleNamespace, mode: str) -> None:
     registry = RuleRegistry([rule("static", 2, "/static")])
     app = ls_app(backend, mode, registry, handlers=[ls_static, ls_page])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 from typing import Any
+from urllib.parse import unquote
 
 from .factory import LimiterFactory
 from .headers import RATE_HEADERS, deny_body
@@ -113,6 +114,12 @@ def request_from_scope(scope: Scope) -> Request:
     client = scope.get("client")
     root = scope.get("root_path", "") or ""
     path = scope.get("path", "/") or "/"
+    if scope.get("path_template") is not None:
+        # Litestar has routed, and rewrote a mount's path to the part below
+        # it ("/a/" for /static/a): rules are written against the request's
+        raw = scope.get("raw_path")
+        if isinstance(raw, bytes):
+            path = unquote(raw.decode("latin-1")) or "/"
     if root and not path.startswith(root):
         # rules are written against the public URL
         path = root + path if path[:1] == "/" else f"{root}/{path}"

@@ -262,16 +262,20 @@ class RouteLimits:
     # -- binding ------------------------------------------------------------------
     def rules_for(self, routes: Iterable[RouteInfo]) -> tuple[list[RateLimitRule], list[ExemptRoute]]:
         """The declared rules and exempt routes of an app's routes. An
-        exempt route is its template, with the methods it answers when
-        another route of the app shares the template (one view of
-        ``/x`` exempt is not the other's)."""
+        exempt route is its template; when another view of the app shares
+        the template, only the methods the exempt view alone answers (one
+        view of ``/x`` exempt is not the other's, and where both answer a
+        method, which serves depends on the router's order: none exempt)."""
         routes = list(routes)
         per_view: dict[int, tuple[Any, list[str], list[Limit]]] = {}
         shared: dict[str, tuple[Limit, list[str]]] = {}
         exempt: list[ExemptRoute] = []
-        views: dict[str, set[int]] = {}
+        # template -> view -> the methods it answers (None: every method)
+        answers: dict[str, dict[int, frozenset[str] | None]] = {}
         for info in routes:
-            views.setdefault(route_key(info.template), set()).add(id(info.endpoint))
+            views = answers.setdefault(route_key(info.template), {})
+            before = views.get(id(info.endpoint), frozenset())
+            views[id(info.endpoint)] = None if before is None or not info.methods else before | info.methods
         for info in routes:
             template = route_key(info.template)
             found: list[Limit] = []
@@ -283,8 +287,9 @@ class RouteLimits:
                     skip = True
                 found.extend(d for d in declarations(holder) if d.owner is self or d.owner is None)
             if skip:
-                shared_template = len(views[template]) > 1
-                exempt.append((template, info.methods) if shared_template and info.methods else template)
+                exemption = _exemption(template, id(info.endpoint), answers[template])
+                if exemption is not None:
+                    exempt.append(exemption)
                 continue
             for d in found:
                 if d.name is not None:
@@ -336,6 +341,24 @@ class RouteLimits:
         return ruleset.rules
 
 
+# What a view that answers every method is exempt for, when another view of
+# its template answers some: the methods it is known alone to answer.
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def _exemption(template: str, view: int, views: dict[int, frozenset[str] | None]) -> ExemptRoute | None:
+    """The exemption of one view's route: the template, or the methods no
+    other view of the template answers (None when there are none)."""
+    others = [methods for other, methods in views.items() if other != view]
+    if not others:
+        return template
+    if any(methods is None for methods in others):
+        return None  # another view answers every method
+    own = views[view]
+    alone = (_METHODS if own is None else own).difference(*(m for m in others if m is not None))
+    return (template, alone) if alone else None
+
+
 def registry_and_limits(
     registry: RuleRegistry | None, limits: RouteLimits | None
 ) -> tuple[RuleRegistry | None, RouteLimits | None]:
@@ -348,7 +371,7 @@ def registry_and_limits(
         if registry is not None and registry is not limits.registry:
             raise ValidationError("give limits= or registry=, not both: the limits' registry is the registry")
         return limits.registry, limits
-    if isinstance(registry, RuleRegistry) and registry.ruleset.routes():
+    if isinstance(registry, RuleRegistry) and (registry.ruleset.routes() or registry.ruleset.exempt):
         return registry, RouteLimits(registry)
     return registry, None
 
