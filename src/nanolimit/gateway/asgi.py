@@ -215,6 +215,7 @@ class RateLimitMiddleware:
         self.limits = limits
         self.deny = deny
         self._unbound = limits is not None  # bound from scope["app"] at startup or first request
+        self._http_context: str | None = None
         self.decide = decide_mode(core.factory.storage, decide)
         # the inline lane: in process, the stock request view, the pipeline's
         # own check() and headers
@@ -228,7 +229,7 @@ class RateLimitMiddleware:
     def _bind(self, app: Any) -> None:
         """Read the app's routes into the declared rules, and install the
         route resolver (once)."""
-        from .starlette import context_for, resolver_for, routes_of
+        from .starlette import context_for, resolver_for, routes_by_host, routes_of
 
         limits = self.limits
         assert limits is not None
@@ -238,7 +239,11 @@ class RateLimitMiddleware:
             )
         limits.bind(routes_of(app))
         self.core.route_resolver = resolver_for(app)
-        self.core.route_context = context_for(app)
+        context = self.core.route_context = context_for(app)
+        # what that context is for a plain HTTP scope (no root_path, not
+        # routed by Litestar) of an app that routes by no Host: the scope's
+        # type, "http", so the inline lane keys by it without a call
+        self._http_context = "http" if context is not None and not routes_by_host(app) else None
         self._unbound = False
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -270,12 +275,17 @@ class RateLimitMiddleware:
             routes = core._routes
             if routes[0] is ruleset and not ruleset.has_tiers:
                 request = request_from_scope(scope)
-                b: Any = routes[1].get(
-                    (request.method, request.path, None)
-                    if not ruleset.routed
-                    else core._routed_key(request, None),
-                    MISSING,
-                )
+                if not ruleset.routed:
+                    where: tuple[Any, ...] = (request.method, request.path, None)
+                elif (
+                    self._http_context is not None
+                    and not scope.get("root_path")
+                    and scope.get("path_template") is None
+                ):
+                    where = (request.method, request.path, None, self._http_context)
+                else:
+                    where = core._routed_key(request, None)
+                b: Any = routes[1].get(where, MISSING)
                 if b.simple and request.cost == 1:
                     d = b.allow(core._key(request, b.scope))
                     if self.limits is not None:

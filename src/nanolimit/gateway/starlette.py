@@ -18,7 +18,8 @@ from typing import Any
 from .request import Request
 from .routes import LimitDependency, RouteInfo
 
-__all__ = ["LimitDependency", "context_for", "resolver_for", "routes_of"]  # LimitDependency lives in routes
+# LimitDependency lives in routes
+__all__ = ["LimitDependency", "context_for", "resolver_for", "routes_by_host", "routes_of"]
 
 Scope = MutableMapping[str, Any]
 
@@ -167,21 +168,19 @@ def context_for(app: Any) -> Callable[[Request], str] | None:
     if routes is None:
         raise TypeError(f"cannot read the routes of {type(app).__name__}")
     formats = _litestar_formats(routes)
-    by_host = False
+    by_host = routes_by_host(app)
     stack = list(routes)
     while stack:
         route = stack.pop()
         matches = getattr(type(route), "matches", None)
         if getattr(matches, "__module__", None) not in _KNOWN_MATCHERS:
             return None
-        if isinstance(getattr(route, "host", None), str):
-            by_host = True
         if not hasattr(route, "endpoint"):
             stack.extend(_expand(getattr(route, "routes", None) or ()))
 
     def context(request: Request) -> str:
         scope = request.native
-        if not isinstance(scope, MutableMapping):
+        if type(scope) is not dict and not isinstance(scope, MutableMapping):  # the ABC check costs
             return ""
         template = scope.get("path_template")
         if isinstance(template, str):
@@ -201,6 +200,19 @@ def context_for(app: Any) -> Callable[[Request], str] | None:
         return context
 
     return context
+
+
+def routes_by_host(app: Any) -> bool:
+    """Whether some route of ``app`` is a ``Host``: its router then reads
+    the Host header."""
+    stack = list(_app_routes(app) or ())
+    while stack:
+        route = stack.pop()
+        if isinstance(getattr(route, "host", None), str) and not hasattr(route, "path"):
+            return True
+        if not hasattr(route, "endpoint"):
+            stack.extend(_expand(getattr(route, "routes", None) or ()))
+    return False
 
 
 def resolver_for(app: Any) -> Callable[[Request], str | None]:
