@@ -329,6 +329,23 @@ static inline uint64_t nlz_lock_owner(const uint64_t *lock)
 #endif
 }
 
+/* Take the lock over from its owner when that owner is dead (and no one else
+ * took it first): 1 when this process now holds it. */
+static inline int nlz_take_over_dead(uint64_t *lock)
+{
+    uint64_t owner = nlz_lock_owner(lock);
+    if (owner == 0 || nlz_token_alive(owner)) {
+        return 0;
+    }
+#if defined(_MSC_VER)
+    return (uint64_t)_InterlockedCompareExchange64((volatile long long *)lock,
+            (long long)nlz_self_token(), (long long)owner) == owner;
+#else
+    return __atomic_compare_exchange_n(lock, &owner, nlz_self_token(), 0,
+                                       __ATOMIC_ACQUIRE, __ATOMIC_RELAXED);
+#endif
+}
+
 static inline int nlz_lock_slow(uint64_t *lock)
 {
     unsigned spins = 0;
@@ -352,19 +369,8 @@ static inline int nlz_lock_slow(uint64_t *lock)
             checked = now;
         } else if (now - checked >= 0.001) {
             checked = now;
-            owner = nlz_lock_owner(lock);
-            if (owner != 0 && !nlz_token_alive(owner)) {
-#if defined(_MSC_VER)
-                if ((uint64_t)_InterlockedCompareExchange64((volatile long long *)lock,
-                        (long long)nlz_self_token(), (long long)owner) == owner) {
-                    return 1;
-                }
-#else
-                if (__atomic_compare_exchange_n(lock, &owner, nlz_self_token(), 0,
-                                                __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
-                    return 1;
-                }
-#endif
+            if (nlz_take_over_dead(lock)) {
+                return 1;
             }
         }
     }
@@ -399,19 +405,8 @@ static inline int nlz_lock_timed(uint64_t *lock, double seconds)
             checked = now;
         } else if (now - checked >= 0.001) {
             checked = now;
-            owner = nlz_lock_owner(lock);
-            if (owner != 0 && !nlz_token_alive(owner)) {
-#if defined(_MSC_VER)
-                if ((uint64_t)_InterlockedCompareExchange64((volatile long long *)lock,
-                        (long long)nlz_self_token(), (long long)owner) == owner) {
-                    return 1;
-                }
-#else
-                if (__atomic_compare_exchange_n(lock, &owner, nlz_self_token(), 0,
-                                                __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
-                    return 1;
-                }
-#endif
+            if (nlz_take_over_dead(lock)) {
+                return 1;
             }
         }
     }
