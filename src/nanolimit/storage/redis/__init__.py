@@ -178,7 +178,11 @@ class RedisStorage(_RedisBase):
     :class:`RedisUnavailableError`. After ``breaker_threshold`` consecutive
     failures of the server or the connection the breaker opens for
     ``breaker_cooldown`` seconds (no round trips), then lets one probe
-    through. An error reply about one key (``WRONGTYPE`` from a foreign
+    through; after it, ``breaker_threshold`` answers in a row close it (one
+    failure before that opens it again). On a cluster each master has its
+    own breaker and decisions go straight to the owning node's connection,
+    never through the cluster client's retry-and-refresh loop (docs/redis.md,
+    "Cluster failures"). An error reply about one key (``WRONGTYPE`` from a foreign
     value, the scripts' ``BADSTATE``, ``OOM``) answers that key alone by its
     policy (``reason="store_error"``, :class:`RedisKeyError` under
     ``"raise"``), is counted in ``key_errors`` and never feeds the breaker;
