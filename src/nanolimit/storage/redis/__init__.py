@@ -46,6 +46,7 @@ both storages share), and this module: the two storages and the public names.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -70,7 +71,7 @@ from ..._shared import (
 # from here (the tests and old imports use some private ones), so the
 # ones this module does not use itself carry ``noqa: F401``.
 from ._base import (
-    _BatchRun,  # noqa: F401
+    _BatchRun,
     _Call,  # noqa: F401
     _digest,  # noqa: F401
     _NearCache,  # noqa: F401
@@ -104,7 +105,7 @@ from ._resilience import (
     RedisKeyError,
     RedisUnavailableError,
     StorageUnavailableError,
-    _Breaker,  # noqa: F401
+    _Breaker,
     _code_of_text,  # noqa: F401
     _is_noscript,
     error_code,  # noqa: F401
@@ -177,7 +178,11 @@ class RedisStorage(_RedisBase):
     :class:`RedisUnavailableError`. After ``breaker_threshold`` consecutive
     failures of the server or the connection the breaker opens for
     ``breaker_cooldown`` seconds (no round trips), then lets one probe
-    through. An error reply about one key (``WRONGTYPE`` from a foreign
+    through; after it, ``breaker_threshold`` answers in a row close it (one
+    failure before that opens it again). On a cluster each master has its
+    own breaker and decisions go straight to the owning node's connection,
+    never through the cluster client's retry-and-refresh loop (docs/redis.md,
+    "Cluster failures"). An error reply about one key (``WRONGTYPE`` from a foreign
     value, the scripts' ``BADSTATE``, ``OOM``) answers that key alone by its
     policy (``reason="store_error"``, :class:`RedisKeyError` under
     ``"raise"``), is counted in ``key_errors`` and never feeds the breaker;
@@ -217,13 +222,20 @@ class RedisStorage(_RedisBase):
         for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), COMPOUND_SCRIPT, *REFUND_SCRIPTS.values()):
             self._load(script)
 
-    def _load(self, script: _Script) -> None:
+    def _load(self, script: _Script, node: Any = None) -> None:
+        if node is not None and self._routes is not None:  # that node alone: another may be down
+            self._loaded(script, self._routes.call(node, ("SCRIPT", "LOAD", script.source)))
+            return
         self._loaded(script, self.client.script_load(script.source))
 
-    def _call(self, *args: Any) -> Any:
+    def _call(self, *args: Any, node: Any = None) -> Any:
         """One command, one attempt. A socket error or timeout disconnects
         the connection (redis-py's ``read_response`` does it) before it goes
-        back to the pool, so the next call starts on a fresh socket."""
+        back to the pool, so the next call starts on a fresh socket. On a
+        cluster ``node`` is the key's node: the command goes to its own
+        connection (``_cluster``), never through the client's retry loop."""
+        if node is not None and self._routes is not None:
+            return self._routes.call(node, args)
         spares = self._spares
         if spares is not None:
             return spares.call(args)
@@ -240,22 +252,24 @@ class RedisStorage(_RedisBase):
         finally:
             pool.release(conn)
 
-    def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[str]) -> Any:
+    def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[str], node: Any = None) -> Any:
         """One ``EVALSHA``; on ``NOSCRIPT`` load and retry once (safe: the
         script did not run). Never retried otherwise."""
         try:
-            return self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+            return self._call("EVALSHA", script.sha, len(keys), *keys, *args, node=node)
         except self._errors as exc:
             if not _is_noscript(exc):
                 raise
-        self._load(script)
-        return self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+        self._load(script, node)
+        return self._call("EVALSHA", script.sha, len(keys), *keys, *args, node=node)
 
     # -- KernelStorage --------------------------------------------------------------
     def run_kernel(
         self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
     ) -> KernelVerdict:
         """One decision: one ``EVALSHA`` (two after a ``SCRIPT FLUSH``)."""
+        if self._routes is not None:
+            return self._run_kernel_node(config, key, cost, now, commit)
         early = self._early(config, key, cost, now, commit)
         if early is not None:
             return early
@@ -265,6 +279,24 @@ class RedisStorage(_RedisBase):
         except self._errors as exc:
             return self._error_verdict(config, exc, key, cost, now, commit)
         return self._answered(config, key, cost, now, reply)
+
+    def _run_kernel_node(
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+    ) -> KernelVerdict:
+        """A cluster's decision: the key's node, behind that node's breaker."""
+        rkey = self.redis_key(config, key)
+        breaker, node = self._route(rkey)
+        early = self._early(config, key, cost, now, commit, breaker)
+        if early is not None:
+            return early
+        keys, args = self._single_args(config, key, cost, now, commit, rkey)
+        try:
+            if node is None:
+                raise self._routes.uncovered()  # type: ignore[union-attr]
+            reply = self._evalsha(SCRIPTS[config.algorithm], keys, args, node)
+        except self._errors as exc:
+            return self._error_verdict(config, exc, key, cost, now, commit, breaker)
+        return self._answered(config, key, cost, now, reply, breaker)
 
     def run_kernel_many(
         self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
@@ -283,6 +315,8 @@ class RedisStorage(_RedisBase):
         run = self._batch_start(config, keys, costs, now)
         if isinstance(run, list):
             return run
+        if self._routes is not None:
+            return self._run_many_nodes(run)
         try:
             for attempt in range(2):
                 pipe = self.client.pipeline(transaction=False)
@@ -293,6 +327,24 @@ class RedisStorage(_RedisBase):
                 self._load(reload)
         except self._errors as exc:
             return run.abort(exc)
+        return run.result()
+
+    def _run_many_nodes(self, run: _BatchRun) -> list[KernelVerdict]:
+        """A cluster's batch: one pipeline per node, each on the node's own
+        connection; a node that fails answers its keys by policy alone."""
+        routes = self._routes
+        assert routes is not None
+        for breaker, node, calls in run.by_node():
+            try:
+                for attempt in range(2):
+                    commands = [("EVALSHA", c[0].sha, len(c[1]), *c[1], *c[2]) for c in calls]
+                    calls = run.absorb_calls(calls, routes.pipeline(node, commands), attempt, breaker)
+                    if not calls:
+                        break
+                    for script in {c[0] for c in calls}:
+                        self._load(script, node)
+            except self._errors as exc:
+                run.node_failed(breaker, calls, exc)
         return run.result()
 
     def run_kernel_all(
@@ -310,9 +362,10 @@ class RedisStorage(_RedisBase):
             raise ValidationError(DUPLICATE_COMPOUND)
         if self.cluster:
             self._check_one_slot(keys)
-        if not self._breaker.allow_call():
+        breaker, node = self._route(keys[0])
+        if not breaker.allow_call():
             self._count("breaker_open_skips")
-            return self._all_unavailable(items, None)
+            return self._all_unavailable(items, None, breaker)
         args: list[str] = [str(len(items))]
         for cfg, _key, cost, now in items:
             p1, p2 = _params(cfg)
@@ -326,12 +379,14 @@ class RedisStorage(_RedisBase):
                 "1" if self._policy(cfg.rule) == "allow" else "0",
             ]
         try:
-            reply = self._evalsha(COMPOUND_SCRIPT, keys, args)
+            if self._routes is not None and node is None:
+                raise self._routes.uncovered()
+            reply = self._evalsha(COMPOUND_SCRIPT, keys, args, node)
         except self._errors as exc:
             if self._local is not None and self._key_error(exc) is None:
-                self._failed(exc)
-                return self._all_unavailable(items, exc)
-            first = self._error_verdict(cfg0, exc, *items[0][1:], True)
+                self._failed(exc, breaker)
+                return self._all_unavailable(items, exc, breaker)
+            first = self._error_verdict(cfg0, exc, *items[0][1:], True, breaker)
             reason = first[6] if len(first) > 6 else REASON_STORE_UNAVAILABLE
             return [first] + [self._fallback(cfg, exc, reason) for cfg, _, _, _ in items[1:]]
         # Each limit's answer; a key that erred was answered by its own
@@ -343,16 +398,19 @@ class RedisStorage(_RedisBase):
             try:
                 out.append(_parse_verdict(part))
             except ValueError:
-                verdict, failed = self._part_error(cfg, part)
+                verdict, failed = self._part_error(cfg, part, None, breaker)
                 out.append(verdict)
                 down = down or failed
         if not down:
-            self._up()
+            self._up(breaker)
         self._count("decisions", sum(1 for v in out if not v[5]))  # not answered by a policy
         return out
 
     def _all_unavailable(
-        self, items: Sequence[tuple[LimiterConfig, str, int, float | None]], exc: BaseException | None
+        self,
+        items: Sequence[tuple[LimiterConfig, str, int, float | None]],
+        exc: BaseException | None,
+        breaker: _Breaker | None = None,
     ) -> list[KernelVerdict]:
         """A compound the store could not decide: each limit by its policy,
         the ``"local"`` ones together in the local store, all-or-nothing —
@@ -368,7 +426,8 @@ class RedisStorage(_RedisBase):
         if mine:
             commit = all(v is None or v[0] for v in out)
             self._count("degraded", len(mine))
-            for i, v in zip(mine, local.decide_all([items[i] for i in mine], commit)):
+            scope = (breaker or self._breaker).name
+            for i, v in zip(mine, local.decide_all([items[i] for i in mine], commit, scope)):
                 out[i] = v
         return [v for v in out if v is not None]
 
@@ -396,12 +455,15 @@ class RedisStorage(_RedisBase):
         call = self._refund_start(config, key, units, at, now)
         if call is None:
             return
+        script, keys, args, breaker, node = call
         try:
-            self._evalsha(*call)
+            if self._routes is not None and node is None:
+                raise self._routes.uncovered()
+            self._evalsha(script, keys, args, node)
         except self._errors as exc:
-            self._refund_failed(config, exc)
+            self._refund_failed(config, exc, breaker)
             return
-        self._refunded()
+        self._refunded(breaker)
 
     def forget(self, config: LimiterConfig, key: str) -> None:
         """``DEL`` the key (a reset is an admin action: errors raise)."""
@@ -505,14 +567,20 @@ class AsyncRedisStorage(_RedisBase):
         for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), *REFUND_SCRIPTS.values()):
             await self._load(script)
 
-    async def _load(self, script: _Script) -> None:
+    async def _load(self, script: _Script, node: Any = None) -> None:
+        if node is not None and self._routes is not None:  # that node alone: another may be down
+            self._loaded(script, await self._routes.call_async(node, ("SCRIPT", "LOAD", script.source)))
+            return
         self._loaded(script, await self.client.script_load(script.source))
 
-    async def _call(self, *args: Any) -> Any:
+    async def _call(self, *args: Any, node: Any = None) -> Any:
         """One command, one attempt. A timeout, a socket error or a
         cancellation disconnects the connection (redis-py's ``send_command``
         and ``read_response`` do it) before it goes back to the pool, so no
-        late reply is ever read by the next caller."""
+        late reply is ever read by the next caller. On a cluster ``node``
+        is the key's node (see ``RedisStorage._call``)."""
+        if node is not None and self._routes is not None:
+            return await self._routes.call_async(node, args)
         spares = self._spares
         if spares is not None:
             return await spares.call(args)
@@ -529,16 +597,26 @@ class AsyncRedisStorage(_RedisBase):
         finally:
             await pool.release(conn)
 
-    async def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[str]) -> Any:
+    async def _evalsha(
+        self, script: _Script, keys: Sequence[str], args: Sequence[str], node: Any = None
+    ) -> Any:
         """One ``EVALSHA``; on ``NOSCRIPT`` load and retry once (safe: the
         script did not run). Never retried otherwise."""
         try:
-            return await self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+            return await self._call("EVALSHA", script.sha, len(keys), *keys, *args, node=node)
         except self._errors as exc:
             if not _is_noscript(exc):
                 raise
-        await self._load(script)
-        return await self._call("EVALSHA", script.sha, len(keys), *keys, *args)
+        await self._load(script, node)
+        return await self._call("EVALSHA", script.sha, len(keys), *keys, *args, node=node)
+
+    async def _ready(self) -> None:
+        """An asyncio cluster learns its slot map before its first decision."""
+        routes = self._routes
+        if routes is not None and not routes.ready:
+            # no node answered: the decision fails on an uncovered slot, by policy
+            with contextlib.suppress(*self._errors):
+                await routes.initialize()
 
     # -- decisions ------------------------------------------------------------------
     async def run_kernel_async(
@@ -546,16 +624,33 @@ class AsyncRedisStorage(_RedisBase):
     ) -> KernelVerdict:
         """One decision (what ``allow_async``/``peek_async`` await): one
         ``EVALSHA``, two after a ``SCRIPT FLUSH``; a near-cache denial or an
-        open breaker answers without a round trip."""
-        early = self._early(config, key, cost, now, commit)
+        open breaker answers without a round trip (on a cluster, the breaker
+        of the key's node)."""
+        if self._routes is None:
+            early = self._early(config, key, cost, now, commit)
+            if early is not None:
+                return early
+            keys, args = self._single_args(config, key, cost, now, commit)
+            try:
+                reply = await self._evalsha(SCRIPTS[config.algorithm], keys, args)
+            except self._errors as exc:
+                return self._error_verdict(config, exc, key, cost, now, commit)
+            return self._answered(config, key, cost, now, reply)
+        if not self._routes.ready:
+            await self._ready()
+        rkey = self.redis_key(config, key)
+        breaker, node = self._route(rkey)
+        early = self._early(config, key, cost, now, commit, breaker)
         if early is not None:
             return early
-        keys, args = self._single_args(config, key, cost, now, commit)
+        keys, args = self._single_args(config, key, cost, now, commit, rkey)
         try:
-            reply = await self._evalsha(SCRIPTS[config.algorithm], keys, args)
+            if node is None:
+                raise self._routes.uncovered()
+            reply = await self._evalsha(SCRIPTS[config.algorithm], keys, args, node)
         except self._errors as exc:
-            return self._error_verdict(config, exc, key, cost, now, commit)
-        return self._answered(config, key, cost, now, reply)
+            return self._error_verdict(config, exc, key, cost, now, commit, breaker)
+        return self._answered(config, key, cost, now, reply, breaker)
 
     async def run_kernel_many_async(
         self, config: LimiterConfig, keys: Sequence[str], costs: Sequence[int], now: float | None
@@ -568,9 +663,13 @@ class AsyncRedisStorage(_RedisBase):
         costs = check_batch(keys, costs, config.capacity, self.max_key_bytes)  # the converted costs
         if now is not None:
             check_now(now)
+        if self._routes is not None and not self._routes.ready:
+            await self._ready()
         run = self._batch_start(config, keys, costs, now)
         if isinstance(run, list):
             return run
+        if self._routes is not None:
+            return await self._run_many_nodes(run)
         try:
             for attempt in range(2):
                 pipe = self.client.pipeline(transaction=False)
@@ -583,20 +682,43 @@ class AsyncRedisStorage(_RedisBase):
             return run.abort(exc)
         return run.result()
 
+    async def _run_many_nodes(self, run: _BatchRun) -> list[KernelVerdict]:
+        """``RedisStorage._run_many_nodes``, awaited: one pipeline per node."""
+        routes = self._routes
+        assert routes is not None
+        for breaker, node, calls in run.by_node():
+            try:
+                for attempt in range(2):
+                    commands = [("EVALSHA", c[0].sha, len(c[1]), *c[1], *c[2]) for c in calls]
+                    replies = await routes.pipeline_async(node, commands)
+                    calls = run.absorb_calls(calls, replies, attempt, breaker)
+                    if not calls:
+                        break
+                    for script in {c[0] for c in calls}:
+                        await self._load(script, node)
+            except self._errors as exc:
+                run.node_failed(breaker, calls, exc)
+        return run.result()
+
     async def refund_kernel_async(
         self, config: LimiterConfig, key: str, units: int, at: float | None, now: float | None
     ) -> None:
         """``RedisStorage.refund_kernel``, awaited (what ``refund_async``
         awaits): one ``EVALSHA``, two after a ``SCRIPT FLUSH``."""
+        if self._routes is not None and not self._routes.ready:
+            await self._ready()
         call = self._refund_start(config, key, units, at, now)
         if call is None:
             return
+        script, keys, args, breaker, node = call
         try:
-            await self._evalsha(*call)
+            if self._routes is not None and node is None:
+                raise self._routes.uncovered()
+            await self._evalsha(script, keys, args, node)
         except self._errors as exc:
-            self._refund_failed(config, exc)
+            self._refund_failed(config, exc, breaker)
             return
-        self._refunded()
+        self._refunded(breaker)
 
     async def forget_async(self, config: LimiterConfig, key: str) -> None:
         """``DEL`` the key (a reset is an admin action: errors raise)."""

@@ -35,6 +35,7 @@ from ..._shared import (
     event_counter,
 )
 from ..._validation import MAX_WINDOW, check_int_option, check_seconds_option
+from ._cluster import NodeRoutes
 from ._connections import (
     _AsyncSpareConnections,
     _client_package,
@@ -229,6 +230,11 @@ class _RedisBase:
         self.key_salt = bytes(key_salt)
         self.max_key_bytes = max_key_bytes
         self._breaker = _Breaker(breaker_threshold, breaker_cooldown)
+        # a cluster: one breaker per node, decisions sent to the owning node's
+        # connection, the node map refreshed off the decision path (``_cluster``)
+        self._routes: NodeRoutes | None = None
+        if self.cluster:
+            self._routes = NodeRoutes(self.client, breaker_threshold, breaker_cooldown, self._asyncio)
         # the local store of on_error="local", made only when a rule uses it
         self._local: LocalFallback | None = None
         if "local" in (on_error, *self.rule_on_error.values()):
@@ -393,17 +399,36 @@ class _RedisBase:
         the store; one of a key it does not hold is a no-op) and
         ``refunds_dropped`` (failed, or skipped by the open breaker, and
         dropped by the policy), plus the breaker's
-        ``breaker_state`` and how often it ``breaker_opened``. Under
+        ``breaker_state`` and how often it ``breaker_opened``. On a cluster
+        there is one breaker per node: ``breaker_state`` is the worst
+        node's, ``breaker_opened`` the sum, ``breakers_open`` how many nodes'
+        breakers are not closed (open, half-open, or still recovering),
+        ``topology_refreshes`` the background refreshes of the node map, and
+        ``nodes`` maps each node (``host:port``) to its own
+        ``breaker_state``, ``breaker_opened`` and ``recovering``.
+        Under
         ``on_error="local"`` also ``local_decisions`` (of ``degraded``: made
         by the local store), ``local_denials`` (of those), ``local_refunds``
         (of local charges), ``local_episodes`` (outages begun) and
-        ``local_active`` (1 while an outage's local store decides)."""
+        ``local_active`` (how many outages, servers or cluster nodes, a
+        local store decides for now)."""
         with self._count_lock:
             out: dict[str, Any] = dict(self._counts)
         out["decisions"] += self._decisions.value
         out["near_cache_hits"] = self._near_hits.value
-        out["breaker_state"] = self._breaker.state
-        out["breaker_opened"] = self._breaker.opened
+        routes = self._routes
+        if routes is None:
+            out["breaker_state"] = self._breaker.state
+            out["breaker_opened"] = self._breaker.opened
+        else:
+            # the worst node's state, every node's openings, and each node's own
+            breakers = routes.breakers()
+            states = {b.state for b in breakers}
+            out["breaker_state"] = next((s for s in ("open", "half-open") if s in states), "closed")
+            out["breaker_opened"] = sum(b.opened for b in breakers)
+            out["breakers_open"] = sum(1 for b in breakers if not b.closed)
+            out["topology_refreshes"] = routes.refreshes
+            out["nodes"] = routes.metrics()
         if self._local is not None:
             out.update(self._local.metrics())
         return out
@@ -439,22 +464,34 @@ class _RedisBase:
         now: float | None,
         commit: bool,
         exc: BaseException | None,
+        breaker: _Breaker | None = None,
     ) -> KernelVerdict:
         """The store is unreachable (``exc`` failed; None: the breaker did
-        not ask): the local store decides under ``"local"``, else the policy."""
+        not ask): the local store decides under ``"local"`` (in the episode
+        of ``breaker``'s server: one per cluster node), else the policy."""
         local = self._local
         if local is None or self._policy(cfg.rule) != "local":
             return self._fallback(cfg, exc)
         self._count("degraded")
-        return local.decide(cfg, key, cost, now, commit)
+        return local.decide(cfg, key, cost, now, commit, (breaker or self._breaker).name)
 
-    def _up(self) -> None:
-        """The server answered: the breaker closes, and an outage's local
-        store hands new decisions back to Redis."""
-        self._breaker.success()
+    def _route(self, rkey: str) -> tuple[_Breaker, Any]:
+        """The breaker guarding ``rkey``'s server, and its cluster node
+        (None standalone: the storage's one breaker and client)."""
+        routes = self._routes
+        if routes is None:
+            return self._breaker, None
+        return routes.route(rkey)
+
+    def _up(self, breaker: _Breaker | None = None) -> None:
+        """The server answered: its breaker counts the answer, and once it
+        is closed again (the recovery complete) that server's outage ends:
+        its local store hands new decisions back to Redis."""
+        b = breaker or self._breaker
+        b.success()
         local = self._local
-        if local is not None and local.active:
-            local.handover()
+        if local is not None and local.active and b.closed:
+            local.handover(b.name)
 
     def _fallback(
         self, cfg: LimiterConfig, exc: BaseException | None, reason: str = REASON_STORE_UNAVAILABLE
@@ -483,12 +520,16 @@ class _RedisBase:
         # redis-py's repr of its errors drops the message: name and text
         raise RedisUnavailableError(f"Redis {what} failed: {type(exc).__name__}: {exc}") from exc
 
-    def _failed(self, exc: BaseException) -> None:
-        """The server or the connection failed: count it, feed the breaker."""
+    def _failed(self, exc: BaseException, breaker: _Breaker | None = None) -> None:
+        """The server or the connection failed: count it, feed the breaker
+        (of that node, on a cluster, whose node map is then refreshed in
+        the background)."""
         self._count("errors")
         if isinstance(exc, self._timeout_errors):
             self._count("timeouts")
-        self._breaker.failure()
+        (breaker or self._breaker).failure()
+        if self._routes is not None:
+            self._routes.refresh_soon()
 
     def _key_error(self, exc: BaseException) -> RedisKeyError | None:
         """``exc`` as an error about one call's key, or None when it says the
@@ -510,36 +551,49 @@ class _RedisBase:
         key_error.__cause__ = exc
         return key_error
 
-    def _key_error_verdict(self, cfg: LimiterConfig, error: RedisKeyError) -> KernelVerdict:
+    def _key_error_verdict(
+        self, cfg: LimiterConfig, error: RedisKeyError, breaker: _Breaker | None = None
+    ) -> KernelVerdict:
         """One key's error reply: counted on its own, never the breaker's
         business (the server answered, so it is up: a half-open breaker
         closes), answered by that key's policy, nothing written to it."""
-        self._count_key_error(error)
+        self._count_key_error(error, breaker)
         return self._fallback(cfg, error, REASON_STORE_ERROR)
 
-    def _count_key_error(self, error: RedisKeyError) -> None:
+    def _count_key_error(self, error: RedisKeyError, breaker: _Breaker | None = None) -> None:
         with self._count_lock:
             counts = self._counts
             counts["errors"] += 1
             counts["key_errors"] += 1
             if error.code in WRITE_REFUSED_CODES:
                 counts["write_refused"] += 1
-        self._up()
+        self._up(breaker)
 
     def _error_verdict(
-        self, cfg: LimiterConfig, exc: BaseException, key: str, cost: int, now: float | None, commit: bool
+        self,
+        cfg: LimiterConfig,
+        exc: BaseException,
+        key: str,
+        cost: int,
+        now: float | None,
+        commit: bool,
+        breaker: _Breaker | None = None,
     ) -> KernelVerdict:
         """A decision call failed: a key's error answers that key by its
         policy; a failure of the server or the connection is counted, feeds
         the breaker, and the policy answers (the local store, under ``"local"``)."""
         key_error = self._key_error(exc)
         if key_error is not None:
-            return self._key_error_verdict(cfg, key_error)
-        self._failed(exc)
-        return self._unavailable(cfg, key, cost, now, commit, exc)
+            return self._key_error_verdict(cfg, key_error, breaker)
+        self._failed(exc, breaker)
+        return self._unavailable(cfg, key, cost, now, commit, exc, breaker)
 
     def _part_error(
-        self, cfg: LimiterConfig, part: Any, one: tuple[str, int, float | None] | None = None
+        self,
+        cfg: LimiterConfig,
+        part: Any,
+        one: tuple[str, int, float | None] | None = None,
+        breaker: _Breaker | None = None,
     ) -> tuple[KernelVerdict, bool]:
         """One key's ``"E <error reply>"`` in a multi-key script's reply (the
         script caught that key's error and went on with the others): the
@@ -555,12 +609,12 @@ class _RedisBase:
         code = _code_of_text(text)
         if code in SERVER_ERROR_CODES:
             failure = RedisUnavailableError(f"Redis failed: {text}")
-            self._failed(failure)
+            self._failed(failure, breaker)
             if one is not None:
-                return self._unavailable(cfg, *one, True, failure), True
+                return self._unavailable(cfg, *one, True, failure, breaker), True
             return self._fallback(cfg, failure), True
         error = RedisKeyError(f"Redis answered this key with an error: {text}", code)
-        return self._key_error_verdict(cfg, error), False
+        return self._key_error_verdict(cfg, error, breaker), False
 
     def _now_arg(self, now: float | None) -> str:
         if now is None:
@@ -571,10 +625,16 @@ class _RedisBase:
         return "0" if now is None else str(INJECTED_EXPIRY_FLOOR_MS)
 
     def _early(
-        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+        self,
+        config: LimiterConfig,
+        key: str,
+        cost: int,
+        now: float | None,
+        commit: bool,
+        breaker: _Breaker | None = None,
     ) -> KernelVerdict | None:
         """The answer that needs no round trip, if any: a near-cache denial,
-        or the policy's while the breaker is open."""
+        or the policy's while the breaker (of the key's node) is open."""
         near = self._near
         if near is not None:
             t = time.monotonic() if now is None else now
@@ -582,17 +642,18 @@ class _RedisBase:
             if hit is not None:
                 self._near_hits.add()
                 return (False, 0.0, hit[0], hit[1], 0.0, False, "", 0.0)  # the store made no decision
-        if not self._breaker.allow_call():
+        b = breaker or self._breaker
+        if not b.allow_call():
             self._count("breaker_open_skips")
-            return self._unavailable(config, key, cost, now, commit, None)
+            return self._unavailable(config, key, cost, now, commit, None, b)
         return None
 
     def _single_args(
-        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+        self, config: LimiterConfig, key: str, cost: int, now: float | None, commit: bool, rkey: str = ""
     ) -> tuple[tuple[str], tuple[str, ...]]:
         """``KEYS`` and ``ARGV`` of one decision's ``EVALSHA``."""
         p1, p2 = self._params(config)
-        return (self.redis_key(config, key),), (
+        return (rkey or self.redis_key(config, key),), (
             self._now_arg(now),
             str(cost),
             "1" if commit else "0",
@@ -602,13 +663,20 @@ class _RedisBase:
         )
 
     def _answered(
-        self, config: LimiterConfig, key: str, cost: int, now: float | None, reply: Any
+        self,
+        config: LimiterConfig,
+        key: str,
+        cost: int,
+        now: float | None,
+        reply: Any,
+        breaker: _Breaker | None = None,
     ) -> KernelVerdict:
         """The store answered: a verdict, remembered by the near-cache if a denial."""
-        self._breaker.success()
+        b = breaker or self._breaker
+        b.success()
         local = self._local
-        if local is not None and local.active:
-            local.handover()
+        if local is not None and local.active and b.closed:
+            local.handover(b.name)
         self._decisions.add()
         verdict = _parse_verdict(reply)
         near = self._near
@@ -625,7 +693,7 @@ class _RedisBase:
         n = len(keys)
         if n == 0:
             return []
-        if not self._breaker.allow_call():
+        if self._routes is None and not self._breaker.allow_call():
             self._count("breaker_open_skips")
             if self._local is not None and self._policy(config.rule) == "local":
                 return [self._unavailable(config, k, c, now, True, None) for k, c in zip(keys, costs)]
@@ -653,7 +721,10 @@ class _RedisBase:
             script = SCRIPTS[config.algorithm]
             for i, (rkey, cost) in enumerate(zip(rkeys, costs)):
                 calls.append((script, [rkey], [now_arg, str(cost), "1", floor_ms, p1, p2], [i]))
-        return _BatchRun(self, config, calls, keys, costs, now)
+        run = _BatchRun(self, config, calls, keys, costs, now)
+        if self._routes is not None:
+            run.route(self._routes)
+        return run
 
     def _forget_local(self, config: LimiterConfig, key: str) -> str:
         """Drop ``key``'s near-cache entries; the Redis key to ``DEL``."""
@@ -665,8 +736,9 @@ class _RedisBase:
     # -- refunds ------------------------------------------------------------------
     def _refund_start(
         self, config: LimiterConfig, key: str, units: int, at: float | None, now: float | None
-    ) -> tuple[_Script, tuple[str], tuple[str, ...]] | None:
-        """A refund's script, ``KEYS`` and ``ARGV``, or None when the open
+    ) -> tuple[_Script, tuple[str], tuple[str, ...], _Breaker, Any] | None:
+        """A refund's script, ``KEYS``, ``ARGV``, breaker and cluster node
+        (see ``_route``), or None when the open
         breaker answers it (under ``"raise"`` it raises
         :class:`CircuitOpenError`, as a decision would). Like ``run_kernel``
         it takes what the limiter has checked. The key's near-cache denials
@@ -674,10 +746,12 @@ class _RedisBase:
         near = self._near
         if near is not None:
             near.forget((config.algorithm, config.rule, key, now is None))
+        rkey = self.redis_key(config, key)
+        breaker, node = self._route(rkey)
         local = self._local
-        if local is not None and local.refund(config, key, units, at, now):
+        if local is not None and local.refund(config, key, units, at, now, breaker.name):
             return None  # charged in the local store: refunded there, never in Redis
-        if not self._breaker.allow_call():
+        if not breaker.allow_call():
             self._count("breaker_open_skips")
             self._refund_dropped(config, None)
             return None
@@ -690,18 +764,20 @@ class _RedisBase:
             p1,
             p2,
         )
-        return REFUND_SCRIPTS[config.algorithm], (self.redis_key(config, key),), args
+        return REFUND_SCRIPTS[config.algorithm], (rkey,), args, breaker, node
 
-    def _refund_failed(self, config: LimiterConfig, exc: BaseException) -> None:
+    def _refund_failed(
+        self, config: LimiterConfig, exc: BaseException, breaker: _Breaker | None = None
+    ) -> None:
         """A refund's call failed: counted and classified as a decision's
         failure is (a key's error reply never feeds the breaker), then the
         policy: ``"raise"`` raises, any other drops the refund."""
         key_error = self._key_error(exc)
         if key_error is not None:
-            self._count_key_error(key_error)
+            self._count_key_error(key_error, breaker)
             exc = key_error
         else:
-            self._failed(exc)
+            self._failed(exc, breaker)
         self._refund_dropped(config, exc)
 
     def _refund_dropped(self, config: LimiterConfig, exc: BaseException | None) -> None:
@@ -713,8 +789,8 @@ class _RedisBase:
             self._raise(exc, "refund")
         self._count("refunds_dropped")
 
-    def _refunded(self) -> None:
-        self._up()
+    def _refunded(self, breaker: _Breaker | None = None) -> None:
+        self._up(breaker)
         self._count("refunds")
 
     def _snapshot_command(self, config: LimiterConfig, key: str) -> tuple[str, ...]:
@@ -787,7 +863,19 @@ class _BatchRun:
     answers the script to load when some calls hit ``NOSCRIPT`` (those did not
     run, and are sent once more); nothing else is ever retried."""
 
-    __slots__ = ("config", "costs", "down", "failed", "keys", "now", "out", "storage", "todo")
+    __slots__ = (
+        "bad",
+        "config",
+        "costs",
+        "down",
+        "failed",
+        "keys",
+        "now",
+        "out",
+        "route_of",
+        "storage",
+        "todo",
+    )
 
     def __init__(
         self,
@@ -807,15 +895,78 @@ class _BatchRun:
         self.out: list[KernelVerdict | None] = [None] * len(keys)
         self.failed = 0  # keys the policy answered
         self.down = False  # whether the server (not a key) failed
+        # a cluster: each call's breaker and node, by the call's first batch
+        # position, and the breakers whose node failed in this batch
+        self.route_of: dict[int, tuple[_Breaker, Any]] = {}
+        self.bad: set[str] = set()
+
+    def route(self, routes: NodeRoutes) -> None:
+        """A cluster's batch: each call to its node. A node behind an open
+        breaker, or a slot no node owns, is answered by policy now, with no
+        round trip (one probe per half-open node goes)."""
+        storage = self.storage
+        allowed: dict[str, bool] = {}
+        todo = []
+        for call in self.todo:
+            breaker, node = routes.route(call[1][0])
+            name = breaker.name
+            ok = allowed.get(name)
+            if ok is None:
+                ok = allowed[name] = breaker.allow_call()
+                if ok and node is None:
+                    storage._failed(routes.uncovered(), breaker)
+                    ok = allowed[name] = False
+                elif not ok:
+                    storage._count("breaker_open_skips")
+            if not ok:
+                self._policy(call[3], None, breaker)
+                continue
+            self.route_of[call[3][0]] = (breaker, node)
+            todo.append(call)
+        self.todo = todo
+
+    def by_node(self) -> list[tuple[_Breaker, Any, list[_Call]]]:
+        """The calls still to send, grouped by node (a cluster's batch)."""
+        groups: dict[str, tuple[_Breaker, Any, list[_Call]]] = {}
+        for call in self.todo:
+            breaker, node = self.route_of[call[3][0]]
+            groups.setdefault(breaker.name, (breaker, node, []))[2].append(call)
+        return list(groups.values())
+
+    def _policy(self, members: list[int], exc: BaseException | None, breaker: _Breaker | None) -> None:
+        storage = self.storage
+        self.failed += len(members)
+        for i in members:
+            self.out[i] = storage._unavailable(
+                self.config, self.keys[i], self.costs[i], self.now, True, exc, breaker
+            )
+
+    def node_failed(self, breaker: _Breaker, calls: list[_Call], exc: BaseException) -> None:
+        """One node's round trip failed (a cluster's batch): its breaker is
+        fed once, its calls are answered by policy, the others go on."""
+        self.storage._failed(exc, breaker)
+        self.down = True
+        self.bad.add(breaker.name)
+        for call in calls:
+            self._policy(call[3], exc, breaker)
 
     def queue(self, pipe: Any) -> None:
         for script, call_keys, args, _ in self.todo:
             pipe.execute_command("EVALSHA", script.sha, len(call_keys), *call_keys, *args)
 
     def absorb(self, replies: Sequence[Any], attempt: int) -> _Script | None:
+        again = self.absorb_calls(self.todo, replies, attempt, None)
+        self.todo = again
+        return again[0][0] if again else None
+
+    def absorb_calls(
+        self, calls: Sequence[_Call], replies: Sequence[Any], attempt: int, breaker: _Breaker | None
+    ) -> list[_Call]:
+        """Take the replies of ``calls`` (sent to ``breaker``'s server);
+        the calls to send again after a script load (``NOSCRIPT``)."""
         storage, config, out = self.storage, self.config, self.out
         again = []
-        for call, reply in zip(self.todo, replies):
+        for call, reply in zip(calls, replies):
             members = call[3]
             if isinstance(reply, BaseException):
                 if attempt == 0 and _is_noscript(reply):
@@ -824,26 +975,32 @@ class _BatchRun:
                 self.failed += len(members)
                 key_error = storage._key_error(reply)
                 if key_error is not None and len(members) == 1:  # one EVALSHA: its key's error
-                    out[members[0]] = storage._key_error_verdict(config, key_error)
+                    out[members[0]] = storage._key_error_verdict(config, key_error, breaker)
                     continue
                 self.down = True
-                storage._failed(reply)
+                if breaker is not None:
+                    self.bad.add(breaker.name)
+                storage._failed(reply, breaker)
                 for i in members:
-                    out[i] = storage._unavailable(config, self.keys[i], self.costs[i], self.now, True, reply)
+                    out[i] = storage._unavailable(
+                        config, self.keys[i], self.costs[i], self.now, True, reply, breaker
+                    )
             elif isinstance(reply, list):
                 for i, part in zip(members, reply):
                     try:
                         out[i] = _parse_verdict(part)
                     except ValueError:  # that key's error: the script went on with the others
                         out[i], down = storage._part_error(
-                            config, part, (self.keys[i], self.costs[i], self.now)
+                            config, part, (self.keys[i], self.costs[i], self.now), breaker
                         )
                         self.failed += 1
-                        self.down = self.down or down
+                        if down:
+                            self.down = True
+                            if breaker is not None:
+                                self.bad.add(breaker.name)
             else:
                 out[members[0]] = _parse_verdict(reply)
-        self.todo = again
-        return again[0][0] if again else None
+        return again
 
     def abort(self, exc: BaseException) -> list[KernelVerdict]:
         """The round trip itself failed (each key's error reply comes back
@@ -861,7 +1018,12 @@ class _BatchRun:
         ]
 
     def result(self) -> list[KernelVerdict]:
-        if not self.down:
+        if self.route_of:
+            seen = {b.name: b for b, _ in self.route_of.values()}
+            for name, breaker in seen.items():
+                if name not in self.bad:
+                    self.storage._up(breaker)
+        elif self.storage._routes is None and not self.down:
             self.storage._up()
         self.storage._count("decisions", len(self.out) - self.failed)
         return [v for v in self.out if v is not None]

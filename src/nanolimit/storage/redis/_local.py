@@ -9,10 +9,15 @@ The rules this module keeps:
 
 - A decision is made either here or in Redis, never both: the storage comes
   here only for calls that failed or were never sent (an open breaker).
-- An *episode* is one outage: it begins with the first local decision and
-  ends at the handover, the first answer from the server. Each episode gets
-  a fresh local store; at the handover it is dropped, and nothing admitted
-  here is replayed into Redis (the next window would pay for the outage).
+- An *episode* is one outage of one server: it begins with the first local
+  decision and ends at the handover, when that server's breaker is closed
+  again (its recovery complete, see ``_Breaker``). Each episode gets a fresh
+  local store; at the handover it is dropped, and nothing admitted here is
+  replayed into Redis (the next window would pay for the outage).
+- Episodes are per *scope*, the name of the breaker that guards the server
+  (``""`` standalone, ``host:port`` for a cluster node): a dead node's keys
+  keep one episode, and one share, for as long as that node is down, however
+  many answers the other nodes give meanwhile.
 - A refund goes where its charge was made: a decision's ``at`` inside the
   span of this key's local decisions (the current episode, or the last one
   after the handover) is a local charge and is refunded here (after the
@@ -101,32 +106,41 @@ class LocalFallback:
         self.max_key_bytes = max_key_bytes
         self.deny_retry_after = deny_retry_after
         self.clock = _LocalClock()
-        self._episode: _Episode | None = None
-        self._last: _Episode | None = None  # the episode before the handover, for refunds only
+        self._episodes: dict[str, _Episode] = {}  # by scope: the outages going on
+        self._lasts: dict[str, _Episode] = {}  # the episode before each handover, for refunds only
         self._lock = threading.Lock()
         self._counts = {"local_decisions": 0, "local_denials": 0, "local_refunds": 0, "local_episodes": 0}
 
     # -- episodes --------------------------------------------------------------
     @property
     def active(self) -> bool:
-        return self._episode is not None
+        """Whether any scope's outage is being decided here."""
+        return bool(self._episodes)
 
-    def _begin(self) -> _Episode:
+    @property
+    def _episode(self) -> _Episode | None:
+        """The standalone server's episode (scope ``""``)."""
+        return self._episodes.get("")
+
+    def _begin(self, scope: str) -> _Episode:
         with self._lock:
-            episode = self._episode
+            episode = self._episodes.get(scope)
             if episode is None:
-                episode = self._episode = _Episode(self.max_keys, self.max_key_bytes)
-                self._last = None  # the previous outage's state is gone for good
+                episode = self._episodes[scope] = _Episode(self.max_keys, self.max_key_bytes)
+                self._lasts.pop(scope, None)  # the previous outage's state is gone for good
                 self._counts["local_episodes"] += 1
             return episode
 
-    def handover(self) -> None:
-        """Redis answered: new decisions go there; this episode's state is
-        dropped, never replayed (what is kept is only when keys were charged
-        here, so that their refunds do not reach Redis)."""
+    def handover(self, scope: str = "") -> None:
+        """``scope``'s server recovered: new decisions go there; this
+        episode's state is dropped, never replayed (what is kept is only when
+        keys were charged here, so that their refunds do not reach Redis)."""
+        if scope not in self._episodes:
+            return
         with self._lock:
-            if self._episode is not None:
-                self._last, self._episode = self._episode, None
+            episode = self._episodes.pop(scope, None)
+            if episode is not None:
+                self._lasts[scope] = episode
 
     # -- shares ------------------------------------------------------------------
     def _part(self, n: int) -> int:
@@ -187,11 +201,12 @@ class LocalFallback:
             self._counts["local_denials"] += sum(1 for v in verdicts if not v[0])
 
     def decide(
-        self, cfg: LimiterConfig, key: str, cost: int, now: float | None, commit: bool
+        self, cfg: LimiterConfig, key: str, cost: int, now: float | None, commit: bool, scope: str = ""
     ) -> KernelVerdict:
         """One decision at ``cfg``'s share (``now``: None for this host's
-        wall clock, as Redis's ``TIME`` would be, else the injected reading)."""
-        episode = self._episode or self._begin()
+        wall clock, as Redis's ``TIME`` would be, else the injected reading),
+        in the episode of ``scope``'s outage."""
+        episode = self._episodes.get(scope) or self._begin(scope)
         shadow = self._shadow(episode, cfg)
         if shadow is None or cost > shadow.capacity:
             verdict = self._denied()
@@ -205,12 +220,12 @@ class LocalFallback:
         return verdict
 
     def decide_all(
-        self, items: Sequence[tuple[LimiterConfig, str, int, float | None]], commit: bool
+        self, items: Sequence[tuple[LimiterConfig, str, int, float | None]], commit: bool, scope: str = ""
     ) -> list[KernelVerdict]:
         """A compound's limits, all-or-nothing in the local store (its
         ``allow_all``); ``commit=False`` (another limit of the compound was
         denied by its own policy) only looks."""
-        episode = self._episode or self._begin()
+        episode = self._episodes.get(scope) or self._begin(scope)
         shadows = [self._shadow(episode, cfg) for cfg, _, _, _ in items]
         if not commit or any(s is None or cost > s.capacity for s, (_, _, cost, _) in zip(shadows, items)):
             out = [
@@ -236,14 +251,16 @@ class LocalFallback:
         return self._verdict(shadow.peek(key, cost))
 
     # -- refunds ---------------------------------------------------------------------
-    def refund(self, cfg: LimiterConfig, key: str, units: int, at: float | None, now: float | None) -> bool:
+    def refund(
+        self, cfg: LimiterConfig, key: str, units: int, at: float | None, now: float | None, scope: str = ""
+    ) -> bool:
         """Refund here when the charge was made here; False when it was not
         (then it is Redis's). During an outage ``at=None`` names the key's
         latest local decision; after the handover only a named ``at`` in the
         last episode's span is known to be local (and is given back with
         that episode's state: to nothing)."""
         ident = (cfg, key)
-        episode = self._episode
+        episode = self._episodes.get(scope)
         if episode is not None:
             span = episode.charged.get(ident)
             if span is not None and (at is None or span[0] <= at <= span[1]):
@@ -254,7 +271,7 @@ class LocalFallback:
                 self._refunded()
                 return True
             return False
-        last = self._last
+        last = self._lasts.get(scope)
         if last is not None and at is not None:
             span = last.charged.get(ident)
             if span is not None and span[0] <= at <= span[1]:
@@ -269,5 +286,5 @@ class LocalFallback:
     def metrics(self) -> dict[str, int]:
         with self._lock:
             out = dict(self._counts)
-        out["local_active"] = 1 if self._episode is not None else 0
+        out["local_active"] = len(self._episodes)  # the outages (servers, nodes) decided here
         return out

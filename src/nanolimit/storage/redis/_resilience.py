@@ -156,25 +156,51 @@ def _is_noscript(exc: BaseException) -> bool:
 class _Breaker:
     """Closed → (``threshold`` consecutive failures) → open for ``cooldown``
     seconds, answering by policy without a round trip → half-open: one caller
-    probes; success closes it, failure opens it again. Stops a dead server
-    from costing every request a full timeout."""
+    probes; failure opens it again, success starts the recovery. Stops a dead
+    server from costing every request a full timeout.
 
-    __slots__ = ("_failures", "_lock", "_open_until", "_probing", "cooldown", "opened", "threshold")
+    Hysteresis: a probe's success does not close the breaker outright. It
+    lets traffic through again (``state`` is ``closed``), but the breaker
+    stays *recovering* until ``threshold`` answers in a row have come back; one
+    failure meanwhile opens it again at once, without counting up to the
+    threshold anew. A flapping server therefore costs one outage, not one per
+    flap: ``closed`` (what ends an ``on_error="local"`` episode) is only true
+    once the recovery is complete.
 
-    def __init__(self, threshold: int, cooldown: float) -> None:
+    ``name`` is what the breaker guards: ``""`` for a standalone server (or
+    a Sentinel-managed one), a cluster node's ``host:port``, one breaker per
+    node (see ``_cluster``)."""
+
+    __slots__ = (
+        "_failures",
+        "_lock",
+        "_open_until",
+        "_probing",
+        "_recovering",
+        "_tripped",
+        "cooldown",
+        "name",
+        "opened",
+        "threshold",
+    )
+
+    def __init__(self, threshold: int, cooldown: float, name: str = "") -> None:
         self.threshold = threshold
         self.cooldown = cooldown
-        self._failures = 0
+        self.name = name
+        self._failures = 0  # consecutive failures while closed
+        self._tripped = False  # open or half-open: calls are refused but for a probe
+        self._recovering = 0  # answers still wanted in a row before it is closed again
         self._open_until = 0.0
         self._probing = False
         self._lock = threading.Lock()
         self.opened = 0
 
     def allow_call(self) -> bool:
-        if self._failures < self.threshold:
+        if not self._tripped:
             return True
         with self._lock:
-            if self._failures < self.threshold:
+            if not self._tripped:
                 return True
             now = time.monotonic()
             if now < self._open_until:
@@ -188,22 +214,47 @@ class _Breaker:
             return True
 
     def success(self) -> None:
-        if self._failures or self._probing:
+        if self._failures or self._tripped or self._recovering:
             with self._lock:
                 self._failures = 0
                 self._probing = False
+                if self._tripped:
+                    self._tripped = False
+                    self._recovering = self.threshold - 1  # this answer is the first of them
+                elif self._recovering:
+                    self._recovering -= 1
 
     def failure(self) -> None:
         with self._lock:
-            self._failures += 1
             self._probing = False
+            if self._tripped or self._recovering:
+                if not self._tripped:
+                    self.opened += 1  # a relapse during the recovery: open again at once
+                self._tripped = True
+                self._recovering = 0
+                self._open_until = time.monotonic() + self.cooldown
+                return
+            self._failures += 1
             if self._failures >= self.threshold:
-                if self._failures == self.threshold:
-                    self.opened += 1
+                self._tripped = True
+                self._failures = 0
+                self.opened += 1
                 self._open_until = time.monotonic() + self.cooldown
 
     @property
+    def closed(self) -> bool:
+        """Neither open, half-open nor recovering: the outage is over."""
+        return not self._tripped and not self._recovering
+
+    @property
+    def recovering(self) -> bool:
+        """Letting calls through again, but not yet ``closed``."""
+        return not self._tripped and self._recovering > 0
+
+    @property
     def state(self) -> str:
-        if self._failures < self.threshold:
+        """``closed`` (calls go through; maybe still recovering), ``open``
+        or ``half-open`` (the next caller probes)."""
+        if not self._tripped:
             return "closed"
         return "half-open" if time.monotonic() >= self._open_until else "open"

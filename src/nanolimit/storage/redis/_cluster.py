@@ -1,0 +1,270 @@
+"""A cluster's decisions, node by node: which node owns a key, that node's
+circuit breaker, one call sent straight to its connection, and the topology
+refresh, kept off the decision path.
+
+Why not the cluster client's ``execute_command``: on a connection error
+redis-py's ``RedisCluster`` re-initialises its node map inside the call, and
+on ``CLUSTERDOWN`` it sleeps 0.25 s first (valkey-py alike), so a decision's
+``timeout`` did not bound it: probes that met ``CLUSTERDOWN`` took 258-299 ms
+with a 50 ms timeout, and every decision for a dead master's key paid a
+refused connection plus a refresh (p50 4-13 ms). Here the script goes to the
+owning node's own connection (one attempt, the derived socket timeout), a
+failure feeds that node's breaker alone, and the node map is refreshed in the
+background, at most once per ``REFRESH_INTERVAL`` (docs/redis.md, "Cluster
+failures").
+
+What is kept from the client: its slot map (``nodes_manager.slots_cache``),
+its nodes and their connection pools. ``MOVED`` updates the map the way the
+client would (``move_slot``, else a refresh) and the call is sent once more
+to the new owner (the script did not run: nothing is charged twice); ``ASK``
+is sent once to the importing node after ``ASKING``, on the same connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from typing import Any, ClassVar
+
+from ._connections import _client_package
+from ._resilience import _Breaker
+
+log = logging.getLogger("nanolimit.storage.redis")
+
+#: The breaker of keys whose slot no node owns in the client's map.
+UNCOVERED = "(uncovered)"
+
+
+def _connection_args(pool: Any) -> tuple[str, ...]:
+    """Older redis-py and valkey-py pools want a command name in ``get_connection``."""
+    try:
+        params = list(inspect.signature(pool.get_connection).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    if (
+        params
+        and params[0].default is inspect.Parameter.empty
+        and params[0].kind
+        in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        )
+    ):
+        return ("EVALSHA",)
+    return ()
+
+
+class NodeRoutes:
+    """The nodes of one cluster client, each with its own breaker."""
+
+    REFRESH_INTERVAL: ClassVar[float] = 1.0
+
+    def __init__(self, client: Any, threshold: int, cooldown: float, asyncio_client: bool) -> None:
+        self.client = client
+        self.threshold = threshold
+        self.cooldown = cooldown
+        self.asyncio = asyncio_client
+        pkg = _client_package(client)
+        self._slot = pkg.crc.key_slot
+        self._exceptions = pkg.exceptions
+        self._breakers: dict[str, _Breaker] = {}
+        self._lock = threading.Lock()
+        self._last_refresh = -1e18
+        self._refreshing = False
+        self._task: Any = None  # the asyncio refresh in flight (a reference keeps it alive)
+        self.refreshes = 0
+        # a synchronous client's node -> its own client (redis-py: ``redis_connection``)
+        self._node_client: Any = getattr(client, "get_redis_connection", None) or getattr(
+            client, "get_valkey_connection", None
+        )
+        self._conn_args: tuple[str, ...] | None = None  # what a pool's get_connection wants
+
+    # -- routing -----------------------------------------------------------------
+    def breaker(self, name: str) -> _Breaker:
+        found = self._breakers.get(name)
+        if found is None:
+            with self._lock:
+                found = self._breakers.get(name)
+                if found is None:
+                    found = self._breakers[name] = _Breaker(self.threshold, self.cooldown, name)
+        return found
+
+    @property
+    def ready(self) -> bool:
+        """Whether the client has a slot map (an asyncio cluster not used
+        yet has none: ``await initialize()`` first)."""
+        return bool(self.client.nodes_manager.slots_cache)
+
+    def route(self, rkey: str) -> tuple[_Breaker, Any]:
+        """The breaker and the node (None: no node owns the slot) of ``rkey``."""
+        owners = self.client.nodes_manager.slots_cache.get(self._slot(rkey.encode("utf-8")))
+        if not owners:
+            return self.breaker(UNCOVERED), None
+        node = owners[0]
+        return self.breaker(node.name), node
+
+    def breakers(self) -> list[_Breaker]:
+        with self._lock:
+            return list(self._breakers.values())
+
+    def uncovered(self) -> BaseException:
+        """What a decision on a slot that no node owns fails with."""
+        error = getattr(self._exceptions, "SlotNotCoveredError", None) or self._exceptions.ClusterDownError
+        return error("no node of the cluster's map owns this key's slot")  # type: ignore[no-any-return]
+
+    def _moved(self, exc: BaseException) -> bool:
+        return isinstance(exc, getattr(self._exceptions, "MovedError", ()))
+
+    def _asked(self, exc: BaseException) -> bool:
+        return isinstance(exc, getattr(self._exceptions, "AskError", ())) and not self._moved(exc)
+
+    def _target(self, exc: Any) -> Any:
+        """The node a redirect names, if the client knows it."""
+        return self.client.get_node(host=exc.host, port=exc.port)
+
+    # -- synchronous calls ---------------------------------------------------------
+    def call(self, node: Any, args: tuple[Any, ...]) -> Any:
+        """One command on ``node``'s own connection, one attempt (a
+        redirect is followed once: the script did not run)."""
+        try:
+            return self._send(node, args, False)
+        except self._exceptions.ResponseError as exc:
+            if not (self._moved(exc) or self._asked(exc)):
+                raise
+            target = self._redirected(exc)
+            if target is None:
+                raise
+            return self._send(target, args, self._asked(exc))
+
+    def _redirected(self, exc: Any) -> Any:
+        """Learn a redirect: a ``MOVED`` updates the slot map (as the client
+        would), and a refresh is asked for; the node to send to once more."""
+        if self._moved(exc):
+            mover = getattr(self.client.nodes_manager, "move_slot", None)
+            if callable(mover) and not inspect.iscoroutinefunction(mover):
+                try:
+                    mover(exc)
+                except Exception:
+                    log.debug("nanolimit: move_slot failed", exc_info=True)
+            self.refresh_soon()
+        return self._target(exc)
+
+    def _send(self, node: Any, args: tuple[Any, ...], asking: bool) -> Any:
+        client = getattr(node, "redis_connection", None) or getattr(node, "valkey_connection", None)
+        if client is None:
+            client = self._node_client(node)
+        pool = client.connection_pool
+        conn_args = self._conn_args
+        if conn_args is None:
+            conn_args = self._conn_args = _connection_args(pool)
+        conn = pool.get_connection(*conn_args)
+        try:
+            if asking:
+                conn.send_command("ASKING")
+                conn.read_response()
+            conn.send_command(*args)
+            return conn.read_response()  # a socket error disconnects the connection itself
+        finally:
+            pool.release(conn)
+
+    def pipeline(self, node: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Commands on ``node``'s own connection, one round trip; each reply
+        or error reply in order (the round trip's own failure raises)."""
+        client = getattr(node, "redis_connection", None) or getattr(node, "valkey_connection", None)
+        if client is None:
+            client = self._node_client(node)
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute(raise_on_error=False))
+
+    # -- asyncio calls ---------------------------------------------------------------
+    async def initialize(self) -> None:
+        """An asyncio cluster's first slot map (once, before its first decision)."""
+        await self.client.initialize()
+
+    async def call_async(self, node: Any, args: tuple[Any, ...]) -> Any:
+        """:meth:`call` on an asyncio cluster node (its own connections)."""
+        try:
+            return await node.execute_command(*args)
+        except self._exceptions.ResponseError as exc:
+            if not (self._moved(exc) or self._asked(exc)):
+                raise
+            if self._moved(exc):
+                mover = getattr(self.client.nodes_manager, "move_slot", None)
+                if callable(mover) and inspect.iscoroutinefunction(mover):
+                    try:
+                        await mover(exc)
+                    except Exception:
+                        log.debug("nanolimit: move_slot failed", exc_info=True)
+                self.refresh_soon()
+            target = self._target(exc)
+            if target is None:
+                raise
+            if not self._asked(exc):
+                return await target.execute_command(*args)
+            replies = await self.pipeline_async(target, [("ASKING",), args])
+            if isinstance(replies[1], BaseException):
+                raise replies[1] from None
+            return replies[1]
+
+    async def pipeline_async(self, node: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """:meth:`pipeline` on an asyncio cluster node."""
+        command_type = inspect.getmodule(type(self.client))
+        made = [command_type.PipelineCommand(i, *c) for i, c in enumerate(commands)]  # type: ignore[union-attr]
+        await node.execute_pipeline(made)
+        return [c.result for c in made]
+
+    # -- the topology, off the decision path -----------------------------------------
+    def refresh_soon(self) -> None:
+        """Ask for a fresh node map: in the background (a thread, or a task
+        on the running loop), at most once per ``REFRESH_INTERVAL``, never
+        two at once. A decision never waits for it."""
+        now = time.monotonic()
+        if self._refreshing or now - self._last_refresh < self.REFRESH_INTERVAL:
+            return
+        with self._lock:
+            if self._refreshing or now - self._last_refresh < self.REFRESH_INTERVAL:
+                return
+            self._refreshing = True
+            self._last_refresh = now
+        if self.asyncio:
+            try:
+                self._task = asyncio.get_running_loop().create_task(self._refresh_async())
+            except RuntimeError:  # no running loop: nothing to refresh on
+                self._refreshing = False
+            return
+        threading.Thread(target=self._refresh, name="nanolimit-cluster-refresh", daemon=True).start()
+
+    def _refresh(self) -> None:
+        try:
+            self.client.nodes_manager.initialize()
+            self.refreshes += 1
+        except Exception:
+            log.debug("nanolimit: cluster topology refresh failed", exc_info=True)
+        finally:
+            self._last_refresh = time.monotonic()
+            self._refreshing = False
+
+    async def _refresh_async(self) -> None:
+        try:
+            await self.client.nodes_manager.initialize()
+            self.refreshes += 1
+        except Exception:
+            log.debug("nanolimit: cluster topology refresh failed", exc_info=True)
+        finally:
+            self._last_refresh = time.monotonic()
+            self._refreshing = False
+            self._task = None
+
+    # -- metrics ------------------------------------------------------------------------
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """Each node's breaker: ``{"host:port": {"breaker_state",
+        "breaker_opened", "recovering"}}``."""
+        return {
+            b.name: {"breaker_state": b.state, "breaker_opened": b.opened, "recovering": b.recovering}
+            for b in self.breakers()
+        }

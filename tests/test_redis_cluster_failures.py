@@ -1,0 +1,279 @@
+"""A cluster master SIGKILLed mid-run (Redis 7 and Valkey 9, with
+``cluster-require-full-coverage`` on and off): a dead node costs only its own
+keys, and never more than the timeout (docs/redis.md, "Cluster failures").
+
+- keys on the other masters keep exact answers from Redis (with full
+  coverage on, until the cluster itself marks the node failed and refuses
+  every slot: then they are answered by policy too, never wrongly);
+- the dead node's keys are answered by policy, and its breaker opens;
+- no decision takes longer than its timeout plus a margin, on redis-py's
+  ``RedisCluster``, valkey-py's ``ValkeyCluster`` and redis-py's asyncio one;
+- ``on_error="local"`` gives the dead node's keys one share per outage,
+  under traffic mixed with a live node's key.
+
+Each test starts a cluster of its own (a master is killed in it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from redis_servers import HOST, Cluster, require_binary
+
+from nanolimit import FakeClock, reference
+from nanolimit.redis_storage import REASON_STORE_UNAVAILABLE_LOCAL, AsyncRedisStorage, RedisStorage
+
+pytest_plugins = ["redis_servers"]  # the server fixtures
+
+TIMEOUT = 0.05
+MARGIN = 0.1  # a correctness bound on a loaded 2-core box, not a speed benchmark
+BIG = 1_000_000  # the live key's limit: every Redis answer is one unit less than the last
+SHARE_LIMIT, INSTANCES = 10, 2  # the dead key's limit, and the local share: 5 of 10
+OUTAGE = 4.0  # past the 2 s node timeout: with full coverage on, the cluster goes to "fail"
+EARLY = 1.2  # well before the cluster can mark the node failed (node timeout 2 s)
+
+
+@pytest.fixture(params=["yes", "no"], ids=["full-coverage", "partial-coverage"])
+def coverage(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def dying_cluster(server_kind: str, coverage: str) -> Iterator[Cluster]:
+    cluster = Cluster(require_binary(server_kind), server_kind)
+    for node in cluster.nodes:
+        node.extra = (*node.extra, "--cluster-require-full-coverage", coverage)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _key_on(storage: Any, limiter: Any, port: int, stem: str) -> str:
+    """A limiter key whose slot lives on the master listening on ``port``."""
+    for i in range(10_000):
+        key = f"{stem}{i}"
+        node = storage._route(storage.redis_key(limiter.config, key))[1]
+        if node is not None and int(node.port) == port:
+            return key
+    raise AssertionError(f"no key on port {port}")
+
+
+def _valkey_client(cluster: Cluster) -> Any:
+    valkey_cluster = pytest.importorskip("valkey.cluster")
+    return valkey_cluster.ValkeyCluster(
+        startup_nodes=[valkey_cluster.ClusterNode(HOST, cluster.nodes[1].port)], socket_timeout=5.0
+    )
+
+
+class _Side:
+    """One storage in the run: its limiters, its keys, what it answered."""
+
+    def __init__(self, name: str, storage: Any, dead_port: int, live_port: int) -> None:
+        self.name = name
+        self.storage = storage
+        clock = FakeClock(1_000_000.0)  # one window for the whole run
+        self.live = reference.FixedWindowCounter(BIG, 3600.0, storage=storage, clock=clock, rule="live")
+        self.dead = reference.FixedWindowCounter(
+            SHARE_LIMIT, 3600.0, storage=storage, clock=clock, rule="dead"
+        )
+        self.live_key = _key_on(storage, self.live, live_port, "live")
+        self.dead_key = _key_on(storage, self.dead, dead_port, "dead")
+        self.charged = 0  # units Redis charged the live key, as its answers said
+        self.uncertain = 0  # live decisions answered by policy: a timed-out one may have been charged
+        self.times: list[float] = []
+
+    def decide(self, limiter: Any, key: str) -> Any:
+        start = time.monotonic()
+        d = limiter.allow(key)
+        self.times.append(time.monotonic() - start)
+        return d
+
+    def live_step(self, must_answer: bool) -> Any:
+        """One decision of the live key: exact from Redis. ``must_answer``:
+        the cluster serves the live slots, so only a timeout (a loaded box
+        missing the 50 ms) may answer it by policy."""
+        timeouts = self.storage.metrics()["timeouts"]
+        d = self.decide(self.live, self.live_key)
+        if d.degraded:
+            if must_answer:
+                assert self.storage.metrics()["timeouts"] > timeouts, (self.name, d)
+            self.uncertain += 1
+        else:
+            self.charged += 1
+            low, high = BIG - self.charged - self.uncertain, BIG - self.charged
+            assert d.allowed and low <= d.remaining <= high, (self.name, d, low, high)  # exact
+        return d
+
+
+def test_a_dead_master_costs_only_its_own_keys(dying_cluster: Cluster, coverage: str) -> None:
+    cluster = dying_cluster
+    dead, live = cluster.nodes[0], cluster.nodes[1]
+    made = [cluster.client(), cluster.client()]
+    kwargs: dict[str, Any] = {"timeout": TIMEOUT, "breaker_threshold": 3, "breaker_cooldown": 0.2}
+    sides = [
+        _Side("allow", RedisStorage(made[0], on_error="allow", prefix="a:", **kwargs), dead.port, live.port),
+        _Side(
+            "local",
+            RedisStorage(made[1], on_error="local", local_instances=INSTANCES, prefix="l:", **kwargs),
+            dead.port,
+            live.port,
+        ),
+    ]
+    try:
+        made.append(_valkey_client(cluster))
+        sides.append(
+            _Side(
+                "valkey-py",
+                RedisStorage(made[-1], on_error="allow", prefix="v:", **kwargs),
+                dead.port,
+                live.port,
+            )
+        )
+    except pytest.skip.Exception:
+        pass
+    for side in sides:  # healthy: every answer from Redis
+        side.live_step(True)
+        assert not side.dead.peek(side.dead_key).degraded
+    dead.kill()
+    killed = time.monotonic()
+    local_admitted = 0
+    while time.monotonic() - killed < OUTAGE:
+        for side in sides:
+            # the cluster still serves the live slots (with full coverage on,
+            # until it marks the dead node failed: then it refuses them too)
+            side.live_step(coverage == "no" or time.monotonic() - killed < EARLY)
+            d = side.decide(side.dead, side.dead_key)
+            assert d.degraded, (side.name, d)
+            if side.name == "local":
+                assert d.reason == REASON_STORE_UNAVAILABLE_LOCAL
+                local_admitted += d.allowed
+    for side in sides:
+        assert side.charged > 100, (side.name, side.charged)
+    dead_name = f"{HOST}:{dead.port}"
+    for side in sides:
+        worst = max(side.times)
+        assert worst <= TIMEOUT + MARGIN, (side.name, worst)
+        m = side.storage.metrics()
+        assert m["nodes"][dead_name]["breaker_opened"] >= 1, (side.name, m)
+        assert m["nodes"][dead_name]["breaker_state"] in ("open", "half-open")
+        assert m["breaker_state"] in ("open", "half-open") and m["breakers_open"] >= 1
+        assert m["breaker_open_skips"] > 0
+        if coverage == "no":
+            live_name = f"{HOST}:{live.port}"
+            assert m["nodes"][live_name]["breaker_opened"] == 0
+            assert m["breakers_open"] == 1
+        # the breaker spares the dead node: most of its decisions made no round trip
+        assert m["breaker_open_skips"] > m["errors"], (side.name, m)
+    # one outage, one share: not a fresh share at each of the live key's answers
+    assert local_admitted == SHARE_LIMIT // INSTANCES
+    local_m = sides[1].storage.metrics()
+    if coverage == "no":
+        assert local_m["local_episodes"] == 1 and local_m["local_active"] == 1
+    for side in sides:
+        side.storage.close()
+    for client in made:
+        client.close()
+
+
+def test_async_cluster_a_dead_master_costs_only_its_own_keys(dying_cluster: Cluster, coverage: str) -> None:
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    cluster = dying_cluster
+    dead, live = cluster.nodes[0], cluster.nodes[1]
+
+    async def main() -> None:
+        user = RedisCluster(startup_nodes=[ClusterNode(HOST, live.port)])
+        storage = AsyncRedisStorage(
+            user,
+            timeout=TIMEOUT,
+            on_error="local",
+            local_instances=INSTANCES,
+            breaker_threshold=3,
+            breaker_cooldown=0.2,
+        )
+        clock = FakeClock(1_000_000.0)
+        live_limiter = reference.FixedWindowCounter(BIG, 3600.0, storage=storage, clock=clock, rule="live")
+        dead_limiter = reference.FixedWindowCounter(
+            SHARE_LIMIT, 3600.0, storage=storage, clock=clock, rule="dead"
+        )
+        assert not (await live_limiter.allow_async("warm")).degraded  # the slot map is learnt
+        live_key = _key_on(storage, live_limiter, live.port, "live")
+        dead_key = _key_on(storage, dead_limiter, dead.port, "dead")
+        charged = uncertain = 0
+        times: list[float] = []
+        admitted = 0
+        dead.kill()
+        killed = time.monotonic()
+        while time.monotonic() - killed < 2.5:
+            timeouts = storage.metrics()["timeouts"]
+            start = time.monotonic()
+            d = await live_limiter.allow_async(live_key)
+            times.append(time.monotonic() - start)
+            if not d.degraded:
+                charged += 1
+                assert BIG - charged - uncertain <= d.remaining <= BIG - charged
+            else:
+                if time.monotonic() - killed < EARLY or coverage == "no":  # only a timeout may
+                    assert storage.metrics()["timeouts"] > timeouts, d
+                uncertain += 1
+            start = time.monotonic()
+            d = await dead_limiter.allow_async(dead_key)
+            times.append(time.monotonic() - start)
+            assert d.degraded and d.reason == REASON_STORE_UNAVAILABLE_LOCAL
+            admitted += d.allowed
+        assert max(times) <= TIMEOUT + MARGIN, max(times)
+        assert admitted == SHARE_LIMIT // INSTANCES
+        m = storage.metrics()
+        assert m["nodes"][f"{HOST}:{dead.port}"]["breaker_opened"] >= 1
+        assert m["breaker_open_skips"] > m["errors"]
+        batch = await storage.run_kernel_many_async(
+            live_limiter.config, [live_key, dead_key], [1, 1], clock.now()
+        )
+        assert batch[1][5]  # the dead node's key: by policy, no round trip
+        if coverage == "no" and not batch[0][5]:
+            assert BIG - charged - uncertain - 1 <= batch[0][1] <= BIG - charged - 1
+        await storage.close()
+        await user.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_batch_splits_by_node_and_spares_the_dead_one(dying_cluster: Cluster, coverage: str) -> None:
+    """``allow_many`` over every master: one pipeline per node, and the dead
+    node's keys alone answered by policy (no hidden sleep in the cluster
+    pipeline either)."""
+    cluster = dying_cluster
+    client = cluster.client()
+    storage = RedisStorage(
+        client, timeout=TIMEOUT, on_error="deny", breaker_threshold=2, breaker_cooldown=0.2
+    )
+    limiter = reference.TokenBucket(100, 3600.0, storage=storage, clock=FakeClock(10.0), rule="b")
+    keys = [f"k{i}" for i in range(60)]
+    on_dead = {
+        k
+        for k in keys
+        if storage._route(storage.redis_key(limiter.config, k))[1].port == cluster.nodes[0].port
+    }
+    assert 0 < len(on_dead) < len(keys)
+    assert not limiter.allow_many(keys).degraded
+    cluster.nodes[0].kill()
+    for _ in range(5):
+        timeouts = storage.metrics()["timeouts"]
+        start = time.monotonic()
+        result = limiter.allow_many(keys)
+        assert time.monotonic() - start <= TIMEOUT + MARGIN
+        timed_out = storage.metrics()["timeouts"] > timeouts  # a loaded box missed the 50 ms
+        for key, d in zip(keys, result):
+            if key in on_dead:
+                assert d.degraded and not d.allowed
+            else:
+                assert (not d.degraded and d.allowed) or timed_out
+    assert storage.metrics()["nodes"][f"{HOST}:{cluster.nodes[0].port}"]["breaker_opened"] >= 1
+    storage.close()
+    client.close()
