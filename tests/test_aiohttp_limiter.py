@@ -25,10 +25,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 import nanolimit.aiohttp as nl_aiohttp
 from nanolimit import LimiterFactory, RuleRegistry, ValidationError
+from nanolimit.errors import RuleValidationError
 from nanolimit.gateway.routes import RouteLimits
 from nanolimit.metrics import Metrics
 from nanolimit.middleware import Outcome, Request
-from nanolimit.rules import RateLimitRule, RuleValidationError
+from nanolimit.rules import RateLimitRule
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -30,8 +30,8 @@ from flask.views import MethodView
 import nanolimit
 import nanolimit.flask as nanolimit_flask
 from nanolimit import Algorithm, KeyScope, RateLimitRule, RuleRegistry, ValidationError
+from nanolimit.errors import RuleValidationError
 from nanolimit.flask import CONFIG_KEYS, Limiter, RateLimitExceeded
-from nanolimit.rules import RuleValidationError
 
 IP_A = {"REMOTE_ADDR": "192.0.2.1"}
 IP_B = {"REMOTE_ADDR": "192.0.2.2"}

@@ -11,7 +11,8 @@ import pytest
 from gateway_helpers import gateway, get, ok_handler, rule
 
 from nanolimit._shared import UnknownAlgorithmError, ValidationError
-from nanolimit.config import ConfigError, ConfigWatcher, load_rules, parse_rules
+from nanolimit.config import ConfigWatcher, load_rules, parse_rules
+from nanolimit.errors import ConfigError
 from nanolimit.rules import KeyScope, RuleRegistry
 
 GOOD = """

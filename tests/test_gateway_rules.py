@@ -10,16 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanolimit._shared import Algorithm, UnknownAlgorithmError, ValidationError
+from nanolimit.errors import RuleNotFoundError, RuleValidationError
 from nanolimit.factory import LimiterFactory
-from nanolimit.rules import (
-    KeyScope,
-    Rate,
-    RateLimitRule,
-    RuleNotFoundError,
-    RuleRegistry,
-    RuleValidationError,
-    parse_rate,
-)
+from nanolimit.rules import KeyScope, Rate, RateLimitRule, RuleRegistry, parse_rate
 
 # -- rate strings ---------------------------------------------------------------
 

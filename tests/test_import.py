@@ -317,7 +317,7 @@ def test_the_zone_without_the_extension_says_why() -> None:
 @pytest.mark.skipif(sys.platform != "win32", reason="the refusal is Windows's; elsewhere the zone works")
 def test_the_zone_refuses_windows_with_the_reason() -> None:
     import nanolimit._core as core
-    from nanolimit._errors import ValidationError
+    from nanolimit.errors import ValidationError
 
     with pytest.raises(ValidationError, match="POSIX shared memory"):
         core.SharedMemoryStorage("x", max_keys=10)

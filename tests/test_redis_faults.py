@@ -13,12 +13,8 @@ from typing import Any
 import pytest
 from redis_servers import timed, until_healthy
 
-from nanolimit.redis_storage import (
-    CircuitOpenError,
-    RedisStorage,
-    RedisUnavailableError,
-    StorageUnavailableError,
-)
+from nanolimit.errors import CircuitOpenError, RedisUnavailableError, StorageUnavailableError
+from nanolimit.redis_storage import RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

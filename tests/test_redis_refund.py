@@ -25,13 +25,8 @@ from redis_servers import _ping, free_port, timed
 
 from nanolimit import reference
 from nanolimit._shared import LimiterConfig, LimiterState
-from nanolimit.redis_storage import (
-    AsyncRedisStorage,
-    CircuitOpenError,
-    RedisKeyError,
-    RedisStorage,
-    RedisUnavailableError,
-)
+from nanolimit.errors import CircuitOpenError, RedisKeyError, RedisUnavailableError
+from nanolimit.redis_storage import AsyncRedisStorage, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -40,7 +40,8 @@ from redis_servers import Server, free_port
 from nanolimit import ValidationError
 from nanolimit._validation import MAX_KEYS
 from nanolimit.cli.check_config import check_config
-from nanolimit.gateway.config import ConfigError, ConfigWatcher, load_rules, parse_rules
+from nanolimit.errors import ConfigError
+from nanolimit.gateway.config import ConfigWatcher, load_rules, parse_rules
 from nanolimit.gateway.rules import RuleRegistry
 from nanolimit.redis_storage import REASON_STORE_UNAVAILABLE_LOCAL, AsyncRedisStorage, RedisStorage
 from nanolimit.storage.two_tier import TwoTierStorage

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from _helpers import needs_shared_memory
 
-from nanolimit._errors import ValidationError
-from nanolimit.config import ConfigError, ConfigWatcher, load_rules, parse_rules
+from nanolimit.config import ConfigWatcher, load_rules, parse_rules
+from nanolimit.errors import ConfigError, ValidationError
 from nanolimit.factory import LimiterFactory
 from nanolimit.middleware import RateLimitMiddleware, Request, Response
 from nanolimit.rules import RateLimitRule, RuleRegistry

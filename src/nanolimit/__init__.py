@@ -27,6 +27,14 @@ from ._shared import (
     ValidationError,
 )
 from ._version import __version__
+from .errors import (
+    CircuitOpenError,
+    ConfigError,
+    RedisUnavailableError,
+    RuleNotFoundError,
+    RuleValidationError,
+    StorageUnavailableError,
+)
 
 if TYPE_CHECKING:
     from .reference import (
@@ -58,41 +66,23 @@ from .gateway.keys import ClientKey, DefaultKeyExtractor, KeyExtractor
 from .gateway.metrics import Metrics
 from .gateway.middleware import Outcome, RateLimitMiddleware, Request, Response
 from .gateway.rates import parse_rates
-from .gateway.rules import (
-    KeyScope,
-    Rate,
-    RateLimitRule,
-    RuleNotFoundError,
-    RuleRegistry,
-    RuleValidationError,
-    parse_rate,
-)
+from .gateway.rules import KeyScope, Rate, RateLimitRule, RuleRegistry, parse_rate
 
 # Optional layers (Redis, the two-tier store, rules files) load on first use:
 # they cost most of ``import nanolimit``'s time and are not needed in memory.
 _LAZY = {
     "AsyncRedisStorage": "storage.redis",
-    "CircuitOpenError": "storage.redis",
     "RedisStorage": "storage.redis",
-    "RedisUnavailableError": "storage.redis",
     "SharedMemoryStorage": "storage.shared_memory",
-    "StorageUnavailableError": "storage.redis",
     "storage_from_uri": "storage.uri",
     "TwoTierStorage": "storage.two_tier",
-    "ConfigError": "gateway.config",
     "ConfigWatcher": "gateway.config",
     "load_rules": "gateway.config",
 }
 
 if TYPE_CHECKING:
-    from .gateway.config import ConfigError, ConfigWatcher, load_rules
-    from .storage.redis import (
-        AsyncRedisStorage,
-        CircuitOpenError,
-        RedisStorage,
-        RedisUnavailableError,
-        StorageUnavailableError,
-    )
+    from .gateway.config import ConfigWatcher, load_rules
+    from .storage.redis import AsyncRedisStorage, RedisStorage
     from .storage.shared_memory import SharedMemoryStorage
     from .storage.two_tier import TwoTierStorage
     from .storage.uri import storage_from_uri

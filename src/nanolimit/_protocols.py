@@ -12,9 +12,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._clocks import MAX_TIME, SystemClock, check_now
 from ._decision_py import BatchResult, KernelVerdict
-from ._errors import ValidationError
 from ._limiter_config import LimiterConfig, LimiterState
 from ._validation import MAX_KEY_BYTES, check_cost, check_key
+from .errors import ValidationError
 
 __all__ = [
     "KernelStorage",

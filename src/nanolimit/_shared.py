@@ -48,12 +48,6 @@ from ._decision_py import (
 from ._decision_py import (
     render_headers as render_headers,
 )
-from ._errors import (
-    UnknownAlgorithmError as UnknownAlgorithmError,
-)
-from ._errors import (
-    ValidationError as ValidationError,
-)
 from ._limiter_config import (
     BURST_ALGORITHMS as BURST_ALGORITHMS,
 )
@@ -147,3 +141,5 @@ from ._validation import (
 from ._validation import (
     stripes_within as stripes_within,
 )
+from .errors import UnknownAlgorithmError as UnknownAlgorithmError
+from .errors import ValidationError as ValidationError

@@ -712,7 +712,7 @@ def check_limits(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     """``manage.py check`` (and ``runserver``, before it serves): the
     settings, and every declaration bound to the URLconf; a route template
     that matches no URL is an error naming the rule."""
-    from .rules import RuleValidationError
+    from ..errors import RuleValidationError
 
     try:
         live = _state()

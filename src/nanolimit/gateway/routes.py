@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .._shared import Algorithm, ValidationError
+from ..errors import RuleValidationError
 from .rates import Rate, parse_rates
-from .rules import ExemptRoute, KeyScope, RateLimitRule, RuleRegistry, RuleValidationError, route_key
+from .rules import ExemptRoute, KeyScope, RateLimitRule, RuleRegistry, route_key
 
 __all__ = ["Limit", "LimitDependency", "RouteInfo", "RouteLimits"]
 

@@ -34,17 +34,15 @@ from .._shared import (
     UnknownAlgorithmError,
     ValidationError,
 )
+from ..errors import RuleAlgorithmError, RuleNotFoundError, RuleValidationError
 from .rates import Rate, parse_rate
 
 __all__ = [
     "KeyScope",
     "Rate",
     "RateLimitRule",
-    "RuleAlgorithmError",
-    "RuleNotFoundError",
     "RuleRegistry",
     "RuleSet",
-    "RuleValidationError",
     "normalize_path",
     "parse_rate",
 ]
@@ -100,25 +98,6 @@ def normalize_path(path: str) -> str:
     while "//" in path:
         path = path.replace("//", "/")
     return path
-
-
-class RuleNotFoundError(LookupError):
-    """No rule matches a request and the registry has no default rule."""
-
-
-class RuleValidationError(ValidationError):
-    """A rule with a bad field. ``rule`` and ``field`` name the culprit, so a
-    config loader can report every problem of a file at once."""
-
-    def __init__(self, rule: str, field: str, message: str) -> None:
-        self.rule = rule
-        self.field = field
-        self.message = message
-        super().__init__(f"rule {rule!r}: {field}: {message}")
-
-
-class RuleAlgorithmError(RuleValidationError, UnknownAlgorithmError):
-    """A rule naming an algorithm that does not exist (an ``UnknownAlgorithmError``)."""
 
 
 class KeyScope(str, enum.Enum):

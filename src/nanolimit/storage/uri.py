@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import unquote, unquote_plus
 
-from .._errors import ValidationError
 from .._protocols import Storage
 from .._validation import MAX_KEYS, MAX_STRIPES, MAX_WINDOW
+from ..errors import ValidationError
 
 __all__ = [
     "DEFAULT_MEMORY_MAX_KEYS",
@@ -793,7 +793,7 @@ def _make_client(parts: _Parts, lib: _Library, opts: dict[str, Any]) -> Any:
         except (TypeError, ValueError) as exc:
             raise ValidationError(f"{parts.scheme}://: {exc}") from None
         except _failures(lib) as exc:  # the synchronous cluster asks its nodes at once
-            from .redis import RedisUnavailableError
+            from ..errors import RedisUnavailableError
 
             shown = ",".join(f"{h}:{p}" for h, p in hosts)
             raise RedisUnavailableError(

@@ -99,11 +99,7 @@ from ._resilience import (
     _POLICIES,  # noqa: F401
     SERVER_ERROR_CODES,  # noqa: F401
     WRITE_REFUSED_CODES,  # noqa: F401
-    CircuitOpenError,
     OnError,  # noqa: F401
-    RedisKeyError,
-    RedisUnavailableError,
-    StorageUnavailableError,
     _Breaker,  # noqa: F401
     _code_of_text,  # noqa: F401
     _is_noscript,
@@ -131,20 +127,8 @@ __all__ = [
     "MAX_CLOCK_LEAD",
     "REASON_STORE_UNAVAILABLE_LOCAL",
     "AsyncRedisStorage",
-    "CircuitOpenError",
-    "RedisKeyError",
     "RedisStorage",
-    "RedisUnavailableError",
-    "StorageUnavailableError",
 ]
-
-
-# The public classes name this package, where they are documented and
-# imported from, in reprs, tracebacks and pickles (not the private module
-# that defines them).
-for _cls in (StorageUnavailableError, RedisUnavailableError, CircuitOpenError, RedisKeyError):
-    _cls.__module__ = __name__
-del _cls
 
 
 class RedisStorage(_RedisBase):

@@ -35,6 +35,7 @@ from ..._shared import (
     event_counter,
 )
 from ..._validation import MAX_WINDOW, check_int_option, check_seconds_option
+from ...errors import CircuitOpenError, RedisKeyError, RedisUnavailableError
 from ._connections import (
     _AsyncSpareConnections,
     _client_package,
@@ -50,10 +51,7 @@ from ._resilience import (
     _POLICIES,
     SERVER_ERROR_CODES,
     WRITE_REFUSED_CODES,
-    CircuitOpenError,
     OnError,
-    RedisKeyError,
-    RedisUnavailableError,
     _Breaker,
     _code_of_text,
     _is_noscript,
