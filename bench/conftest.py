@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from nanolimit._shared import LIMITER_CLASS_NAMES
+from nanolimit._limiter_config import LIMITER_CLASS_NAMES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # redis_servers
 

@@ -24,7 +24,7 @@ from bench_helpers import pinned_to_one_core
 from redis_servers import Server, find_binary
 
 from nanolimit import FakeClock
-from nanolimit._shared import LimiterConfig
+from nanolimit._limiter_config import LimiterConfig
 from nanolimit.redis_storage import RedisStorage
 
 pytestmark = pytest.mark.benchmark(max_time=0.5, min_rounds=5)

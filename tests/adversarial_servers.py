@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import nanolimit
-from nanolimit._shared import Algorithm
+from nanolimit._limiter_config import Algorithm
 from nanolimit.factory import LimiterFactory
 from nanolimit.rules import KeyScope, RateLimitRule, RuleRegistry
 

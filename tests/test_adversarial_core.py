@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from conftest import ALGORITHMS
 
-from nanolimit._shared import MAX_CLOCK_LEAD
+from nanolimit._clocks import MAX_CLOCK_LEAD
 
 START = 1_800_000_000.0
 

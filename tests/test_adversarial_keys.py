@@ -37,8 +37,9 @@ from starlette.routing import Route
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 import nanolimit
-from nanolimit._shared import MAX_KEY_BYTES, ValidationError
+from nanolimit._validation import MAX_KEY_BYTES
 from nanolimit.asgi import RateLimitMiddleware
+from nanolimit.errors import ValidationError
 from nanolimit.factory import LimiterFactory
 from nanolimit.keys import (
     CACHE_BYTES,
@@ -411,7 +412,7 @@ def _limited_app(backend_name: str, trusted: tuple[str, ...] = ()) -> Starlette:
     minute per IP, on the named twin's store and a frozen clock."""
     import importlib
 
-    from nanolimit._shared import FakeClock
+    from nanolimit._clocks import FakeClock
 
     twin = importlib.import_module("nanolimit._core" if backend_name == "native" else "nanolimit.reference")
 

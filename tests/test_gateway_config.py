@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from gateway_helpers import gateway, get, ok_handler, rule
 
-from nanolimit._shared import UnknownAlgorithmError, ValidationError
 from nanolimit.config import ConfigWatcher, load_rules, parse_rules
-from nanolimit.errors import ConfigError
+from nanolimit.errors import ConfigError, UnknownAlgorithmError, ValidationError
 from nanolimit.rules import KeyScope, RuleRegistry
 
 GOOD = """

@@ -15,7 +15,7 @@ from gateway_helpers import WALL, gateway, get, ok_handler, rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanolimit._shared import ValidationError
+from nanolimit.errors import ValidationError
 from nanolimit.gateway.headers import (
     MAX_HEADER_SECONDS,
     deny_body,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from gateway_helpers import gateway, get, ok_handler, rule
 
-from nanolimit._shared import MAX_KEY_BYTES, ValidationError
+from nanolimit._validation import MAX_KEY_BYTES
+from nanolimit.errors import ValidationError
 from nanolimit.keys import ClientKey, DefaultKeyExtractor
 from nanolimit.middleware import Request
 from nanolimit.rules import KeyScope

@@ -13,7 +13,7 @@ from gateway_helpers import WALL, gateway, get, ok_handler, rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanolimit._shared import ValidationError
+from nanolimit.errors import ValidationError
 from nanolimit.factory import LimiterFactory
 from nanolimit.metrics import Metrics
 from nanolimit.middleware import RateLimitMiddleware, Request, Response

@@ -9,8 +9,8 @@ from gateway_helpers import rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanolimit._shared import Algorithm, UnknownAlgorithmError, ValidationError
-from nanolimit.errors import RuleNotFoundError, RuleValidationError
+from nanolimit._limiter_config import Algorithm
+from nanolimit.errors import RuleNotFoundError, RuleValidationError, UnknownAlgorithmError, ValidationError
 from nanolimit.factory import LimiterFactory
 from nanolimit.rules import KeyScope, Rate, RateLimitRule, RuleRegistry, parse_rate
 

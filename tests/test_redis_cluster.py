@@ -11,7 +11,7 @@ import pytest
 from _helpers import fields
 
 from nanolimit import reference
-from nanolimit._shared import ValidationError
+from nanolimit.errors import ValidationError
 from nanolimit.redis_storage import RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures

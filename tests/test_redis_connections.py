@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from nanolimit._shared import LimiterConfig, ValidationError
+from nanolimit._limiter_config import LimiterConfig
+from nanolimit.errors import ValidationError
 from nanolimit.redis_storage import RedisStorage, _SpareConnections
 from nanolimit.storage.redis import _connections  # where the hiredis packer is looked up
 

@@ -24,7 +24,7 @@ from _helpers import FIELDS
 from redis_servers import _ping, free_port, timed
 
 from nanolimit import reference
-from nanolimit._shared import LimiterConfig, LimiterState
+from nanolimit._limiter_config import LimiterConfig, LimiterState
 from nanolimit.errors import CircuitOpenError, RedisKeyError, RedisUnavailableError
 from nanolimit.redis_storage import AsyncRedisStorage, RedisStorage
 

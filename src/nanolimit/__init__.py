@@ -10,22 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ._clocks import Clock, FakeClock, SystemClock
+from ._decision_py import BatchResult, CompoundDecision
+from ._limiter_config import Algorithm, LimiterState
+from ._protocols import KernelStorage, RateLimiter, Storage
 from ._select import NO_EXTENSIONS as NO_EXTENSIONS
 from ._select import twin as _twin
-from ._shared import (
-    Algorithm,
-    BatchResult,
-    Clock,
-    CompoundDecision,
-    FakeClock,
-    KernelStorage,
-    LimiterState,
-    RateLimiter,
-    Storage,
-    SystemClock,
-    UnknownAlgorithmError,
-    ValidationError,
-)
 from ._version import __version__
 from .errors import (
     CircuitOpenError,
@@ -34,6 +24,8 @@ from .errors import (
     RuleNotFoundError,
     RuleValidationError,
     StorageUnavailableError,
+    UnknownAlgorithmError,
+    ValidationError,
 )
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import threading
 import nanolimit
 from nanolimit import FakeClock, InMemoryStorage
 
-from .._shared import Algorithm
+from .._limiter_config import Algorithm
 from ..gateway.factory import LimiterFactory
 from ..gateway.middleware import RateLimitMiddleware, Request, Response
 from ..gateway.rules import KeyScope, RateLimitRule, RuleRegistry

@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from .._shared import ValidationError
+from ..errors import ValidationError
 from .factory import LimiterFactory
 from .keys import KeyExtractor
 from .metrics import Metrics

@@ -57,8 +57,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-from .._shared import ValidationError
-from ..errors import ConfigError, Problem, RuleValidationError
+from ..errors import ConfigError, Problem, RuleValidationError, ValidationError
 from .factory import LimiterFactory
 from .rates import parse_rates
 from .rules import RateLimitRule, RuleRegistry

@@ -51,7 +51,9 @@ from django.http import HttpResponse  # type: ignore[import-untyped]
 from django.urls import URLPattern, URLResolver, get_resolver  # type: ignore[import-untyped]
 from django.utils.module_loading import import_string  # type: ignore[import-untyped]
 
-from .._shared import Algorithm, Storage, ValidationError
+from .._limiter_config import Algorithm
+from .._protocols import Storage
+from ..errors import ValidationError
 from .factory import LimiterFactory
 from .keys import DefaultKeyExtractor
 from .middleware import Outcome

@@ -36,7 +36,9 @@ from flask import request as flask_request
 from flask.wrappers import Response as FlaskResponse
 from werkzeug.exceptions import TooManyRequests
 
-from .._shared import Algorithm, Storage, ValidationError
+from .._limiter_config import Algorithm
+from .._protocols import Storage
+from ..errors import ValidationError
 from .config import load_rules
 from .factory import LimiterFactory
 from .keys import DefaultKeyExtractor

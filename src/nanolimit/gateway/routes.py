@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .._shared import Algorithm, ValidationError
-from ..errors import RuleValidationError
+from .._limiter_config import Algorithm
+from ..errors import RuleValidationError, ValidationError
 from .rates import Rate, parse_rates
 from .rules import ExemptRoute, KeyScope, RateLimitRule, RuleRegistry, route_key
 

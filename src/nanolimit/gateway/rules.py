@@ -28,13 +28,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._shared import (
-    Algorithm,
-    LimiterConfig,
+from .._limiter_config import Algorithm, LimiterConfig
+from ..errors import (
+    RuleAlgorithmError,
+    RuleNotFoundError,
+    RuleValidationError,
     UnknownAlgorithmError,
     ValidationError,
 )
-from ..errors import RuleAlgorithmError, RuleNotFoundError, RuleValidationError
 from .rates import Rate, parse_rate
 
 __all__ = [

@@ -39,19 +39,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._clocks import MAX_TIME, FakeClock, check_now
+from .._decision_py import KernelVerdict
+from .._limiter_config import LIMITER_CLASS_NAMES, Algorithm, LimiterConfig, LimiterState
 from .._select import native_core, twin, twin_of
-from .._shared import (
-    LIMITER_CLASS_NAMES,
-    MAX_TIME,
-    Algorithm,
-    FakeClock,
-    KernelVerdict,
-    LimiterConfig,
-    LimiterState,
-    ValidationError,
-    check_now,
-)
 from .._validation import check_int_option, check_seconds_option
+from ..errors import ValidationError
 from .redis import RedisStorage
 from .redis._connections import _client_package, derive_client
 from .redis._resilience import _is_noscript

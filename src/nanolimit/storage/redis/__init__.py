@@ -49,22 +49,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from ..._shared import (
-    DUPLICATE_COMPOUND,
-    MAX_CLOCK_LEAD,
+from ..._clocks import MAX_CLOCK_LEAD, check_now
+from ..._decision_py import (
     REASON_STORE_ERROR,  # noqa: F401 (the name tests and callers import from here)
     REASON_STORE_UNAVAILABLE,
     CompoundDecision,
     KernelVerdict,
-    LimiterConfig,
-    LimiterState,
-    ValidationError,
-    check_batch,
-    check_cost,
-    check_key,
-    check_now,
-    compound_items,
 )
+from ..._limiter_config import LimiterConfig, LimiterState
+from ..._validation import DUPLICATE_COMPOUND, check_batch, check_cost, check_key, compound_items
+from ...errors import ValidationError
 
 # Every name the single module ``storage/redis.py`` held stays importable
 # from here (the tests and old imports use some private ones), so the

@@ -19,23 +19,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NoReturn
 
-from ..._shared import (
-    MAX_KEY_BYTES,
-    REASON_STORE_ERROR,
-    REASON_STORE_UNAVAILABLE,
-    Algorithm,
-    KernelVerdict,
-    LimiterConfig,
-    LimiterState,
-    SystemClock,
-    ValidationError,
-    check_cutoff,
-    check_now,
-    decision_from_verdict,
-    event_counter,
-)
-from ..._validation import MAX_WINDOW, check_int_option, check_seconds_option
-from ...errors import CircuitOpenError, RedisKeyError, RedisUnavailableError
+from ..._clocks import SystemClock, check_now
+from ..._decision_py import REASON_STORE_ERROR, REASON_STORE_UNAVAILABLE, KernelVerdict, decision_from_verdict
+from ..._limiter_config import Algorithm, LimiterConfig, LimiterState
+from ..._protocols import event_counter
+from ..._validation import MAX_KEY_BYTES, MAX_WINDOW, check_cutoff, check_int_option, check_seconds_option
+from ...errors import CircuitOpenError, RedisKeyError, RedisUnavailableError, ValidationError
 from ._connections import (
     _AsyncSpareConnections,
     _client_package,

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, ClassVar, Final
 
-from ..._shared import ValidationError
+from ...errors import ValidationError
 
 log = logging.getLogger("nanolimit.storage.redis")
 
