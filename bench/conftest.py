@@ -37,7 +37,7 @@ def limiter_type(request: pytest.FixtureRequest, twin: types.ModuleType) -> type
 
 @pytest.fixture
 def time_cell(benchmark: Any) -> Callable[..., None]:
-    """Time one :class:`nanolimit._bench.Prepared` cell with pytest-benchmark:
+    """Time one :class:`nanolimit.cli.bench.Prepared` cell with pytest-benchmark:
     a warm-up call sizes the rounds to about ``seconds``, the cell's check
     runs after timing, and ``extra_info`` gets the per-decision median and
     min in ``unit`` (``"ns"`` or ``"us"``). Closes the cell."""

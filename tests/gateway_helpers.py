@@ -5,9 +5,9 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from nanolimit.factory import LimiterFactory
-from nanolimit.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.rules import RateLimitRule, RuleRegistry
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.rules import RateLimitRule, RuleRegistry
 
 WALL = 1_700_000_000.0
 

@@ -40,16 +40,16 @@ import nanolimit
 from nanolimit._validation import MAX_KEY_BYTES
 from nanolimit.asgi import RateLimitMiddleware
 from nanolimit.errors import ValidationError
-from nanolimit.factory import LimiterFactory
-from nanolimit.keys import (
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.keys import (
     CACHE_BYTES,
     MAX_HOPS,
     ClientKey,
     DefaultKeyExtractor,
     RewrittenClientWarning,
 )
-from nanolimit.middleware import Request
-from nanolimit.rules import KeyScope, RuleRegistry
+from nanolimit.gateway.middleware import Request
+from nanolimit.gateway.rules import KeyScope, RuleRegistry
 
 TESTS = Path(__file__).resolve().parent
 SRC = Path(nanolimit.__file__).resolve().parents[1]  # the nanolimit under test: the wheel in CI

@@ -31,7 +31,7 @@ from redis_servers import timed, until_healthy
 
 from nanolimit import reference
 from nanolimit.errors import RedisKeyError
-from nanolimit.redis_storage import MAX_CLOCK_LEAD, AsyncRedisStorage, RedisStorage
+from nanolimit.storage.redis import MAX_CLOCK_LEAD, AsyncRedisStorage, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from gateway_helpers import gateway, get, ok_handler, rule
 
-from nanolimit.config import ConfigWatcher, load_rules, parse_rules
 from nanolimit.errors import ConfigError, UnknownAlgorithmError, ValidationError
-from nanolimit.rules import KeyScope, RuleRegistry
+from nanolimit.gateway.config import ConfigWatcher, load_rules, parse_rules
+from nanolimit.gateway.rules import KeyScope, RuleRegistry
 
 GOOD = """
 stacked = false

@@ -26,7 +26,7 @@ from _helpers import FIELDS
 
 from nanolimit import ValidationError, reference
 from nanolimit.errors import CircuitOpenError, RedisUnavailableError
-from nanolimit.redis_storage import AsyncRedisStorage, RedisStorage
+from nanolimit.storage.redis import AsyncRedisStorage, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -12,7 +12,7 @@ from _helpers import fields
 
 from nanolimit import reference
 from nanolimit.errors import ValidationError
-from nanolimit.redis_storage import RedisStorage
+from nanolimit.storage.redis import RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from nanolimit import reference
 from nanolimit._limiter_config import Algorithm, LimiterConfig
-from nanolimit.redis_storage import SCRIPTS
+from nanolimit.storage.redis import SCRIPTS
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

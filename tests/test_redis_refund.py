@@ -26,7 +26,7 @@ from redis_servers import _ping, free_port, timed
 from nanolimit import reference
 from nanolimit._limiter_config import LimiterConfig, LimiterState
 from nanolimit.errors import CircuitOpenError, RedisKeyError, RedisUnavailableError
-from nanolimit.redis_storage import AsyncRedisStorage, RedisStorage
+from nanolimit.storage.redis import AsyncRedisStorage, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

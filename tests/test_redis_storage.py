@@ -18,7 +18,7 @@ from nanolimit import reference
 from nanolimit._limiter_config import LimiterConfig
 from nanolimit._protocols import KernelStorage, Storage
 from nanolimit.errors import ValidationError
-from nanolimit.redis_storage import INJECTED_EXPIRY_FLOOR_MS, RedisStorage
+from nanolimit.storage.redis import INJECTED_EXPIRY_FLOOR_MS, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

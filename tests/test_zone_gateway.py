@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from _helpers import needs_shared_memory
 
-from nanolimit.config import ConfigWatcher, load_rules, parse_rules
 from nanolimit.errors import ConfigError, ValidationError
-from nanolimit.factory import LimiterFactory
-from nanolimit.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.rules import RateLimitRule, RuleRegistry
+from nanolimit.gateway.config import ConfigWatcher, load_rules, parse_rules
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.rules import RateLimitRule, RuleRegistry
 
 pytestmark = [pytest.mark.native, needs_shared_memory]
 

@@ -301,7 +301,7 @@ def rate_limit_middleware(
     ``registry``, ``factory``, ``extractor``, ``metrics`` and
     ``pipeline_options`` (``headers``, ``header_names``, ``on_breach``,
     ``log_denials``) build the pipeline as
-    :class:`nanolimit.middleware.RateLimitMiddleware` takes them.
+    :class:`nanolimit.gateway.middleware.RateLimitMiddleware` takes them.
     ``limits`` brings route-level declarations (its registry is the
     registry); a registry whose rules name routes (a rules file) is bound
     to the app's routes too. ``deny(request, outcome)`` (sync or async,

@@ -108,7 +108,7 @@ def request_from_scope(scope: Scope) -> Request:
 
     The path is ``scope["path"]`` as the server decoded it (with
     ``root_path`` in front when the server left it out); the ruleset
-    normalises it when it matches (:func:`nanolimit.rules.normalize_path`),
+    normalises it when it matches (:func:`nanolimit.gateway.rules.normalize_path`),
     the one place ASGI, WSGI and the framework-free pipeline share."""
     client = scope.get("client")
     root = scope.get("root_path", "") or ""
@@ -156,7 +156,7 @@ class RateLimitMiddleware:
     Starlette ``Middleware(RateLimitMiddleware, registry=..., factory=...)``.
 
     Pass ``core`` to share one framework-free
-    :class:`nanolimit.middleware.RateLimitMiddleware` (and its metrics)
+    :class:`nanolimit.gateway.middleware.RateLimitMiddleware` (and its metrics)
     between front ends; otherwise one is built from the other arguments
     (``pipeline`` holds the pipeline's own options: ``headers``,
     ``header_names``, ``on_breach``, ``log_denials``).

@@ -6,7 +6,7 @@ Why ``process_view``: by then Django has resolved the URL, so the request
 carries its route template (``request.resolver_match.route``), the view
 (with ``view_class`` for class-based views) and, whatever the middleware
 order, the user that ``AuthenticationMiddleware`` attached. The decision is
-the pipeline's (:meth:`nanolimit.middleware.RateLimitMiddleware.check`), one
+the pipeline's (:meth:`nanolimit.gateway.middleware.RateLimitMiddleware.check`), one
 per request, on one pipeline per process: this module builds it once from
 the settings and shares it between threads and between the sync and async
 handlers. A request that never reaches a view (a 404 from the resolver, a

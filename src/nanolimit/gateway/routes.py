@@ -14,7 +14,7 @@ and a route-level limit costs what a middleware rule costs.
 Names: a view's limit is named after the view (``module.function``), with
 ``:<limit>/<window>s`` added when it has several rates; a shared limit
 carries the name it was given. A reload of a rules file keeps every
-declared rule (:meth:`nanolimit.rules.RuleRegistry.replace`).
+declared rule (:meth:`nanolimit.gateway.rules.RuleRegistry.replace`).
 """
 
 from __future__ import annotations

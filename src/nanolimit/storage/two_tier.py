@@ -261,7 +261,7 @@ class _Guard:
 class TwoTierStorage:
     """A :class:`~nanolimit.KernelStorage` deciding locally, reconciled through Redis.
 
-    ``remote`` is a :class:`~nanolimit.redis_storage.RedisStorage` (its key
+    ``remote`` is a :class:`~nanolimit.storage.redis.RedisStorage` (its key
     layout is reused; the sync talks through a client derived from its client
     with ``timeout`` seconds — default ``max(0.25, 2 * sync_interval)`` — and
     no retries) or a redis-py client (wrapped in one). ``local`` is the in-memory
