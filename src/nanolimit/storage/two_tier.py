@@ -45,10 +45,7 @@ from .._limiter_config import LIMITER_CLASS_NAMES, Algorithm, LimiterConfig, Lim
 from .._select import native_core, twin, twin_of
 from .._validation import check_int_option, check_seconds_option
 from ..errors import ValidationError
-from .redis import RedisStorage
-from .redis._connections import _client_package, derive_client
-from .redis._resilience import _is_noscript
-from .redis._scripts import _Script
+from .redis import RedisStorage, _client_package, _is_noscript, _Script, derive_client
 
 __all__ = ["SUPPORTED_ALGORITHMS", "TwoTierStorage"]
 

@@ -162,7 +162,7 @@ class _Option:
 def _policies() -> tuple[str, ...]:
     """The failure policies the Redis storages accept: their own tuple, so a
     policy added there is accepted here with no second list to edit."""
-    from .redis._resilience import _POLICIES
+    from .redis import _POLICIES
 
     return tuple(_POLICIES)
 
@@ -729,8 +729,7 @@ def _redis(parts: _Parts, keywords: Mapping[str, Any], dry: bool = False) -> Any
         return None
     lib = _library(parts.base, parts.asyncio)
     client = _make_client(parts, lib, client_opts)
-    from .redis import AsyncRedisStorage, RedisStorage
-    from .redis._connections import connect_timeout
+    from .redis import AsyncRedisStorage, RedisStorage, connect_timeout
 
     cls = AsyncRedisStorage if parts.asyncio else RedisStorage
     try:

@@ -82,6 +82,7 @@ from ._connections import (
     _SpareConnections,  # noqa: F401
     _SyncSpareConnections,  # noqa: F401
     check_client,  # noqa: F401
+    connect_timeout,  # noqa: F401
     derive_client,  # noqa: F401
     direct_path,  # noqa: F401
     is_asyncio_client,  # noqa: F401

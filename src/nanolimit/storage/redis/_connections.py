@@ -68,10 +68,8 @@ def _client_package(client: Any) -> Any:
 
 
 def _shown(value: Any) -> str:
-    if isinstance(value, str):  # a URL given where a client belongs: never its password
-        from ..uri import redact_uri
-
-        value = redact_uri(value)
+    if isinstance(value, str):  # a URL given where a client belongs: never shown, it may hold a password
+        return "(not shown)"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
