@@ -124,7 +124,8 @@ def nanolimit_registry(limit: int, count_when: frozenset[int] | None = None) -> 
     ``count_when``: only answers with these statuses are counted (each
     request is charged on entry and refunded when its status is not one)."""
     from nanolimit import Algorithm
-    from nanolimit.gateway.rules import KeyScope, RateLimitRule, RuleRegistry
+    from nanolimit.gateway.registry import RuleRegistry
+    from nanolimit.gateway.rules import KeyScope, RateLimitRule
 
     rule = RateLimitRule(
         RULE, "*", "/", KeyScope.IP, Algorithm.FIXED_WINDOW, limit, WINDOW, count_when=count_when

@@ -20,7 +20,8 @@ from nanolimit import FakeClock, SystemClock, asgi, wsgi
 from nanolimit import __main__ as cli
 from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.gateway.rules import RateLimitRule, RuleRegistry
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import RateLimitRule
 
 BATCH = 1000
 HIGH_LIMIT = 1 << 24

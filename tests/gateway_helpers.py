@@ -7,7 +7,8 @@ from typing import Any
 
 from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.gateway.rules import RateLimitRule, RuleRegistry
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import RateLimitRule
 
 WALL = 1_700_000_000.0
 

@@ -49,7 +49,8 @@ from nanolimit.gateway.keys import (
     RewrittenClientWarning,
 )
 from nanolimit.gateway.middleware import Request
-from nanolimit.gateway.rules import KeyScope, RuleRegistry
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import KeyScope
 
 TESTS = Path(__file__).resolve().parent
 SRC = Path(nanolimit.__file__).resolve().parents[1]  # the nanolimit under test: the wheel in CI

@@ -28,7 +28,7 @@ from nanolimit.asgi import RateLimitMiddleware
 from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.keys import DefaultKeyExtractor
 from nanolimit.gateway.metrics import Metrics
-from nanolimit.gateway.rules import RuleRegistry
+from nanolimit.gateway.registry import RuleRegistry
 
 
 def test_asgi_module_imports_no_framework() -> None:

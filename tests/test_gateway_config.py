@@ -12,7 +12,8 @@ from gateway_helpers import gateway, get, ok_handler, rule
 
 from nanolimit.errors import ConfigError, UnknownAlgorithmError, ValidationError
 from nanolimit.gateway.config import ConfigWatcher, load_rules, parse_rules
-from nanolimit.gateway.rules import KeyScope, RuleRegistry
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import KeyScope
 
 GOOD = """
 stacked = false

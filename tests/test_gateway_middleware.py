@@ -17,7 +17,7 @@ from nanolimit.errors import ValidationError
 from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.metrics import Metrics
 from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.gateway.rules import RuleRegistry
+from nanolimit.gateway.registry import RuleRegistry
 
 SPEC_HEADERS = (
     "X-RateLimit-Limit",

@@ -11,7 +11,7 @@ from gateway_helpers import WALL, get, ok_handler, rule
 
 from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.middleware import RateLimitMiddleware, Request
-from nanolimit.gateway.rules import RuleRegistry
+from nanolimit.gateway.registry import RuleRegistry
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -28,7 +28,8 @@ from starlette.testclient import TestClient
 from nanolimit import asgi, wsgi
 from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.middleware import Outcome, RateLimitMiddleware, Request
-from nanolimit.gateway.rules import RateLimitRule, RuleRegistry
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import RateLimitRule
 
 FRONT_ENDS = ("pipeline", "check", "starlette", "flask")
 

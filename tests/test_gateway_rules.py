@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from nanolimit._limiter_config import Algorithm
 from nanolimit.errors import RuleNotFoundError, RuleValidationError, UnknownAlgorithmError, ValidationError
 from nanolimit.gateway.factory import LimiterFactory
-from nanolimit.gateway.rules import KeyScope, Rate, RateLimitRule, RuleRegistry, parse_rate
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import KeyScope, Rate, RateLimitRule, parse_rate
 
 # -- rate strings ---------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.keys import DefaultKeyExtractor
 from nanolimit.gateway.metrics import Metrics
 from nanolimit.gateway.middleware import RateLimitMiddleware as Core
-from nanolimit.gateway.rules import RuleRegistry
+from nanolimit.gateway.registry import RuleRegistry
 from nanolimit.wsgi import RateLimitMiddleware, request_from_environ
 
 

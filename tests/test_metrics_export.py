@@ -27,7 +27,7 @@ from nanolimit import FakeClock, ValidationError
 from nanolimit.gateway import Metrics, instrument, metrics_app, metrics_wsgi_app
 from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.middleware import RateLimitMiddleware
-from nanolimit.gateway.rules import RuleRegistry
+from nanolimit.gateway.registry import RuleRegistry
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

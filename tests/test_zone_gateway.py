@@ -18,7 +18,8 @@ from nanolimit.errors import ConfigError, ValidationError
 from nanolimit.gateway.config import ConfigWatcher, load_rules, parse_rules
 from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.gateway.rules import RateLimitRule, RuleRegistry
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import RateLimitRule
 
 pytestmark = [pytest.mark.native, needs_shared_memory]
 

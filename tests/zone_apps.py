@@ -36,7 +36,8 @@ from typing import Any
 
 from nanolimit import Algorithm
 from nanolimit.gateway.factory import LimiterFactory
-from nanolimit.gateway.rules import KeyScope, RateLimitRule, RuleRegistry
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import KeyScope, RateLimitRule
 
 ZONE_ENV = "NANOLIMIT_ZONE_NAME"
 STORAGE_ENV = "NANOLIMIT_ZONE_STORAGE"

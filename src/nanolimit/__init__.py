@@ -58,7 +58,8 @@ from .gateway.keys import ClientKey, DefaultKeyExtractor, KeyExtractor
 from .gateway.metrics import Metrics
 from .gateway.middleware import Outcome, RateLimitMiddleware, Request, Response
 from .gateway.rates import parse_rates
-from .gateway.rules import KeyScope, Rate, RateLimitRule, RuleRegistry, parse_rate
+from .gateway.registry import RuleRegistry
+from .gateway.rules import KeyScope, Rate, RateLimitRule, parse_rate
 
 # Optional layers (Redis, the two-tier store, rules files) load on first use:
 # they cost most of ``import nanolimit``'s time and are not needed in memory.

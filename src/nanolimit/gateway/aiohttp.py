@@ -36,9 +36,9 @@ from .keys import KeyExtractor
 from .metrics import Metrics
 from .middleware import AWAIT, INLINE, Outcome, decide_mode
 from .middleware import RateLimitMiddleware as Core
+from .registry import RuleRegistry
 from .request import Request
 from .routes import RouteInfo, RouteLimits, registry_and_limits
-from .rules import RuleRegistry
 
 __all__ = [
     "RateLimitMiddleware",

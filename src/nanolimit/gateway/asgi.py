@@ -37,9 +37,9 @@ from .keys import KeyExtractor
 from .metrics import Metrics
 from .middleware import AWAIT, INLINE, MISSING, Outcome, decide_mode
 from .middleware import RateLimitMiddleware as Core
+from .registry import RuleRegistry
 from .request import Request
 from .routes import RouteLimits, registry_and_limits
-from .rules import RuleRegistry
 
 __all__ = ["ASGIApp", "RateLimitMiddleware", "request_from_scope"]
 

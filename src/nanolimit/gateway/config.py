@@ -60,7 +60,8 @@ if TYPE_CHECKING:
 from ..errors import ConfigError, Problem, RuleValidationError, ValidationError
 from .factory import LimiterFactory
 from .rates import parse_rates
-from .rules import RateLimitRule, RuleRegistry
+from .registry import RuleRegistry
+from .rules import RateLimitRule
 
 # tomllib (3.11+), else the tomli backport if installed (Python 3.10), else JSON only.
 tomllib: Any

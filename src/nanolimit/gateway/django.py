@@ -58,9 +58,10 @@ from .factory import LimiterFactory
 from .keys import DefaultKeyExtractor
 from .middleware import Outcome
 from .middleware import RateLimitMiddleware as Pipeline
+from .registry import RuleSet
 from .request import Request
 from .routes import Limit, RouteInfo, RouteLimits
-from .rules import KeyScope, RateLimitRule, RuleSet
+from .rules import KeyScope, RateLimitRule
 from .wsgi import _EnvironHeaders
 
 __all__ = [

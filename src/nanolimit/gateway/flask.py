@@ -45,9 +45,10 @@ from .keys import DefaultKeyExtractor
 from .metrics import Metrics
 from .middleware import Outcome, RateLimitMiddleware
 from .rates import parse_rates
+from .registry import ExemptRoute, RuleRegistry, RuleSet
 from .request import Request
 from .routes import Limit, RouteInfo, RouteLimits
-from .rules import ExemptRoute, KeyScope, RateLimitRule, RuleRegistry, RuleSet
+from .rules import KeyScope, RateLimitRule
 
 __all__ = ["CONFIG_KEYS", "Limiter", "RateLimitExceeded"]
 

@@ -17,8 +17,8 @@ from .factory import LimiterFactory
 from .keys import KeyExtractor
 from .metrics import Metrics
 from .middleware import RateLimitMiddleware as Core
+from .registry import RuleRegistry
 from .request import Request
-from .rules import RuleRegistry
 
 __all__ = ["RateLimitMiddleware", "WSGIApp", "request_from_environ"]
 
