@@ -59,6 +59,7 @@ from .gateway.metrics import Metrics
 from .gateway.middleware import Outcome, RateLimitMiddleware, Request, Response
 from .gateway.rates import parse_rates
 from .gateway.registry import RuleRegistry
+from .gateway.routes import RouteLimits
 from .gateway.rules import KeyScope, Rate, RateLimitRule, parse_rate
 
 # Optional layers (Redis, the two-tier store, rules files) load on first use:
@@ -129,6 +130,7 @@ __all__ = [
     "RedisUnavailableError",
     "Request",
     "Response",
+    "RouteLimits",
     "RuleNotFoundError",
     "RuleRegistry",
     "RuleValidationError",
