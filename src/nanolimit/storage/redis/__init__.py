@@ -76,29 +76,39 @@ from ._base import (
 from ._connections import (
     _UNPROBED,  # noqa: F401
     _AsyncSpareConnections,  # noqa: F401
-    _client_package,
     _hiredis_pack,  # noqa: F401
     _refused_connect,
     _SpareConnections,  # noqa: F401
     _SyncSpareConnections,  # noqa: F401
     check_client,  # noqa: F401
-    connect_timeout,  # noqa: F401
-    derive_client,  # noqa: F401
     direct_path,  # noqa: F401
     is_asyncio_client,  # noqa: F401
     is_cluster_client,  # noqa: F401
 )
+from ._connections import (
+    _client_package as _client_package,
+)
+from ._connections import (
+    connect_timeout as connect_timeout,
+)
+from ._connections import (
+    derive_client as derive_client,
+)
 from ._local import REASON_STORE_UNAVAILABLE_LOCAL, LocalFallback  # noqa: F401
 from ._resilience import (
     _CLASS_CODES,  # noqa: F401
-    _POLICIES,  # noqa: F401
     SERVER_ERROR_CODES,  # noqa: F401
     WRITE_REFUSED_CODES,  # noqa: F401
     OnError,  # noqa: F401
     _Breaker,  # noqa: F401
     _code_of_text,  # noqa: F401
-    _is_noscript,
     error_code,  # noqa: F401
+)
+from ._resilience import (
+    _POLICIES as _POLICIES,
+)
+from ._resilience import (
+    _is_noscript as _is_noscript,
 )
 from ._scripts import (
     _ALGO_IDS,
@@ -115,7 +125,9 @@ from ._scripts import (
     SCRIPTS,
     _params,
     _parse_verdict,
-    _Script,
+)
+from ._scripts import (
+    _Script as _Script,
 )
 
 __all__ = [
