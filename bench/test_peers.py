@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from bench_helpers import check_adapter, peer_cases
 
-from nanolimit import _bench
+from nanolimit.cli import bench as _bench
 from nanolimit.cli.bench import LIBRARIES, Maker, Prepared, Shared
 
 PEERS = ("limits", "throttled", "pyrate", "token_bucket")

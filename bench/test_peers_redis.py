@@ -18,7 +18,7 @@ import pytest
 from bench_helpers import check_adapter, peer_cases, pinned_to_one_core
 from redis_servers import Server, find_binary
 
-from nanolimit import _bench
+from nanolimit.cli import bench as _bench
 from nanolimit.cli.bench import LIBRARIES, REDIS_SCENARIOS, Maker, Prepared, RedisTarget
 
 LIBS = ("nanolimit", "limits", "throttled", "pyrate")

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from bench_helpers import check_adapter, pinned_to_one_core
 
-from nanolimit import _bench
+from nanolimit.cli import bench as _bench
 from nanolimit.cli.bench import ALGORITHMS, LIBRARIES, OURS, ZONE, Maker, Prepared, Shared
 
 if os.environ.get("NANOLIMIT_NO_EXTENSIONS") or not _bench.zone_available():
