@@ -126,7 +126,7 @@ def asgi_variants() -> dict[str, ASGIApp]:
     """Fresh apps (a nanolimit one has its own storage: a denied one starts
     with its one admitted request unspent)."""
     from nanolimit.asgi import RateLimitMiddleware
-    from nanolimit.factory import LimiterFactory
+    from nanolimit.gateway.factory import LimiterFactory
 
     route, SCOPES["nanolimit_route"] = _asgi_route(HUGE)
     return {
@@ -143,7 +143,7 @@ def asgi_variants() -> dict[str, ASGIApp]:
 
 def wsgi_variants() -> dict[str, WSGIApp]:
     """The WSGI twins (no route-level row: that needs a framework's routes)."""
-    from nanolimit.factory import LimiterFactory
+    from nanolimit.gateway.factory import LimiterFactory
     from nanolimit.wsgi import RateLimitMiddleware
 
     return {

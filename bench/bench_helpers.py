@@ -60,8 +60,8 @@ def peer_cases(libs: tuple[str, ...], scenarios: Any) -> tuple[list[Any], list[A
     """The (library, algorithm, scenario) cases, ordered algorithm first so
     ours and the peers' figures for one algorithm are taken close together,
     and the (library, algorithm) pairs, of ``nanolimit bench``'s libraries."""
-    from nanolimit._bench import ALGORITHMS as BENCH_ALGORITHMS
-    from nanolimit._bench import LIBRARIES
+    from nanolimit.cli.bench import ALGORITHMS as BENCH_ALGORITHMS
+    from nanolimit.cli.bench import LIBRARIES
 
     cases = [
         pytest.param(lib, alg, scen, id=f"{lib}-{alg}-{scen}")

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from redis_servers import Cluster, require_binary
 
 from nanolimit import FakeClock, reference
-from nanolimit.redis_storage import RedisStorage
+from nanolimit.storage.redis import RedisStorage
 
 Keys = list[tuple[str, bool]]  # (key, on a live master)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from nanolimit._shared import LIMITER_CLASS_NAMES
+from nanolimit._limiter_config import LIMITER_CLASS_NAMES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # redis_servers
 
@@ -37,7 +37,7 @@ def limiter_type(request: pytest.FixtureRequest, twin: types.ModuleType) -> type
 
 @pytest.fixture
 def time_cell(benchmark: Any) -> Callable[..., None]:
-    """Time one :class:`nanolimit._bench.Prepared` cell with pytest-benchmark:
+    """Time one :class:`nanolimit.cli.bench.Prepared` cell with pytest-benchmark:
     a warm-up call sizes the rounds to about ``seconds``, the cell's check
     runs after timing, and ``extra_info`` gets the per-decision median and
     min in ``unit`` (``"ns"`` or ``"us"``). Closes the cell."""

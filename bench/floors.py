@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import nanolimit
-from nanolimit import _bench as engine
+from nanolimit.cli import bench as engine
 
 MILLION_TARGET_NS = 200.0
 BATCH_TARGET_NS = 25.0

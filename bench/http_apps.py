@@ -124,7 +124,8 @@ def nanolimit_registry(limit: int, count_when: frozenset[int] | None = None) -> 
     ``count_when``: only answers with these statuses are counted (each
     request is charged on entry and refunded when its status is not one)."""
     from nanolimit import Algorithm
-    from nanolimit.rules import KeyScope, RateLimitRule, RuleRegistry
+    from nanolimit.gateway.registry import RuleRegistry
+    from nanolimit.gateway.rules import KeyScope, RateLimitRule
 
     rule = RateLimitRule(
         RULE, "*", "/", KeyScope.IP, Algorithm.FIXED_WINDOW, limit, WINDOW, count_when=count_when
@@ -149,13 +150,13 @@ _REDIS_OPTIONS: dict[str, Any] = {"on_error": "raise", "timeout": 1.0}
 
 def nanolimit_asgi(app: ASGIApp, limit: int) -> ASGIApp:
     from nanolimit.asgi import RateLimitMiddleware
-    from nanolimit.factory import LimiterFactory
+    from nanolimit.gateway.factory import LimiterFactory
 
     return RateLimitMiddleware(app, nanolimit_registry(limit), LimiterFactory())
 
 
 def nanolimit_wsgi(app: WSGIApp, limit: int) -> WSGIApp:
-    from nanolimit.factory import LimiterFactory
+    from nanolimit.gateway.factory import LimiterFactory
     from nanolimit.wsgi import RateLimitMiddleware
 
     return RateLimitMiddleware(app, nanolimit_registry(limit), LimiterFactory())
@@ -242,7 +243,7 @@ def _nanolimit_middleware(registry: Any, storage: Any = None) -> Any:
     from starlette.middleware import Middleware
 
     from nanolimit.asgi import RateLimitMiddleware
-    from nanolimit.factory import LimiterFactory
+    from nanolimit.gateway.factory import LimiterFactory
 
     # (cast: Starlette's Middleware types its factory's arguments, and they grow)
     return Middleware(cast(Any, RateLimitMiddleware), registry=registry, factory=LimiterFactory(storage))
@@ -280,7 +281,7 @@ def asgi_nanolimit_async_redis(framework: str, limit: int) -> Any:
     at its first request)."""
     import redis.asyncio
 
-    from nanolimit.redis_storage import AsyncRedisStorage
+    from nanolimit.storage.redis import AsyncRedisStorage
 
     client = redis.asyncio.Redis(host="127.0.0.1", port=redis_port())
     storage = AsyncRedisStorage(client, prefix=f"bench:{framework}:async:", **_REDIS_OPTIONS)
@@ -292,7 +293,7 @@ def asgi_nanolimit_sync_redis(framework: str, limit: int) -> Any:
     decides in a worker thread, so the event loop is never blocked."""
     import redis
 
-    from nanolimit.redis_storage import RedisStorage
+    from nanolimit.storage.redis import RedisStorage
 
     client = redis.Redis(host="127.0.0.1", port=redis_port())
     storage = RedisStorage(client, prefix=f"bench:{framework}:sync:", **_REDIS_OPTIONS)

@@ -45,7 +45,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from nanolimit._shared import LIMITER_CLASS_NAMES
+from nanolimit._limiter_config import LIMITER_CLASS_NAMES
 
 HERE = Path(__file__).resolve().parent
 BASELINE = HERE / "instructions_baseline.json"

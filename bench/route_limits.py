@@ -38,9 +38,9 @@ from starlette.routing import Route
 
 from nanolimit import InMemoryStorage, LimiterFactory, RuleRegistry
 from nanolimit.asgi import RateLimitMiddleware as ASGIMiddleware
+from nanolimit.gateway.middleware import RateLimitMiddleware, Request
 from nanolimit.gateway.routes import RouteLimits
-from nanolimit.middleware import RateLimitMiddleware, Request
-from nanolimit.rules import RateLimitRule
+from nanolimit.gateway.rules import RateLimitRule
 
 HUGE = 1 << 30
 

@@ -18,9 +18,10 @@ import pytest
 
 from nanolimit import FakeClock, SystemClock, asgi, wsgi
 from nanolimit import __main__ as cli
-from nanolimit.factory import LimiterFactory
-from nanolimit.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.rules import RateLimitRule, RuleRegistry
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import RateLimitRule
 
 BATCH = 1000
 HIGH_LIMIT = 1 << 24

@@ -2,7 +2,7 @@
 in-memory API, in this process, so every comparison is a ratio from one run.
 
 The adapters and scenarios are those of ``nanolimit bench``
-(:mod:`nanolimit._bench`), so the suite and the CLI measure the same calls.
+(:mod:`nanolimit.cli.bench`), so the suite and the CLI measure the same calls.
 Each case is grouped by ``algorithm/scenario``: pytest-benchmark's relative
 column inside a group is the ratio to the fastest, normally nanolimit.
 
@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator
 import pytest
 from bench_helpers import check_adapter, peer_cases
 
-from nanolimit import _bench
-from nanolimit._bench import LIBRARIES, Maker, Prepared, Shared
+from nanolimit.cli import bench as _bench
+from nanolimit.cli.bench import LIBRARIES, Maker, Prepared, Shared
 
 PEERS = ("limits", "throttled", "pyrate", "token_bucket")
 LIBS = ("nanolimit", *PEERS)

@@ -1,5 +1,5 @@
 """nanolimit next to its peers on Redis: the ``redis_`` scenarios of
-``nanolimit bench`` (:mod:`nanolimit._bench`) through each library's Redis
+``nanolimit bench`` (:mod:`nanolimit.cli.bench`) through each library's Redis
 backend, against one throwaway server, so every comparison is a ratio from
 one run. Client and server are pinned to one core, as in ``test_redis.py``
 (``NANOLIMIT_BENCH_PIN=0`` to disable): unpinned, every round trip also pays
@@ -18,8 +18,8 @@ import pytest
 from bench_helpers import check_adapter, peer_cases, pinned_to_one_core
 from redis_servers import Server, find_binary
 
-from nanolimit import _bench
-from nanolimit._bench import LIBRARIES, REDIS_SCENARIOS, Maker, Prepared, RedisTarget
+from nanolimit.cli import bench as _bench
+from nanolimit.cli.bench import LIBRARIES, REDIS_SCENARIOS, Maker, Prepared, RedisTarget
 
 LIBS = ("nanolimit", "limits", "throttled", "pyrate")
 CASE_SECONDS = 0.3

@@ -24,8 +24,8 @@ from bench_helpers import pinned_to_one_core
 from redis_servers import Server, find_binary
 
 from nanolimit import FakeClock
-from nanolimit._shared import LimiterConfig
-from nanolimit.redis_storage import RedisStorage
+from nanolimit._limiter_config import LimiterConfig
+from nanolimit.storage.redis import RedisStorage
 
 pytestmark = pytest.mark.benchmark(max_time=0.5, min_rounds=5)
 
@@ -104,7 +104,7 @@ def _awaited(server: Server, make_call: Any) -> Any:
 
     import redis.asyncio
 
-    from nanolimit.redis_storage import AsyncRedisStorage
+    from nanolimit.storage.redis import AsyncRedisStorage
 
     loop = asyncio.new_event_loop()
     storage = AsyncRedisStorage(redis.asyncio.Redis(host="127.0.0.1", port=server.port))

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from redis_servers import Server, find_binary
 
-from nanolimit.two_tier import TwoTierStorage
+from nanolimit.storage.two_tier import TwoTierStorage
 
 pytestmark = pytest.mark.benchmark(max_time=0.5, min_rounds=5)
 

@@ -9,7 +9,7 @@ without a round trip), and bytes per key at 1,000,000 keys.
 by round, which this VM's drifting speed does not skew; the separate cases
 show each side in pytest-benchmark's table.
 
-The cells are ``nanolimit bench``'s (:mod:`nanolimit._bench`: the in-memory
+The cells are ``nanolimit bench``'s (:mod:`nanolimit.cli.bench`: the in-memory
 ``nanolimit`` subject and the ``nanolimit-zone`` one, whose zone is a fresh
 segment per cell, unlinked when it closes), so the suite and the CLI time the
 same calls. Each pair runs in-memory first, then zone, and the zone's
@@ -32,8 +32,8 @@ from typing import Any
 import pytest
 from bench_helpers import check_adapter, pinned_to_one_core
 
-from nanolimit import _bench
-from nanolimit._bench import ALGORITHMS, LIBRARIES, OURS, ZONE, Maker, Prepared, Shared
+from nanolimit.cli import bench as _bench
+from nanolimit.cli.bench import ALGORITHMS, LIBRARIES, OURS, ZONE, Maker, Prepared, Shared
 
 if os.environ.get("NANOLIMIT_NO_EXTENSIONS") or not _bench.zone_available():
     pytest.skip("SharedMemoryStorage needs the native extension", allow_module_level=True)
@@ -237,7 +237,7 @@ def test_redis_hot_key(benchmark: Any, redis_server: Any) -> None:
     and server pinned to one core, as ``bench/test_redis.py`` does; the ratio
     is to the zone's hot-key figure."""
     from nanolimit import SystemClock
-    from nanolimit.redis_storage import RedisStorage
+    from nanolimit.storage.redis import RedisStorage
 
     client = redis_server.client()
     storage = RedisStorage(client)

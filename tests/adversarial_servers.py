@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import nanolimit
-from nanolimit._shared import Algorithm
-from nanolimit.factory import LimiterFactory
-from nanolimit.rules import KeyScope, RateLimitRule, RuleRegistry
+from nanolimit._limiter_config import Algorithm
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import KeyScope, RateLimitRule
 
 TESTS = Path(__file__).resolve().parent
 # the nanolimit this process imported: a subprocess must test the same code

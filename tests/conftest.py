@@ -44,24 +44,25 @@ TWIN_NAMES = (
     "IMPLEMENTATION",
 )
 
-SHARED_NAMES = (
-    "Algorithm",
-    "BatchResult",
-    "Clock",
-    "FakeClock",
-    "LimiterConfig",
-    "LimiterState",
-    "RateLimiter",
-    "Storage",
-    "SystemClock",
-    "UnknownAlgorithmError",
-    "ValidationError",
-    "MAX_KEY_BYTES",
-    "storage_key",
-)
+# the pure names both twins share -> the module that holds each
+SHARED_NAMES = {
+    "Algorithm": "nanolimit._limiter_config",
+    "BatchResult": "nanolimit._decision_py",
+    "Clock": "nanolimit._clocks",
+    "FakeClock": "nanolimit._clocks",
+    "LimiterConfig": "nanolimit._limiter_config",
+    "LimiterState": "nanolimit._limiter_config",
+    "RateLimiter": "nanolimit._protocols",
+    "Storage": "nanolimit._protocols",
+    "SystemClock": "nanolimit._clocks",
+    "UnknownAlgorithmError": "nanolimit.errors",
+    "ValidationError": "nanolimit.errors",
+    "MAX_KEY_BYTES": "nanolimit._validation",
+    "storage_key": "nanolimit._limiter_config",
+}
 
 # algorithm name -> limiter class name, in docs/spec.md §4 order
-# (a copy of nanolimit._shared.LIMITER_CLASS_NAMES: importing it here would
+# (a copy of nanolimit._limiter_config.LIMITER_CLASS_NAMES: importing it here would
 # load nanolimit before --no-c-extensions can take effect)
 ALGORITHM_CLASSES = {
     "token_bucket": "TokenBucket",
@@ -130,12 +131,11 @@ def backend(request: pytest.FixtureRequest) -> types.SimpleNamespace:
         module = importlib.import_module("nanolimit._core")
     else:
         module = importlib.import_module("nanolimit.reference")
-    shared = importlib.import_module("nanolimit._shared")
     ns = types.SimpleNamespace(name=name, module=module)
     for attr in TWIN_NAMES:
         setattr(ns, attr, getattr(module, attr))
-    for attr in SHARED_NAMES:
-        setattr(ns, attr, getattr(shared, attr))
+    for attr, home in SHARED_NAMES.items():
+        setattr(ns, attr, getattr(importlib.import_module(home), attr))
     ns.limiters = {algo: getattr(module, cls) for algo, cls in ALGORITHM_CLASSES.items()}
     if name == "zone":
         ns.InMemoryStorage = zone_factory(module)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from nanolimit.factory import LimiterFactory
-from nanolimit.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.rules import RateLimitRule, RuleRegistry
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import RateLimitRule
 
 WALL = 1_700_000_000.0
 

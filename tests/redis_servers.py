@@ -382,7 +382,7 @@ def own_server(server_kind: str):  # type: ignore[no-untyped-def]
 @pytest.fixture
 def make_storage(redis_server: Server):  # type: ignore[no-untyped-def]
     """``make_storage(**kwargs) -> RedisStorage`` on the shared server."""
-    from nanolimit.redis_storage import RedisStorage
+    from nanolimit.storage.redis import RedisStorage
 
     made: list[Any] = []
 

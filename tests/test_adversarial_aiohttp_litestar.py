@@ -39,11 +39,11 @@ from litestar.middleware import DefineMiddleware
 from litestar.testing import TestClient as LitestarClient
 
 import nanolimit.aiohttp as nl_aiohttp
-from nanolimit import LimiterFactory, RuleRegistry
+from nanolimit import LimiterFactory, RateLimitRule, RuleRegistry
 from nanolimit.asgi import RateLimitMiddleware as ASGIMiddleware
+from nanolimit.errors import RuleValidationError
 from nanolimit.gateway.routes import RouteLimits
 from nanolimit.gateway.starlette import routes_of as litestar_routes_of
-from nanolimit.rules import RateLimitRule, RuleValidationError
 
 KEY = "X-API-Key"  # every rule is per API key: a probe spends its own budget, never a target's
 N = 3  # target requests after the probe; every limit below is 2

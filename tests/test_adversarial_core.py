@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from conftest import ALGORITHMS
 
-from nanolimit._shared import MAX_CLOCK_LEAD
+from nanolimit._clocks import MAX_CLOCK_LEAD
 
 START = 1_800_000_000.0
 
@@ -378,7 +378,7 @@ def test_slow_valid_rule_is_answered_never_raised(
 
 
 def test_default_factory_is_bounded_and_keeps_debt(backend: types.SimpleNamespace) -> None:
-    from nanolimit.factory import DEFAULT_MAX_KEYS, LimiterFactory
+    from nanolimit.gateway.factory import DEFAULT_MAX_KEYS, LimiterFactory
 
     factory = LimiterFactory()
     assert factory.storage.max_keys == DEFAULT_MAX_KEYS

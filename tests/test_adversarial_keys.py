@@ -37,18 +37,20 @@ from starlette.routing import Route
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 import nanolimit
-from nanolimit._shared import MAX_KEY_BYTES, ValidationError
+from nanolimit._validation import MAX_KEY_BYTES
 from nanolimit.asgi import RateLimitMiddleware
-from nanolimit.factory import LimiterFactory
-from nanolimit.keys import (
+from nanolimit.errors import ValidationError
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.keys import (
     CACHE_BYTES,
     MAX_HOPS,
     ClientKey,
     DefaultKeyExtractor,
     RewrittenClientWarning,
 )
-from nanolimit.middleware import Request
-from nanolimit.rules import KeyScope, RuleRegistry
+from nanolimit.gateway.middleware import Request
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import KeyScope
 
 TESTS = Path(__file__).resolve().parent
 SRC = Path(nanolimit.__file__).resolve().parents[1]  # the nanolimit under test: the wheel in CI
@@ -411,7 +413,7 @@ def _limited_app(backend_name: str, trusted: tuple[str, ...] = ()) -> Starlette:
     minute per IP, on the named twin's store and a frozen clock."""
     import importlib
 
-    from nanolimit._shared import FakeClock
+    from nanolimit._clocks import FakeClock
 
     twin = importlib.import_module("nanolimit._core" if backend_name == "native" else "nanolimit.reference")
 

@@ -29,14 +29,10 @@ from hypothesis import strategies as st
 from werkzeug.test import Client as WerkzeugClient
 
 from nanolimit.asgi import request_from_scope
-from nanolimit.factory import LimiterFactory
-from nanolimit.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.rules import (
-    CACHE_KEY_BYTES,
-    MAX_CACHED_KEY_BYTES,
-    RuleRegistry,
-    normalize_path,
-)
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.registry import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RuleRegistry
+from nanolimit.gateway.rules import normalize_path
 from nanolimit.wsgi import RateLimitMiddleware as WSGIRateLimit
 from nanolimit.wsgi import request_from_environ
 

@@ -30,12 +30,8 @@ from _helpers import FIELDS
 from redis_servers import timed, until_healthy
 
 from nanolimit import reference
-from nanolimit.redis_storage import (
-    MAX_CLOCK_LEAD,
-    AsyncRedisStorage,
-    RedisKeyError,
-    RedisStorage,
-)
+from nanolimit.errors import RedisKeyError
+from nanolimit.storage.redis import MAX_CLOCK_LEAD, AsyncRedisStorage, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

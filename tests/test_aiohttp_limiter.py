@@ -25,10 +25,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 import nanolimit.aiohttp as nl_aiohttp
 from nanolimit import LimiterFactory, RuleRegistry, ValidationError
+from nanolimit.errors import RuleValidationError
+from nanolimit.gateway.metrics import Metrics
+from nanolimit.gateway.middleware import Outcome, Request
 from nanolimit.gateway.routes import RouteLimits
-from nanolimit.metrics import Metrics
-from nanolimit.middleware import Outcome, Request
-from nanolimit.rules import RateLimitRule, RuleValidationError
+from nanolimit.gateway.rules import RateLimitRule
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 
@@ -582,7 +583,7 @@ TIMEOUT = 1.5  # the Redis stores' socket timeout: how long a frozen server hold
 
 
 def sync_store(server: Any, **kw: Any) -> Any:
-    from nanolimit.redis_storage import RedisStorage
+    from nanolimit.storage.redis import RedisStorage
 
     kw.setdefault("timeout", TIMEOUT)
     kw.setdefault("breaker_threshold", 1000)
@@ -592,7 +593,7 @@ def sync_store(server: Any, **kw: Any) -> Any:
 def async_store(server: Any, **kw: Any) -> Any:
     import redis.asyncio
 
-    from nanolimit.redis_storage import AsyncRedisStorage
+    from nanolimit.storage.redis import AsyncRedisStorage
 
     kw.setdefault("timeout", TIMEOUT)
     kw.setdefault("breaker_threshold", 1000)

@@ -27,8 +27,8 @@ from starlette.testclient import TestClient
 
 from nanolimit import InMemoryStorage, LimiterFactory, RuleRegistry, ValidationError
 from nanolimit.asgi import RateLimitMiddleware
-from nanolimit.redis_storage import AsyncRedisStorage, RedisStorage
-from nanolimit.rules import RateLimitRule
+from nanolimit.gateway.rules import RateLimitRule
+from nanolimit.storage.redis import AsyncRedisStorage, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

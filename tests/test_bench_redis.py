@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from nanolimit import _bench
+from nanolimit.cli import bench as _bench
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanolimit import ConfigError, ValidationError, load_rules, parse_rate
-from nanolimit.config import _RULE_FIELDS
+from nanolimit.gateway.config import _RULE_FIELDS
 
 # every field a rule may have, and one it may not
 FIELDS = [*sorted(_RULE_FIELDS), "colour"]

@@ -300,7 +300,7 @@ def test_an_infinite_remaining_from_a_storage_is_refused_in_both_twins(native) -
 def test_event_counters_lose_no_count_under_threads(request, kind: str) -> None:
     import threading
 
-    from nanolimit._shared import LockedCounter
+    from nanolimit._protocols import LockedCounter
 
     if kind == "native":
         native = request.getfixturevalue("native")

@@ -56,7 +56,7 @@ pytest_plugins = ["redis_servers"]  # the real Redis of the network-store test
 
 HERE = Path(__file__).resolve().parent
 PROJECT_DIR = HERE / "django_project"
-SRC = Path(nd.__file__).resolve().parents[2]
+SRC = Path(gateway_django.__file__).resolve().parents[2]
 IP = "192.0.2.10"
 
 
@@ -544,8 +544,9 @@ def test_manage_py_check_fails_at_startup_on_a_bad_template(tmp_path: Path) -> N
     assert ok.returncode == 0, ok.stderr
 
 
-def test_the_alias_is_the_module_and_the_module_names_the_middleware() -> None:
-    assert nd is gateway_django
+def test_the_documented_path_is_a_facade_and_names_the_middleware() -> None:
+    assert nd.RateLimitMiddleware is gateway_django.RateLimitMiddleware
+    assert nd.__all__ == gateway_django.__all__
     assert settings.MIDDLEWARE[1] == "nanolimit.django.RateLimitMiddleware"
     assert nd.RateLimitMiddleware.sync_capable and nd.RateLimitMiddleware.async_capable
 

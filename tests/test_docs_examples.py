@@ -24,7 +24,7 @@ The conventions (CONTRIBUTING.md says the same, for whoever writes docs):
   name, unlinked afterwards. Where the native core is not live, the block
   must fail with the zone's own "needs nanolimit's native extension" error.
 - A ```toml block is a rules file: it is written to a file, loaded with
-  ``nanolimit.config.load_rules``, and its registry and factory are built. A
+  ``nanolimit.gateway.config.load_rules``, and its registry and factory are built. A
   block that is a ``[storage]`` section alone is loaded as a file with that
   section and one rule.
 - Other fences are shown, not run: ``sh``, ``bash``, ``console``, ``text``
@@ -51,7 +51,7 @@ from typing import Any
 import pytest
 
 import nanolimit
-from nanolimit.config import load_rules
+from nanolimit.gateway.config import load_rules
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -23,7 +23,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import nanolimit.reference as reference
-from nanolimit._shared import LIMITER_CLASS_NAMES, FakeClock
+from nanolimit._clocks import FakeClock
+from nanolimit._limiter_config import LIMITER_CLASS_NAMES
 
 pytestmark = pytest.mark.native
 

@@ -30,8 +30,8 @@ from flask.views import MethodView
 import nanolimit
 import nanolimit.flask as nanolimit_flask
 from nanolimit import Algorithm, KeyScope, RateLimitRule, RuleRegistry, ValidationError
+from nanolimit.errors import RuleValidationError
 from nanolimit.flask import CONFIG_KEYS, Limiter, RateLimitExceeded
-from nanolimit.rules import RuleValidationError
 
 IP_A = {"REMOTE_ADDR": "192.0.2.1"}
 IP_B = {"REMOTE_ADDR": "192.0.2.2"}
@@ -51,10 +51,10 @@ def _statuses(client: Any, path: str, n: int, method: str = "GET", **kw: Any) ->
 # Module and exception
 
 
-def test_the_documented_path_is_the_gateway_module() -> None:
-    import nanolimit.gateway.flask as moved
+def test_the_documented_path_is_a_facade_of_the_gateway_module() -> None:
+    import nanolimit.gateway.flask as adapter
 
-    assert nanolimit_flask is moved
+    assert nanolimit_flask.Limiter is adapter.Limiter and nanolimit_flask.__all__ == adapter.__all__
     assert issubclass(RateLimitExceeded, __import__("werkzeug.exceptions").exceptions.TooManyRequests)
 
 

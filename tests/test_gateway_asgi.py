@@ -25,10 +25,10 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocket
 
 from nanolimit.asgi import RateLimitMiddleware
-from nanolimit.factory import LimiterFactory
-from nanolimit.keys import DefaultKeyExtractor
-from nanolimit.metrics import Metrics
-from nanolimit.rules import RuleRegistry
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.keys import DefaultKeyExtractor
+from nanolimit.gateway.metrics import Metrics
+from nanolimit.gateway.registry import RuleRegistry
 
 
 def test_asgi_module_imports_no_framework() -> None:

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from gateway_helpers import gateway, get, ok_handler, rule
 
-from nanolimit._shared import UnknownAlgorithmError, ValidationError
-from nanolimit.config import ConfigError, ConfigWatcher, load_rules, parse_rules
-from nanolimit.rules import KeyScope, RuleRegistry
+from nanolimit.errors import ConfigError, UnknownAlgorithmError, ValidationError
+from nanolimit.gateway.config import ConfigWatcher, load_rules, parse_rules
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import KeyScope
 
 GOOD = """
 stacked = false

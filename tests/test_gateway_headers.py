@@ -15,7 +15,7 @@ from gateway_helpers import WALL, gateway, get, ok_handler, rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanolimit._shared import ValidationError
+from nanolimit.errors import ValidationError
 from nanolimit.gateway.headers import (
     MAX_HEADER_SECONDS,
     deny_body,
@@ -24,7 +24,7 @@ from nanolimit.gateway.headers import (
     rule_pieces,
 )
 from nanolimit.gateway.metrics import Metrics, _ShardedAdmitted
-from nanolimit.middleware import Request
+from nanolimit.gateway.middleware import Request
 
 FIVE = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset", "RateLimit-Policy", "RateLimit")
 
@@ -216,7 +216,7 @@ BURST_DENIED = {
 
 
 def _burst_rule(algorithm: str) -> Any:
-    from nanolimit.rules import RateLimitRule
+    from nanolimit.gateway.rules import RateLimitRule
 
     return RateLimitRule.from_rate("api", "100/minute burst 20", algorithm=algorithm)
 
@@ -339,7 +339,7 @@ def test_a_burst_above_the_limit_is_spent_once_not_per_window(backend: types.Sim
     """The boundary of that promise, as docs/gateway.md says: "10/minute
     burst 50" advertises q=50;w=60, a client can send 50 at once, but the
     bucket refills 10 a minute, so 50 a minute is not sustained."""
-    from nanolimit.rules import RateLimitRule
+    from nanolimit.gateway.rules import RateLimitRule
 
     clock = backend.FakeClock(0.0)
     mw = gateway(backend, [RateLimitRule.from_rate("api", "10/minute burst 50")], clock)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 from gateway_helpers import gateway, get, ok_handler, rule
 
-from nanolimit._shared import MAX_KEY_BYTES, ValidationError
-from nanolimit.keys import ClientKey, DefaultKeyExtractor
-from nanolimit.middleware import Request
-from nanolimit.rules import KeyScope
+from nanolimit._validation import MAX_KEY_BYTES
+from nanolimit.errors import ValidationError
+from nanolimit.gateway.keys import ClientKey, DefaultKeyExtractor
+from nanolimit.gateway.middleware import Request
+from nanolimit.gateway.rules import KeyScope
 
 
 def test_client_key_storage_key_is_scoped_and_bounded() -> None:

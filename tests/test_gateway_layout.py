@@ -68,7 +68,7 @@ def test_request_sits_below_keys_and_the_pipeline() -> None:
     # one class under every documented name, and keys.py's annotations name
     # it at run time too (not only for a type checker)
     from nanolimit import Request
-    from nanolimit.middleware import Request as PipelineRequest
+    from nanolimit.gateway.middleware import Request as PipelineRequest
 
     assert Request is PipelineRequest is request.Request
     keys = importlib.import_module("nanolimit.gateway.keys")

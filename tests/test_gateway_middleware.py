@@ -13,11 +13,11 @@ from gateway_helpers import WALL, gateway, get, ok_handler, rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanolimit._shared import ValidationError
-from nanolimit.factory import LimiterFactory
-from nanolimit.metrics import Metrics
-from nanolimit.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.rules import RuleRegistry
+from nanolimit.errors import ValidationError
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.metrics import Metrics
+from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.registry import RuleRegistry
 
 SPEC_HEADERS = (
     "X-RateLimit-Limit",
@@ -352,7 +352,7 @@ def test_an_admitted_request_whose_handler_raises_is_still_counted(backend) -> N
 def test_counts_of_ended_threads_are_kept_and_their_shards_dropped() -> None:
     """A server may start a thread per request: each thread's counters are
     folded into the totals when it ends, so shards do not pile up."""
-    from nanolimit.metrics import Metrics
+    from nanolimit.gateway.metrics import Metrics
 
     metrics = Metrics()
 

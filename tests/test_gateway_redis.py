@@ -9,9 +9,9 @@ from typing import Any
 
 from gateway_helpers import WALL, get, ok_handler, rule
 
-from nanolimit.factory import LimiterFactory
-from nanolimit.middleware import RateLimitMiddleware, Request
-from nanolimit.rules import RuleRegistry
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.middleware import RateLimitMiddleware, Request
+from nanolimit.gateway.registry import RuleRegistry
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -26,9 +26,10 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from nanolimit import asgi, wsgi
-from nanolimit.factory import LimiterFactory
-from nanolimit.middleware import Outcome, RateLimitMiddleware, Request
-from nanolimit.rules import RateLimitRule, RuleRegistry
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.middleware import Outcome, RateLimitMiddleware, Request
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import RateLimitRule
 
 FRONT_ENDS = ("pipeline", "check", "starlette", "flask")
 

@@ -9,17 +9,11 @@ from gateway_helpers import rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanolimit._shared import Algorithm, UnknownAlgorithmError, ValidationError
-from nanolimit.factory import LimiterFactory
-from nanolimit.rules import (
-    KeyScope,
-    Rate,
-    RateLimitRule,
-    RuleNotFoundError,
-    RuleRegistry,
-    RuleValidationError,
-    parse_rate,
-)
+from nanolimit._limiter_config import Algorithm
+from nanolimit.errors import RuleNotFoundError, RuleValidationError, UnknownAlgorithmError, ValidationError
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import KeyScope, Rate, RateLimitRule, parse_rate
 
 # -- rate strings ---------------------------------------------------------------
 

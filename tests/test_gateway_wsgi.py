@@ -10,11 +10,11 @@ import pytest
 from flask import Flask, Response, jsonify, request
 from gateway_helpers import rule
 
-from nanolimit.factory import LimiterFactory
-from nanolimit.keys import DefaultKeyExtractor
-from nanolimit.metrics import Metrics
-from nanolimit.middleware import RateLimitMiddleware as Core
-from nanolimit.rules import RuleRegistry
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.keys import DefaultKeyExtractor
+from nanolimit.gateway.metrics import Metrics
+from nanolimit.gateway.middleware import RateLimitMiddleware as Core
+from nanolimit.gateway.registry import RuleRegistry
 from nanolimit.wsgi import RateLimitMiddleware, request_from_environ
 
 

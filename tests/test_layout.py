@@ -1,7 +1,8 @@
-"""The layout promises of docs/architecture.md: every documented import path
-keeps working after the move into layers, pickles naming the old paths still
-load, and the native core imports nothing above it (import-linter checks the
-Python modules; it cannot read Cython, so this reads the .pyx sources)."""
+"""The layout promises of docs/architecture.md: one real module per public
+path (the framework paths are explicit facades, the old aliases are gone),
+pickles name the real modules, and the native core imports nothing above it
+(import-linter checks the Python modules; it cannot read Cython, so this
+reads the .pyx sources)."""
 
 from __future__ import annotations
 
@@ -16,37 +17,48 @@ import pytest
 
 import nanolimit
 
-# old path -> where the module lives now (the old path is the same module object)
-MOVED = {
-    "nanolimit.rules": "nanolimit.gateway.rules",
-    "nanolimit.keys": "nanolimit.gateway.keys",
-    "nanolimit.config": "nanolimit.gateway.config",
-    "nanolimit.factory": "nanolimit.gateway.factory",
-    "nanolimit.metrics": "nanolimit.gateway.metrics",
-    "nanolimit.middleware": "nanolimit.gateway.middleware",
+# the framework paths users type -> the adapter each one names (an explicit facade)
+FACADES = {
     "nanolimit.asgi": "nanolimit.gateway.asgi",
     "nanolimit.wsgi": "nanolimit.gateway.wsgi",
-    "nanolimit.two_tier": "nanolimit.storage.two_tier",
-    "nanolimit._bench": "nanolimit.cli.bench",
     "nanolimit.flask": "nanolimit.gateway.flask",
     "nanolimit.django": "nanolimit.gateway.django",
     "nanolimit.aiohttp": "nanolimit.gateway.aiohttp",
 }
+# the paths that were aliases of a moved module: there is one path per module now
+GONE = (
+    "nanolimit.rules", "nanolimit.keys", "nanolimit.config", "nanolimit.factory", "nanolimit.metrics",
+    "nanolimit.middleware", "nanolimit.redis_storage", "nanolimit.two_tier", "nanolimit._bench",
+    "nanolimit._shared", "nanolimit._errors",
+)  # fmt: skip
 CORE_MODULES = {
-    "_clocks", "_core", "_decision_py", "_errors", "_kernels", "_limiter_config", "_protocols", "_select",
-    "_shared", "_table", "_types", "_validation", "_version", "_zone", "reference",
+    "_clocks", "_core", "_decision_py", "_kernels", "_limiter_config", "_protocols", "_select",
+    "_table", "_types", "_validation", "_version", "_zone", "errors", "reference",
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_documented_paths_are_the_moved_modules(old: str) -> None:
-    assert importlib.import_module(old) is importlib.import_module(MOVED[old])
+@pytest.mark.parametrize("path", sorted(FACADES))
+def test_framework_paths_are_facades_of_their_adapters(path: str) -> None:
+    facade = importlib.import_module(path)
+    adapter = importlib.import_module(FACADES[path])
+    assert facade is not adapter
+    assert facade.__all__ == adapter.__all__
+    for name in facade.__all__:
+        assert getattr(facade, name) is getattr(adapter, name), name
 
 
-def test_redis_storage_path_names_the_storage_layer() -> None:
-    old = importlib.import_module("nanolimit.redis_storage")
-    assert old.RedisStorage is nanolimit.RedisStorage
-    assert old.RedisStorage.__module__.startswith("nanolimit.storage.redis")
+@pytest.mark.parametrize("path", GONE)
+def test_old_alias_paths_are_gone(path: str) -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(path)
+
+
+def test_no_module_replaces_itself_in_sys_modules() -> None:
+    src = Path(__file__).resolve().parents[1] / "src" / "nanolimit"
+    if not src.is_dir():
+        pytest.skip("run from a checkout")
+    swapped = [p.name for p in src.rglob("*.py") if "sys.modules[__name__]" in p.read_text()]
+    assert swapped == []
 
 
 def test_every_root_name_imports() -> None:
@@ -72,21 +84,22 @@ def test_console_script_and_module_entry_point() -> None:
     assert importlib.import_module("nanolimit.__main__").main is main
 
 
-def test_pickles_naming_the_old_paths_still_load(backend: types.SimpleNamespace) -> None:
+def test_pickles_name_the_real_modules(backend: types.SimpleNamespace) -> None:
     rule = nanolimit.RateLimitRule.from_rate("login", "5/minute", method="POST", path_prefix="/login")
     data = pickle.dumps(rule, protocol=0)
     assert b"nanolimit.gateway.rules" in data
-    old = data.replace(b"nanolimit.gateway.rules", b"nanolimit.rules")
-    assert pickle.loads(old) == rule
+    assert pickle.loads(data) == rule
     limiter = backend.TokenBucket(5, 60.0, clock=backend.FakeClock(0.0), rule="r")
     decision = limiter.allow("k")
     state = limiter.state("k")
     for value in (decision, state):
         assert pickle.loads(pickle.dumps(value)) == value
     state_data = pickle.dumps(state, protocol=0)
-    assert (
-        pickle.loads(state_data.replace(state.__class__.__module__.encode(), b"nanolimit._shared")) == state
-    )
+    assert b"nanolimit._limiter_config" in state_data
+    assert pickle.loads(state_data) == state
+    error = nanolimit.RedisUnavailableError("down")
+    assert b"nanolimit.errors" in pickle.dumps(error, protocol=0)
+    assert str(pickle.loads(pickle.dumps(error))) == "down"
 
 
 def test_native_core_imports_nothing_above_it() -> None:

@@ -20,8 +20,8 @@ from litestar.testing import TestClient
 
 from nanolimit import LimiterFactory, RuleRegistry
 from nanolimit.asgi import RateLimitMiddleware
-from nanolimit.metrics import Metrics
-from nanolimit.rules import RateLimitRule
+from nanolimit.gateway.metrics import Metrics
+from nanolimit.gateway.rules import RateLimitRule
 
 RATE = ("x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset", "ratelimit-policy", "ratelimit")
 

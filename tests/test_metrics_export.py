@@ -24,10 +24,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanolimit import FakeClock, ValidationError
-from nanolimit.factory import LimiterFactory
 from nanolimit.gateway import Metrics, instrument, metrics_app, metrics_wsgi_app
-from nanolimit.middleware import RateLimitMiddleware
-from nanolimit.rules import RuleRegistry
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.middleware import RateLimitMiddleware
+from nanolimit.gateway.registry import RuleRegistry
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 
@@ -365,7 +365,7 @@ def dying_server(request: pytest.FixtureRequest, server_kind: str) -> Any:
 
 
 def test_a_redis_storage_whose_server_dies_still_scrapes_with_its_breaker_open(dying_server: Any) -> None:
-    from nanolimit.redis_storage import RedisStorage
+    from nanolimit.storage.redis import RedisStorage
 
     own_server = dying_server
 

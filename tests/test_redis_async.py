@@ -25,12 +25,8 @@ import redis.asyncio
 from _helpers import FIELDS
 
 from nanolimit import ValidationError, reference
-from nanolimit.redis_storage import (
-    AsyncRedisStorage,
-    CircuitOpenError,
-    RedisStorage,
-    RedisUnavailableError,
-)
+from nanolimit.errors import CircuitOpenError, RedisUnavailableError
+from nanolimit.storage.redis import AsyncRedisStorage, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from nanolimit._shared import ValidationError
+from nanolimit.errors import ValidationError
 from nanolimit.storage.redis import AsyncRedisStorage, RedisStorage, direct_path
 
 pytest_plugins = ["redis_servers"]  # the server fixtures

@@ -11,8 +11,8 @@ import pytest
 from _helpers import fields
 
 from nanolimit import reference
-from nanolimit._shared import ValidationError
-from nanolimit.redis_storage import RedisStorage
+from nanolimit.errors import ValidationError
+from nanolimit.storage.redis import RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -25,7 +25,7 @@ import pytest
 from redis_servers import HOST, Cluster, require_binary
 
 from nanolimit import FakeClock, reference
-from nanolimit.redis_storage import REASON_STORE_UNAVAILABLE_LOCAL, AsyncRedisStorage, RedisStorage
+from nanolimit.storage.redis import REASON_STORE_UNAVAILABLE_LOCAL, AsyncRedisStorage, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

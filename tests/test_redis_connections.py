@@ -15,9 +15,13 @@ from typing import Any
 
 import pytest
 
-from nanolimit._shared import LimiterConfig, ValidationError
-from nanolimit.redis_storage import RedisStorage, _SpareConnections
-from nanolimit.storage.redis import _connections  # where the hiredis packer is looked up
+from nanolimit._limiter_config import LimiterConfig
+from nanolimit.errors import ValidationError
+from nanolimit.storage.redis import (
+    RedisStorage,
+    _connections,  # where the hiredis packer is looked up
+    _SpareConnections,
+)
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 
@@ -291,7 +295,7 @@ def test_commands_are_packed_as_the_connection_would(
 def _async_storage(server: Any, **kwargs: Any) -> Any:
     import redis.asyncio
 
-    from nanolimit.redis_storage import AsyncRedisStorage
+    from nanolimit.storage.redis import AsyncRedisStorage
 
     kwargs.setdefault("timeout", 2.0)
     kwargs.setdefault("on_error", "raise")
@@ -387,7 +391,7 @@ def test_async_sends_on_the_stream_unless_health_checks_are_due(
     health checks goes through redis-py's send, which runs them."""
     import redis.asyncio
 
-    from nanolimit.redis_storage import AsyncRedisStorage
+    from nanolimit.storage.redis import AsyncRedisStorage
 
     sent_by_redis_py = [0]
     original = redis.asyncio.Connection.send_packed_command
@@ -422,7 +426,7 @@ def test_a_connect_that_fails_with_an_error_reply_is_a_store_failure(
     import redis
     import redis.asyncio
 
-    from nanolimit.redis_storage import AsyncRedisStorage
+    from nanolimit.storage.redis import AsyncRedisStorage
 
     storage = RedisStorage(redis.Redis(host="127.0.0.1", port=redis_server.port, db=99), on_error="deny")
     d = backend.TokenBucket(5, 60.0, storage, rule="db99").allow("k")

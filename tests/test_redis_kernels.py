@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanolimit import reference
-from nanolimit._shared import Algorithm, LimiterConfig
-from nanolimit.redis_storage import SCRIPTS
+from nanolimit._limiter_config import Algorithm, LimiterConfig
+from nanolimit.storage.redis import SCRIPTS
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -27,7 +27,7 @@ import redis.asyncio
 from redis_servers import Server, free_port, require_binary, timed
 
 from nanolimit import ValidationError
-from nanolimit.redis_storage import REASON_STORE_UNAVAILABLE_LOCAL, AsyncRedisStorage, RedisStorage
+from nanolimit.storage.redis import REASON_STORE_UNAVAILABLE_LOCAL, AsyncRedisStorage, RedisStorage
 from nanolimit.storage.uri import storage_from_uri
 
 pytest_plugins = ["redis_servers"]  # the server fixtures

@@ -24,14 +24,9 @@ from _helpers import FIELDS
 from redis_servers import _ping, free_port, timed
 
 from nanolimit import reference
-from nanolimit._shared import LimiterConfig, LimiterState
-from nanolimit.redis_storage import (
-    AsyncRedisStorage,
-    CircuitOpenError,
-    RedisKeyError,
-    RedisStorage,
-    RedisUnavailableError,
-)
+from nanolimit._limiter_config import LimiterConfig, LimiterState
+from nanolimit.errors import CircuitOpenError, RedisKeyError, RedisUnavailableError
+from nanolimit.storage.redis import AsyncRedisStorage, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

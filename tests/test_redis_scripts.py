@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from nanolimit._shared import Algorithm
+from nanolimit._limiter_config import Algorithm
 from nanolimit.storage.redis import BATCH_SCRIPTS, COMPOUND_SCRIPT, REFUND_SCRIPTS, SCRIPTS
 
 # SHA1s computed from the inline Lua strings of storage/redis.py just before

@@ -15,8 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanolimit import reference
-from nanolimit._shared import KernelStorage, LimiterConfig, Storage, ValidationError
-from nanolimit.redis_storage import INJECTED_EXPIRY_FLOOR_MS, RedisStorage
+from nanolimit._limiter_config import LimiterConfig
+from nanolimit._protocols import KernelStorage, Storage
+from nanolimit.errors import ValidationError
+from nanolimit.storage.redis import INJECTED_EXPIRY_FLOOR_MS, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

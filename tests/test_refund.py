@@ -30,7 +30,8 @@ from conftest import ALGORITHM_CLASSES, ALGORITHMS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanolimit._shared import FakeClock, ValidationError
+from nanolimit._clocks import FakeClock
+from nanolimit.errors import ValidationError
 
 ZONE_SUITE = True
 pytest_plugins = ["redis_servers"]  # the real servers of the two-tier test
@@ -572,7 +573,7 @@ def test_two_tier_refund_reaches_the_fleet_at_the_next_sync(
 CHILD_REFUND = """
 import sys
 import nanolimit._core as core
-from nanolimit._shared import FakeClock
+from nanolimit._clocks import FakeClock
 name, cls, limit, window, cost, at = sys.argv[1:]
 zone = core.SharedMemoryStorage(name, max_keys=64)
 getattr(core, cls)(int(limit), float(window), zone, FakeClock(float(at))).refund("k", int(cost), at=float(at))

@@ -28,17 +28,11 @@ from starlette.testclient import TestClient
 
 from nanolimit import FakeClock, InMemoryStorage, LimiterFactory, RuleRegistry, ValidationError
 from nanolimit.asgi import RateLimitMiddleware as ASGIMiddleware
-from nanolimit.config import parse_rules
+from nanolimit.errors import RuleValidationError
+from nanolimit.gateway.config import parse_rules
+from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
 from nanolimit.gateway.routes import RouteLimits
-from nanolimit.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.rules import (
-    KeyScope,
-    RateLimitRule,
-    RuleValidationError,
-    resolve_route,
-    route_key,
-    route_shape,
-)
+from nanolimit.gateway.rules import KeyScope, RateLimitRule, resolve_route, route_key, route_shape
 from nanolimit.wsgi import RateLimitMiddleware as WSGIMiddleware
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -40,9 +40,10 @@ from redis_servers import Server, free_port
 from nanolimit import ValidationError
 from nanolimit._validation import MAX_KEYS
 from nanolimit.cli.check_config import check_config
-from nanolimit.gateway.config import ConfigError, ConfigWatcher, load_rules, parse_rules
-from nanolimit.gateway.rules import RuleRegistry
-from nanolimit.redis_storage import REASON_STORE_UNAVAILABLE_LOCAL, AsyncRedisStorage, RedisStorage
+from nanolimit.errors import ConfigError
+from nanolimit.gateway.config import ConfigWatcher, load_rules, parse_rules
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.storage.redis import REASON_STORE_UNAVAILABLE_LOCAL, AsyncRedisStorage, RedisStorage
 from nanolimit.storage.two_tier import TwoTierStorage
 from nanolimit.storage.uri import check_storage_uri, redact_uri, storage_from_uri
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import nanolimit.reference as reference
-from nanolimit._shared import MAX_CLOCK_LEAD, FakeClock
+from nanolimit._clocks import MAX_CLOCK_LEAD, FakeClock
 
 pytestmark = pytest.mark.native
 

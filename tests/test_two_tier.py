@@ -186,7 +186,7 @@ def test_partition_falls_back_to_share_and_reconciles(own_server: Any) -> None:
 
 
 def make_tier(server: Any, instance_id: str, **kwargs: Any) -> Any:
-    from nanolimit.two_tier import TwoTierStorage
+    from nanolimit.storage.two_tier import TwoTierStorage
 
     kwargs.setdefault("sync_interval", SYNC)
     return TwoTierStorage(None, server.client(), instance_id=instance_id, **kwargs)
@@ -525,7 +525,7 @@ def _drain(limiter: Any, tier: Any, key: str = "k") -> int:
 )
 def test_bad_settings_are_refused(redis_server: Any, kwargs: dict[str, Any], message: str) -> None:
     from nanolimit import ValidationError
-    from nanolimit.two_tier import TwoTierStorage
+    from nanolimit.storage.two_tier import TwoTierStorage
 
     with pytest.raises(ValidationError, match=message):
         TwoTierStorage(None, redis_server.client(), start=False, **kwargs)
@@ -579,7 +579,7 @@ def test_a_partial_partition_keeps_the_fleet_within_the_limit(backend: Any, own_
     holds 100 (it held 150 when a silent member simply stopped counting).
     After ``partition_grace`` the silent member is dropped and its share is
     handed out again."""
-    from nanolimit.two_tier import TwoTierStorage
+    from nanolimit.storage.two_tier import TwoTierStorage
 
     admin = own_server.client()
     admin.execute_command("ACL", "SETUSER", "cut", "on", ">pw", "~*", "&*", "+@all")
@@ -681,7 +681,7 @@ def test_fleet_on_a_cluster(backend: Any, redis_cluster: Any) -> None:
     """Two instances on a three-master cluster: keys hash to different nodes,
     the sync pipelines per node, leases split the limit as on one server, and
     a script cache flushed on every node is reloaded without a partition."""
-    from nanolimit.two_tier import TwoTierStorage
+    from nanolimit.storage.two_tier import TwoTierStorage
 
     clock = backend.FakeClock(8000.0)
     tiers = [

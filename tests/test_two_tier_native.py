@@ -23,7 +23,7 @@ ALGORITHMS = ["FixedWindowCounter", "SlidingWindowCounter", "TokenBucket"]
 
 
 def fleet(server: Any, prefix: str, n: int, **kwargs: Any) -> list[Any]:
-    from nanolimit.two_tier import TwoTierStorage
+    from nanolimit.storage.two_tier import TwoTierStorage
 
     return [
         TwoTierStorage(None, server.client(), instance_id=f"i{i}", prefix=prefix, start=False, **kwargs)
@@ -119,7 +119,7 @@ def test_native_decisions_under_threads_lose_no_unit(native: Any, redis_server: 
     reloads the leases every millisecond: every admitted unit is in the
     fleet count, each key gets exactly its limit, and every decision is
     counted."""
-    from nanolimit.two_tier import TwoTierStorage
+    from nanolimit.storage.two_tier import TwoTierStorage
 
     tier = TwoTierStorage(None, redis_server.client(), instance_id="t", sync_interval=0.001)
     limit = 5000
@@ -163,7 +163,7 @@ def test_native_decisions_under_threads_lose_no_unit(native: Any, redis_server: 
 def test_tight_limit_is_met_exactly_under_threads(native: Any, redis_server: Any) -> None:
     """One hot key, more demand than budget: the C path and the sync hand
     the lease back and forth, and exactly the limit is admitted."""
-    from nanolimit.two_tier import TwoTierStorage
+    from nanolimit.storage.two_tier import TwoTierStorage
 
     tier = TwoTierStorage(None, redis_server.client(), instance_id="t", sync_interval=0.002)
     limiter = native.SlidingWindowCounter(3000, 3600.0, storage=tier)
@@ -265,7 +265,7 @@ def test_a_token_bucket_refilling_in_under_a_nanosecond(native: Any, redis_serve
 
 
 def test_a_failing_sync_does_not_end_the_background_syncs(native: Any, redis_server: Any) -> None:
-    from nanolimit.two_tier import TwoTierStorage
+    from nanolimit.storage.two_tier import TwoTierStorage
 
     tier = TwoTierStorage(None, redis_server.client(), instance_id="i0", prefix="boom:", sync_interval=0.02)
     real = tier._sync
@@ -328,7 +328,7 @@ def test_background_sync_covers_only_decided_keys(native: Any, redis_server: Any
     """The periodic sync sends only the keys decided since the last one (in C
     or in Python); every FULL_SYNC_EVERY-th sync, and ``sync_now()``, cover
     every key."""
-    from nanolimit.two_tier import FULL_SYNC_EVERY, TwoTierStorage
+    from nanolimit.storage.two_tier import FULL_SYNC_EVERY, TwoTierStorage
 
     module = native if twin == "native" else reference
     tier = TwoTierStorage(None, redis_server.client(), instance_id="inc", start=False)

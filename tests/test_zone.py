@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 from _helpers import needs_shared_memory
 
-from nanolimit._shared import Algorithm, FakeClock, ValidationError, storage_key
+from nanolimit._clocks import FakeClock
+from nanolimit._limiter_config import Algorithm, storage_key
+from nanolimit.errors import ValidationError
 
 pytestmark = [pytest.mark.native, needs_shared_memory]
 
@@ -162,7 +164,7 @@ def test_a_stale_zone_is_reused_or_reset(core, name):
     its spent budget, by default; made afresh with if_stale='reset'."""
     script = (
         "import sys, nanolimit._core as c\n"
-        "from nanolimit._shared import FakeClock\n"
+        "from nanolimit._clocks import FakeClock\n"
         f"z = c.SharedMemoryStorage({name!r}, max_keys=100)\n"
         "lim = c.FixedWindowCounter(3, 60.0, z, FakeClock(1e6), rule='r')\n"
         "print(sum(lim.allow('k').allowed for _ in range(5)))\n"
@@ -395,7 +397,7 @@ def test_a_zone_from_another_pid_namespace_is_refused(core, name):
     core.SharedMemoryStorage(name, max_keys=10)
     script = (
         "import nanolimit._core as c\n"
-        "from nanolimit._shared import ValidationError\n"
+        "from nanolimit.errors import ValidationError\n"
         "try:\n"
         f"    c.SharedMemoryStorage({name!r}, max_keys=10)\n"
         "except ValidationError as exc:\n"

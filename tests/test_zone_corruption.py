@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 from _helpers import needs_shared_memory
 
-from nanolimit._shared import FakeClock
+from nanolimit._clocks import FakeClock
 
 pytestmark = [pytest.mark.native, needs_shared_memory]
 
@@ -69,7 +69,8 @@ T0 = 1_000_000.0
 WORKER = r"""
 import json, sys, time
 import nanolimit._core as c
-from nanolimit._shared import FakeClock, ValidationError
+from nanolimit._clocks import FakeClock
+from nanolimit.errors import ValidationError
 name, opts = sys.argv[1], eval(sys.argv[2])
 started = time.monotonic()
 try:

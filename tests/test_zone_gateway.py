@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from _helpers import needs_shared_memory
 
-from nanolimit._errors import ValidationError
-from nanolimit.config import ConfigError, ConfigWatcher, load_rules, parse_rules
-from nanolimit.factory import LimiterFactory
-from nanolimit.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.rules import RateLimitRule, RuleRegistry
+from nanolimit.errors import ConfigError, ValidationError
+from nanolimit.gateway.config import ConfigWatcher, load_rules, parse_rules
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import RateLimitRule
 
 pytestmark = [pytest.mark.native, needs_shared_memory]
 

@@ -33,7 +33,7 @@ def main(args: dict[str, Any]) -> None:
     import redis
 
     import nanolimit
-    from nanolimit.two_tier import TwoTierStorage
+    from nanolimit.storage.two_tier import TwoTierStorage
 
     client = redis.Redis(host="127.0.0.1", port=args["port"])
     storage = TwoTierStorage(

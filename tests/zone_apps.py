@@ -35,8 +35,9 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
 from nanolimit import Algorithm
-from nanolimit.factory import LimiterFactory
-from nanolimit.rules import KeyScope, RateLimitRule, RuleRegistry
+from nanolimit.gateway.factory import LimiterFactory
+from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.rules import KeyScope, RateLimitRule
 
 ZONE_ENV = "NANOLIMIT_ZONE_NAME"
 STORAGE_ENV = "NANOLIMIT_ZONE_STORAGE"

@@ -10,23 +10,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ._clocks import Clock, FakeClock, SystemClock
+from ._decision_py import BatchResult, CompoundDecision
+from ._limiter_config import Algorithm, LimiterState
+from ._protocols import KernelStorage, RateLimiter, Storage
 from ._select import NO_EXTENSIONS as NO_EXTENSIONS
 from ._select import twin as _twin
-from ._shared import (
-    Algorithm,
-    BatchResult,
-    Clock,
-    CompoundDecision,
-    FakeClock,
-    KernelStorage,
-    LimiterState,
-    RateLimiter,
-    Storage,
-    SystemClock,
+from ._version import __version__
+from .errors import (
+    CircuitOpenError,
+    ConfigError,
+    RedisUnavailableError,
+    RuleNotFoundError,
+    RuleValidationError,
+    StorageUnavailableError,
     UnknownAlgorithmError,
     ValidationError,
 )
-from ._version import __version__
 
 if TYPE_CHECKING:
     from .reference import (
@@ -58,41 +58,25 @@ from .gateway.keys import ClientKey, DefaultKeyExtractor, KeyExtractor
 from .gateway.metrics import Metrics
 from .gateway.middleware import Outcome, RateLimitMiddleware, Request, Response
 from .gateway.rates import parse_rates
-from .gateway.rules import (
-    KeyScope,
-    Rate,
-    RateLimitRule,
-    RuleNotFoundError,
-    RuleRegistry,
-    RuleValidationError,
-    parse_rate,
-)
+from .gateway.registry import RuleRegistry
+from .gateway.routes import RouteLimits
+from .gateway.rules import KeyScope, Rate, RateLimitRule, parse_rate
 
 # Optional layers (Redis, the two-tier store, rules files) load on first use:
 # they cost most of ``import nanolimit``'s time and are not needed in memory.
 _LAZY = {
     "AsyncRedisStorage": "storage.redis",
-    "CircuitOpenError": "storage.redis",
     "RedisStorage": "storage.redis",
-    "RedisUnavailableError": "storage.redis",
     "SharedMemoryStorage": "storage.shared_memory",
-    "StorageUnavailableError": "storage.redis",
     "storage_from_uri": "storage.uri",
     "TwoTierStorage": "storage.two_tier",
-    "ConfigError": "gateway.config",
     "ConfigWatcher": "gateway.config",
     "load_rules": "gateway.config",
 }
 
 if TYPE_CHECKING:
-    from .gateway.config import ConfigError, ConfigWatcher, load_rules
-    from .storage.redis import (
-        AsyncRedisStorage,
-        CircuitOpenError,
-        RedisStorage,
-        RedisUnavailableError,
-        StorageUnavailableError,
-    )
+    from .gateway.config import ConfigWatcher, load_rules
+    from .storage.redis import AsyncRedisStorage, RedisStorage
     from .storage.shared_memory import SharedMemoryStorage
     from .storage.two_tier import TwoTierStorage
     from .storage.uri import storage_from_uri
@@ -146,6 +130,7 @@ __all__ = [
     "RedisUnavailableError",
     "Request",
     "Response",
+    "RouteLimits",
     "RuleNotFoundError",
     "RuleRegistry",
     "RuleValidationError",

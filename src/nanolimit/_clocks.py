@@ -9,7 +9,7 @@ import math
 import time
 from typing import Protocol, runtime_checkable
 
-from ._errors import ValidationError
+from .errors import ValidationError
 
 __all__ = ["MAX_CLOCK_LEAD", "MAX_TIME", "Clock", "FakeClock", "SystemClock", "check_now"]
 

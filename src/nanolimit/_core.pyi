@@ -5,11 +5,14 @@ from typing import Any, ClassVar, Final, final
 
 from typing_extensions import disjoint_base
 
-from ._shared import DUPLICATE_COMPOUND as DUPLICATE_COMPOUND
-from ._shared import MAX_CLOCK_LEAD as MAX_CLOCK_LEAD
-from ._shared import MAX_KEY_BYTES as MAX_KEY_BYTES
-from ._shared import MAX_TIME as MAX_TIME
-from ._shared import Algorithm, BatchResult, Clock, CompoundDecision, LimiterConfig, LimiterState, Storage
+from ._clocks import MAX_CLOCK_LEAD as MAX_CLOCK_LEAD
+from ._clocks import MAX_TIME as MAX_TIME
+from ._clocks import Clock
+from ._decision_py import BatchResult, CompoundDecision
+from ._limiter_config import Algorithm, LimiterConfig, LimiterState
+from ._protocols import Storage
+from ._validation import DUPLICATE_COMPOUND as DUPLICATE_COMPOUND
+from ._validation import MAX_KEY_BYTES as MAX_KEY_BYTES
 
 IMPLEMENTATION: Final[str]
 

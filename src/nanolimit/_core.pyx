@@ -66,32 +66,20 @@ import time as time_module
 import weakref
 
 from nanolimit import reference as _reference
-from nanolimit._shared import (
-    MAX_KEY_BYTES,
-    MAX_CLOCK_LEAD,
-    MAX_TIME,
-    Algorithm,
+from nanolimit._clocks import MAX_CLOCK_LEAD, MAX_TIME, SystemClock, check_now
+from nanolimit._decision_py import BatchResult, CompoundDecision, render_headers
+from nanolimit._limiter_config import Algorithm, LimiterConfig, LimiterState, storage_key
+from nanolimit._protocols import KernelStorage, Storage, check_at, decide_async, refund_async
+from nanolimit._validation import (
     DUPLICATE_COMPOUND,
-    BatchResult,
-    CompoundDecision,
-    LimiterConfig,
-    LimiterState,
-    KernelStorage,
-    Storage,
-    SystemClock,
-    ValidationError,
+    MAX_KEY_BYTES,
     check_cost,
     check_cutoff,
     check_key,
     check_storage_options,
-    check_now,
     compound_items,
-    decide_async,
-    render_headers,
-    storage_key,
 )
-
-from nanolimit._protocols import check_at, refund_async
+from nanolimit.errors import ValidationError
 
 cdef extern from "Python.h":
     bint PyUnicode_IS_COMPACT_ASCII(object o)

@@ -2,7 +2,7 @@
 # imports and shared constants are in scope here.
 #
 # Validation helpers: a key's UTF-8 bytes, a cost and a clock reading,
-# checked in C on the hot path; every error defers to ``_shared``'s message.
+# checked in C on the hot path; every error defers to ``_validation``'s message.
 
 cdef inline const char* key_bytes(object key, Py_ssize_t max_bytes, Py_ssize_t* size) except NULL:
     """UTF-8 bytes of a valid key, borrowed from the str (cached there by

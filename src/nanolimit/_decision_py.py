@@ -12,8 +12,8 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ._errors import ValidationError
 from ._limiter_config import LimiterConfig
+from .errors import ValidationError
 
 _FIELDS = (
     "allowed",

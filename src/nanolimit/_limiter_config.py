@@ -9,8 +9,8 @@ import enum
 import math
 from dataclasses import dataclass
 
-from ._errors import UnknownAlgorithmError, ValidationError
 from ._validation import MAX_LIMIT, MAX_LOG_CAPACITY, MAX_WINDOW, MIN_WINDOW
+from .errors import UnknownAlgorithmError, ValidationError
 
 __all__ = [
     "BURST_ALGORITHMS",

@@ -1,5 +1,5 @@
 """The protocols a storage and a limiter answer to (docs/spec.md §5), and the
-glue both twins share: the async decision path and the hot-path counter.
+glue both twins share: the async decision path and the locked counter.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._clocks import MAX_TIME, SystemClock, check_now
 from ._decision_py import BatchResult, KernelVerdict
-from ._errors import ValidationError
 from ._limiter_config import LimiterConfig, LimiterState
 from ._validation import MAX_KEY_BYTES, check_cost, check_key
+from .errors import ValidationError
 
 __all__ = [
     "KernelStorage",
@@ -23,7 +23,6 @@ __all__ = [
     "Storage",
     "check_at",
     "decide_async",
-    "event_counter",
     "refund_async",
 ]
 
@@ -178,11 +177,3 @@ class LockedCounter:
         with self._lock:
             self.value += amount
 
-
-def event_counter() -> Any:
-    """A counter for a hot path: atomic in C when the native twin is in use,
-    a locked Python int otherwise."""
-    from ._select import native_core  # late: the twins import this module
-
-    core = native_core()
-    return LockedCounter() if core is None else core.EventCounter()

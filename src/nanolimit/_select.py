@@ -12,8 +12,11 @@ import importlib
 import os
 import sys
 from types import ModuleType
+from typing import Any
 
-__all__ = ["NATIVE", "NO_EXTENSIONS", "native_core", "twin", "twin_of"]
+from ._protocols import LockedCounter
+
+__all__ = ["NATIVE", "NO_EXTENSIONS", "event_counter", "native_core", "twin", "twin_of"]
 
 NO_EXTENSIONS = bool(os.environ.get("NANOLIMIT_NO_EXTENSIONS"))
 
@@ -37,11 +40,19 @@ def native_core() -> ModuleType | None:
     return twin if NATIVE else None
 
 
-def twin_of(storage: object) -> ModuleType:
-    """The twin whose limiters run on ``storage``'s fast path: the twin the
-    storage belongs to (a reference store accepts only reference limiters in
-    ``allow_all``), else the live twin."""
-    module = type(storage).__module__
+def event_counter() -> Any:
+    """A counter for a hot path: atomic in C when the native twin is in use,
+    a locked Python int otherwise."""
+    core = native_core()
+    return LockedCounter() if core is None else core.EventCounter()
+
+
+def twin_of(obj: object) -> ModuleType:
+    """The twin ``obj`` (a storage, a limiter) belongs to, else the live twin:
+    for a storage, the twin whose limiters run on its fast path (a reference
+    store accepts only reference limiters in ``allow_all``); for a limiter,
+    the twin whose ``Decision`` it answers."""
+    module = type(obj).__module__
     if module in ("nanolimit._core", "nanolimit.reference"):
         return sys.modules[module]
     return twin

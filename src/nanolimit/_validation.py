@@ -10,7 +10,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any, SupportsIndex, cast
 
-from ._errors import ValidationError
+from .errors import ValidationError
 
 __all__ = [
     "DUPLICATE_COMPOUND",

@@ -1,11 +1,23 @@
-"""``nanolimit.aiohttp``, the documented import path of the aiohttp
-middleware: the module lives in ``nanolimit.gateway.aiohttp`` (see
-docs/architecture.md). This name is the same module object, so its
-attributes, and pickles that name this path, keep working."""
+"""The aiohttp middleware: ``setup(app)``.
 
-import sys
+The public path users type. The code lives in ``nanolimit.gateway.aiohttp``, with
+the other adapters above the pipeline (docs/architecture.md); this facade
+names what it exports, nothing more."""
 
-from .gateway import aiohttp as _module
-from .gateway.aiohttp import *  # noqa: F403 (the public names, for type checkers)
+from .gateway.aiohttp import (
+    RateLimitMiddleware,
+    decide_mode,
+    rate_limit_middleware,
+    request_from_aiohttp,
+    routes_of,
+    setup,
+)
 
-sys.modules[__name__] = _module
+__all__ = [
+    "RateLimitMiddleware",
+    "decide_mode",
+    "rate_limit_middleware",
+    "request_from_aiohttp",
+    "routes_of",
+    "setup",
+]

@@ -1,10 +1,17 @@
-"""``nanolimit.asgi``, a documented import path: the module lives in
-``nanolimit.gateway.asgi`` (see docs/architecture.md). This name is the same module
-object, so its attributes, and pickles that name this path, keep working."""
+"""The ASGI middleware: Starlette, FastAPI, Litestar, Quart or any ASGI app.
 
-import sys
+The public path users type. The code lives in ``nanolimit.gateway.asgi``, with
+the other adapters above the pipeline (docs/architecture.md); this facade
+names what it exports, nothing more."""
 
-from .gateway import asgi as _module
-from .gateway.asgi import *  # noqa: F403 (the public names, for type checkers)
+from .gateway.asgi import (
+    ASGIApp,
+    RateLimitMiddleware,
+    request_from_scope,
+)
 
-sys.modules[__name__] = _module
+__all__ = [
+    "ASGIApp",
+    "RateLimitMiddleware",
+    "request_from_scope",
+]

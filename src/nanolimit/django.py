@@ -1,12 +1,36 @@
-"""``nanolimit.django``, the documented import path of the Django adapter
-(``"nanolimit.django.RateLimitMiddleware"`` in ``settings.MIDDLEWARE``): the
-module lives in ``nanolimit.gateway.django`` (see docs/architecture.md). This
-name is the same module object, so settings, decorators and pickles that
-name this path keep working."""
+"""The Django adapter: ``"nanolimit.django.RateLimitMiddleware"`` in
+``settings.MIDDLEWARE``, ``"nanolimit.django.NanolimitConfig"`` in ``INSTALLED_APPS``.
 
-import sys
+The public path users type. The code lives in ``nanolimit.gateway.django``, with
+the other adapters above the pipeline (docs/architecture.md); this facade
+names what it exports, nothing more."""
 
-from .gateway import django as _module
-from .gateway.django import *  # noqa: F403 (the public names, for type checkers)
+from .gateway.django import (
+    SETTINGS,
+    NanolimitConfig,
+    Ratelimited,
+    RateLimitMiddleware,
+    check_limits,
+    exempt,
+    limit,
+    limits,
+    pipeline,
+    reset,
+    routes_of,
+    shared,
+)
 
-sys.modules[__name__] = _module
+__all__ = [
+    "SETTINGS",
+    "NanolimitConfig",
+    "RateLimitMiddleware",
+    "Ratelimited",
+    "check_limits",
+    "exempt",
+    "limit",
+    "limits",
+    "pipeline",
+    "reset",
+    "routes_of",
+    "shared",
+]

@@ -1,11 +1,17 @@
-"""``nanolimit.flask``, the documented import path of the Flask extension: the
-module lives in ``nanolimit.gateway.flask`` (see docs/architecture.md). This
-name is the same module object, so its attributes, and pickles that name this
-path, keep working."""
+"""The Flask extension: ``Limiter(app)``.
 
-import sys
+The public path users type. The code lives in ``nanolimit.gateway.flask``, with
+the other adapters above the pipeline (docs/architecture.md); this facade
+names what it exports, nothing more."""
 
-from .gateway import flask as _module
-from .gateway.flask import *  # noqa: F403 (the public names, for type checkers)
+from .gateway.flask import (
+    CONFIG_KEYS,
+    Limiter,
+    RateLimitExceeded,
+)
 
-sys.modules[__name__] = _module
+__all__ = [
+    "CONFIG_KEYS",
+    "Limiter",
+    "RateLimitExceeded",
+]

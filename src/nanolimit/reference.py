@@ -18,37 +18,29 @@ from collections.abc import Callable, Container, Coroutine, Sequence
 from itertools import islice
 from typing import Any, ClassVar
 
-from ._decision_py import Decision
-from ._protocols import check_at, refund_async, refund_kernel_of
-from ._shared import (
-    DUPLICATE_COMPOUND,
-    MAX_CLOCK_LEAD,
-    MAX_KEY_BYTES,
-    Algorithm,
-    BatchResult,
-    Clock,
-    CompoundDecision,
-    FakeClock,
+from ._clocks import MAX_CLOCK_LEAD, Clock, FakeClock, SystemClock, check_now
+from ._decision_py import BatchResult, CompoundDecision, Decision, KernelVerdict, decision_from_verdict
+from ._limiter_config import Algorithm, LimiterConfig, LimiterState, storage_key
+from ._protocols import (
     KernelStorage,
-    KernelVerdict,
-    LimiterConfig,
-    LimiterState,
     RateLimiter,
     Storage,
-    SystemClock,
-    UnknownAlgorithmError,
-    ValidationError,
+    check_at,
+    decide_async,
+    refund_async,
+    refund_kernel_of,
+)
+from ._validation import (
+    DUPLICATE_COMPOUND,
+    MAX_KEY_BYTES,
     check_batch,
     check_cost,
     check_cutoff,
     check_key,
-    check_now,
     check_storage_options,
     compound_items,
-    decide_async,
-    decision_from_verdict,
-    storage_key,
 )
+from .errors import UnknownAlgorithmError, ValidationError
 
 __all__ = [
     "GCRA",

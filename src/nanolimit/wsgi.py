@@ -1,10 +1,17 @@
-"""``nanolimit.wsgi``, a documented import path: the module lives in
-``nanolimit.gateway.wsgi`` (see docs/architecture.md). This name is the same module
-object, so its attributes, and pickles that name this path, keep working."""
+"""The WSGI middleware: Flask, Django or any WSGI app, as a plain WSGI wrapper.
 
-import sys
+The public path users type. The code lives in ``nanolimit.gateway.wsgi``, with
+the other adapters above the pipeline (docs/architecture.md); this facade
+names what it exports, nothing more."""
 
-from .gateway import wsgi as _module
-from .gateway.wsgi import *  # noqa: F403 (the public names, for type checkers)
+from .gateway.wsgi import (
+    RateLimitMiddleware,
+    WSGIApp,
+    request_from_environ,
+)
 
-sys.modules[__name__] = _module
+__all__ = [
+    "RateLimitMiddleware",
+    "WSGIApp",
+    "request_from_environ",
+]

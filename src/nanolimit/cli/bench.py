@@ -18,7 +18,7 @@ and each cell checks that the decisions it times really are the ones the
 scenario means (allowed, or denied), so nothing is measured on the wrong path.
 
 This module is the entry (``run``, ``main``) and the one import path
-(``nanolimit._bench`` is the same module object): the cells live in
+(``nanolimit.cli.bench``; ``nanolimit bench`` runs it): the cells live in
 :mod:`.bench_cells`, the peer adapters in :mod:`.bench_peers`, the table and
 the plot in :mod:`.bench_report`, and every name the suite uses is
 re-exported here.

@@ -389,7 +389,7 @@ def zone_makers(keys: int = KEYS_100K) -> dict[str, Maker]:
     own (a fresh segment ``nlbench-<pid>-<n>``, unlinked when the subject
     closes), sized for ``keys`` keys; ``make.for_keys(n)`` is the maker of a
     zone sized for ``n``."""
-    from .._shared import LIMITER_CLASS_NAMES
+    from .._limiter_config import LIMITER_CLASS_NAMES
 
     core = importlib.import_module("nanolimit._core")
     clock_type = importlib.import_module("nanolimit").SystemClock

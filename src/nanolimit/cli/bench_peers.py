@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from .._shared import LIMITER_CLASS_NAMES
+from .._limiter_config import LIMITER_CLASS_NAMES
 from .bench_cells import ALGORITHMS, KEYS_1M, Maker, Subject, _nothing, nanolimit_subject
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from ..gateway.config import ConfigError, load_rules
+from ..errors import ConfigError
+from ..gateway.config import load_rules
 
 
 def check_config(path: str) -> int:

@@ -14,10 +14,11 @@ import threading
 import nanolimit
 from nanolimit import FakeClock, InMemoryStorage
 
-from .._shared import Algorithm
+from .._limiter_config import Algorithm
 from ..gateway.factory import LimiterFactory
 from ..gateway.middleware import RateLimitMiddleware, Request, Response
-from ..gateway.rules import KeyScope, RateLimitRule, RuleRegistry
+from ..gateway.registry import RuleRegistry
+from ..gateway.rules import KeyScope, RateLimitRule
 
 WALL = 1_700_000_000.0
 ALGORITHM_ORDER = (

@@ -41,8 +41,8 @@ import json
 import sys
 from typing import Any
 
-from .._errors import ValidationError
 from .._limiter_config import Algorithm
+from ..errors import ValidationError
 from ..gateway.factory import LimiterFactory
 from ..gateway.keys import DefaultKeyExtractor
 from ..gateway.request import Request

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import nanolimit
 
-from .._shared import Algorithm
+from .._limiter_config import Algorithm
 from ..gateway.rules import KeyScope
 from . import check_config as check_config_command
 from . import demo as demo_command

@@ -18,7 +18,9 @@ from typing import Any, TextIO
 
 from nanolimit import FakeClock, InMemoryStorage
 
-from .._shared import MAX_TIME, Algorithm, ValidationError
+from .._clocks import MAX_TIME
+from .._limiter_config import Algorithm
+from ..errors import ValidationError
 from ..gateway.factory import LimiterFactory
 from ..gateway.keys import ClientKey, DefaultKeyExtractor
 from ..gateway.rules import KeyScope, RateLimitRule, parse_rate

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .._errors import ValidationError
+from ..errors import ValidationError
 from ..storage.shared_memory import SharedMemoryStorage
 
 

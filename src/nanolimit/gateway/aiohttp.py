@@ -31,15 +31,15 @@ from typing import Any
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
-from .._shared import ValidationError
+from ..errors import ValidationError
 from .factory import LimiterFactory
 from .keys import KeyExtractor
 from .metrics import Metrics
 from .middleware import AWAIT, INLINE, Outcome, decide_mode
 from .middleware import RateLimitMiddleware as Core
+from .registry import RuleRegistry
 from .request import Request
 from .routes import RouteInfo, RouteLimits, registry_and_limits
-from .rules import RuleRegistry
 
 __all__ = [
     "RateLimitMiddleware",
@@ -340,7 +340,7 @@ def rate_limit_middleware(
     ``registry``, ``factory``, ``extractor``, ``metrics`` and
     ``pipeline_options`` (``headers``, ``header_names``, ``on_breach``,
     ``log_denials``) build the pipeline as
-    :class:`nanolimit.middleware.RateLimitMiddleware` takes them.
+    :class:`nanolimit.gateway.middleware.RateLimitMiddleware` takes them.
     ``limits`` brings route-level declarations (its registry is the
     registry); a registry whose rules name routes (a rules file) is bound
     to the app's routes too. ``deny(request, outcome)`` (sync or async,

@@ -38,9 +38,9 @@ from .keys import KeyExtractor
 from .metrics import Metrics
 from .middleware import AWAIT, INLINE, MISSING, Outcome, decide_mode
 from .middleware import RateLimitMiddleware as Core
+from .registry import RuleRegistry
 from .request import Request
 from .routes import RouteLimits, registry_and_limits
-from .rules import RuleRegistry
 
 __all__ = ["ASGIApp", "RateLimitMiddleware", "request_from_scope"]
 
@@ -109,7 +109,7 @@ def request_from_scope(scope: Scope) -> Request:
 
     The path is ``scope["path"]`` as the server decoded it (with
     ``root_path`` in front when the server left it out); the ruleset
-    normalises it when it matches (:func:`nanolimit.rules.normalize_path`),
+    normalises it when it matches (:func:`nanolimit.gateway.rules.normalize_path`),
     the one place ASGI, WSGI and the framework-free pipeline share."""
     client = scope.get("client")
     root = scope.get("root_path", "") or ""
@@ -163,7 +163,7 @@ class RateLimitMiddleware:
     Starlette ``Middleware(RateLimitMiddleware, registry=..., factory=...)``.
 
     Pass ``core`` to share one framework-free
-    :class:`nanolimit.middleware.RateLimitMiddleware` (and its metrics)
+    :class:`nanolimit.gateway.middleware.RateLimitMiddleware` (and its metrics)
     between front ends; otherwise one is built from the other arguments
     (``pipeline`` holds the pipeline's own options: ``headers``,
     ``header_names``, ``on_breach``, ``log_denials``).

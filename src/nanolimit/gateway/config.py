@@ -57,10 +57,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-from .._shared import ValidationError
+from ..errors import ConfigError, Problem, RuleValidationError, ValidationError
 from .factory import LimiterFactory
 from .rates import parse_rates
-from .rules import RateLimitRule, RuleRegistry, RuleValidationError
+from .registry import RuleRegistry
+from .rules import RateLimitRule
 
 # tomllib (3.11+), else the tomli backport if installed (Python 3.10), else JSON only.
 tomllib: Any
@@ -70,10 +71,8 @@ except ImportError:  # pragma: no cover - Python 3.10 without tomli
     tomllib = None
 
 __all__ = [
-    "ConfigError",
     "ConfigWatcher",
     "LoadedRules",
-    "Problem",
     "StorageSection",
     "load_rules",
     "parse_rules",
@@ -123,34 +122,12 @@ _STORAGE_FIELDS: dict[str, dict[str, tuple[type | tuple[type, ...], str]]] = {
 _STORAGE_REQUIRED = {"memory": (), "shared_memory": ("name", "max_keys"), "uri": ("uri",)}
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a rules file."""
-
-    rule: str
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"rule {self.rule!r}: {self.field}: {self.message}"
-
-
 def _field_name(key: object) -> str:
     """A field name as a message can show it: an odd one (empty, blank,
     not a str) is quoted so the reader sees what was there."""
     if isinstance(key, str) and key.strip() and key.isprintable():
         return key
     return repr(key)
-
-
-class ConfigError(ValidationError):
-    """A rules file that cannot be used; ``problems`` lists every fault."""
-
-    def __init__(self, source: str, problems: list[Problem]) -> None:
-        self.source = source
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"{source}: {len(problems)} problem(s):\n{lines}")
 
 
 def _shown_option(key: str, value: Any) -> str:

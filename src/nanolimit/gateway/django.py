@@ -6,7 +6,7 @@ Why ``process_view``: by then Django has resolved the URL, so the request
 carries its route template (``request.resolver_match.route``), the view
 (with ``view_class`` for class-based views) and, whatever the middleware
 order, the user that ``AuthenticationMiddleware`` attached. The decision is
-the pipeline's (:meth:`nanolimit.middleware.RateLimitMiddleware.check`), one
+the pipeline's (:meth:`nanolimit.gateway.middleware.RateLimitMiddleware.check`), one
 per request, on one pipeline per process: this module builds it once from
 the settings and shares it between threads and between the sync and async
 handlers. A request that never reaches a view (a 404 from the resolver, a
@@ -51,14 +51,17 @@ from django.http import HttpResponse  # type: ignore[import-untyped]
 from django.urls import URLPattern, URLResolver, get_resolver  # type: ignore[import-untyped]
 from django.utils.module_loading import import_string  # type: ignore[import-untyped]
 
-from .._shared import Algorithm, Storage, ValidationError
+from .._limiter_config import Algorithm
+from .._protocols import Storage
+from ..errors import ValidationError
 from .factory import LimiterFactory
 from .keys import DefaultKeyExtractor
 from .middleware import Outcome
 from .middleware import RateLimitMiddleware as Pipeline
+from .registry import RuleSet
 from .request import Request
 from .routes import Limit, RouteInfo, RouteLimits
-from .rules import KeyScope, RateLimitRule, RuleSet
+from .rules import KeyScope, RateLimitRule
 from .wsgi import _EnvironHeaders
 
 __all__ = [
@@ -712,7 +715,7 @@ def check_limits(app_configs: Any = None, **kwargs: Any) -> list[Any]:
     """``manage.py check`` (and ``runserver``, before it serves): the
     settings, and every declaration bound to the URLconf; a route template
     that matches no URL is an error naming the rule."""
-    from .rules import RuleValidationError
+    from ..errors import RuleValidationError
 
     try:
         live = _state()

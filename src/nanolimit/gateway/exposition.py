@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
-from .._errors import ValidationError
+from ..errors import ValidationError
 from .metrics import Metrics
 
 __all__ = ["CONTENT_TYPE", "metrics_app", "metrics_wsgi_app"]

@@ -14,8 +14,11 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .._clocks import Clock
+from .._limiter_config import Algorithm
+from .._protocols import RateLimiter, Storage
 from .._select import twin, twin_of
-from .._shared import Algorithm, Clock, RateLimiter, Storage, ValidationError
+from ..errors import ValidationError
 from .rules import RateLimitRule
 
 __all__ = ["DEFAULT_MAX_KEYS", "LimiterFactory"]

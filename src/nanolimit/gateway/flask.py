@@ -36,16 +36,19 @@ from flask import request as flask_request
 from flask.wrappers import Response as FlaskResponse
 from werkzeug.exceptions import TooManyRequests
 
-from .._shared import Algorithm, Storage, ValidationError
+from .._limiter_config import Algorithm
+from .._protocols import Storage
+from ..errors import ValidationError
 from .config import load_rules
 from .factory import LimiterFactory
 from .keys import DefaultKeyExtractor
 from .metrics import Metrics
 from .middleware import Outcome, RateLimitMiddleware
 from .rates import parse_rates
+from .registry import ExemptRoute, RuleRegistry, RuleSet
 from .request import Request
 from .routes import Limit, RouteInfo, RouteLimits
-from .rules import ExemptRoute, KeyScope, RateLimitRule, RuleRegistry, RuleSet
+from .rules import KeyScope, RateLimitRule
 
 __all__ = ["CONFIG_KEYS", "Limiter", "RateLimitExceeded"]
 

@@ -19,7 +19,8 @@ import math
 import re
 from typing import NamedTuple
 
-from .._shared import MAX_TIME, ValidationError
+from .._clocks import MAX_TIME
+from ..errors import ValidationError
 
 __all__ = [
     "MAX_HEADER_SECONDS",

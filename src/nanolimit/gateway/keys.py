@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
-from .._shared import ValidationError
+from ..errors import ValidationError
 from .request import Request
 from .rules import KeyScope
 

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._errors import ValidationError
 from .._select import native_core
+from ..errors import ValidationError
 from .headers import MAX_HEADER_SECONDS, rate_headers, retry_seconds
 
 if TYPE_CHECKING:

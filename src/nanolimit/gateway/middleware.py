@@ -29,13 +29,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .._shared import Algorithm, ValidationError
+from .._limiter_config import Algorithm
+from ..errors import ValidationError
 from .factory import LimiterFactory
 from .headers import RATE_HEADERS, deny_body, rate_headers, retry_seconds, rule_pieces
 from .keys import DefaultKeyExtractor, KeyExtractor
 from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics
+from .registry import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RuleRegistry, RuleSet, key_bytes
 from .request import Request
-from .rules import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RateLimitRule, RuleRegistry, RuleSet, key_bytes
+from .rules import RateLimitRule
 
 __all__ = ["CostTooHigh", "Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
 

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ValidationError
 from .._version import __version__
+from ..errors import ValidationError
 from .metrics import Family, Metrics
 
 if TYPE_CHECKING:

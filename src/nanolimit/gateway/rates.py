@@ -29,7 +29,7 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from .._shared import ValidationError
+from ..errors import ValidationError
 
 __all__ = ["Rate", "parse_rate", "parse_rates"]
 

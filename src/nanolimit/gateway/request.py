@@ -21,7 +21,7 @@ class Request:
 
     ``path`` is the decoded path, as ASGI's ``scope["path"]`` and WSGI's
     ``PATH_INFO`` give it; rules match it after
-    :func:`nanolimit.rules.normalize_path` (repeated slashes collapse), and
+    :func:`nanolimit.gateway.rules.normalize_path` (repeated slashes collapse), and
     a ``GET`` rule covers a ``HEAD`` request. ``headers`` maps lower-case
     names to values; ``client`` is the peer address of the connection (never
     a header, which any client can write); ``user`` is an authenticated user

@@ -14,7 +14,7 @@ and a route-level limit costs what a middleware rule costs.
 Names: a view's limit is named after the view (``module.function``), with
 ``:<limit>/<window>s`` added when it has several rates; a shared limit
 carries the name it was given. A reload of a rules file keeps every
-declared rule (:meth:`nanolimit.rules.RuleRegistry.replace`).
+declared rule (:meth:`nanolimit.gateway.registry.RuleRegistry.replace`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .._shared import Algorithm, ValidationError
+from .._limiter_config import Algorithm
+from ..errors import RuleValidationError, ValidationError
 from .rates import Rate, parse_rates
-from .rules import ExemptRoute, KeyScope, RateLimitRule, RuleRegistry, RuleValidationError, route_key
+from .registry import ExemptRoute, RuleRegistry
+from .rules import KeyScope, RateLimitRule, route_key
 
 __all__ = ["Limit", "LimitDependency", "RouteInfo", "RouteLimits"]
 

@@ -17,8 +17,8 @@ from .factory import LimiterFactory
 from .keys import KeyExtractor
 from .metrics import Metrics
 from .middleware import RateLimitMiddleware as Core
+from .registry import RuleRegistry
 from .request import Request
-from .rules import RuleRegistry
 
 __all__ = ["RateLimitMiddleware", "WSGIApp", "request_from_environ"]
 
@@ -71,7 +71,7 @@ def request_from_environ(environ: Environ) -> Request:
 
     The path is handed over as the server decoded it (``/%2flogin`` arrives
     as ``//login``); the ruleset normalises it when it matches
-    (:func:`nanolimit.rules.normalize_path`), the one place ASGI, WSGI and
+    (:func:`nanolimit.gateway.rules.normalize_path`), the one place ASGI, WSGI and
     the framework-free pipeline share. Only the join is done here: a
     ``PATH_INFO`` without its leading ``/`` is still below ``SCRIPT_NAME``
     (Werkzeug routes ``login`` as ``/login``)."""

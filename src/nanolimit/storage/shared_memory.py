@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ValidationError
 from .._select import native_core
+from ..errors import ValidationError
 
 __all__ = ["SharedMemoryStorage"]
 

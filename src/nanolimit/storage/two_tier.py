@@ -39,23 +39,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._clocks import MAX_TIME, FakeClock, check_now
+from .._decision_py import KernelVerdict
+from .._limiter_config import LIMITER_CLASS_NAMES, Algorithm, LimiterConfig, LimiterState
 from .._select import native_core, twin, twin_of
-from .._shared import (
-    LIMITER_CLASS_NAMES,
-    MAX_TIME,
-    Algorithm,
-    FakeClock,
-    KernelVerdict,
-    LimiterConfig,
-    LimiterState,
-    ValidationError,
-    check_now,
-)
 from .._validation import check_int_option, check_seconds_option
-from .redis import RedisStorage
-from .redis._connections import _client_package, derive_client
-from .redis._resilience import _is_noscript
-from .redis._scripts import _Script
+from ..errors import ValidationError
+from .redis import RedisStorage, _client_package, _is_noscript, _Script, derive_client
 
 __all__ = ["SUPPORTED_ALGORITHMS", "TwoTierStorage"]
 
@@ -268,7 +258,7 @@ class _Guard:
 class TwoTierStorage:
     """A :class:`~nanolimit.KernelStorage` deciding locally, reconciled through Redis.
 
-    ``remote`` is a :class:`~nanolimit.redis_storage.RedisStorage` (its key
+    ``remote`` is a :class:`~nanolimit.storage.redis.RedisStorage` (its key
     layout is reused; the sync talks through a client derived from its client
     with ``timeout`` seconds — default ``max(0.25, 2 * sync_interval)`` — and
     no retries) or a redis-py client (wrapped in one). ``local`` is the in-memory

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import unquote, unquote_plus
 
-from .._errors import ValidationError
 from .._protocols import Storage
 from .._validation import MAX_KEYS, MAX_STRIPES, MAX_WINDOW
+from ..errors import ValidationError
 
 __all__ = [
     "DEFAULT_MEMORY_MAX_KEYS",
@@ -162,7 +162,7 @@ class _Option:
 def _policies() -> tuple[str, ...]:
     """The failure policies the Redis storages accept: their own tuple, so a
     policy added there is accepted here with no second list to edit."""
-    from .redis._resilience import _POLICIES
+    from .redis import _POLICIES
 
     return tuple(_POLICIES)
 
@@ -729,8 +729,7 @@ def _redis(parts: _Parts, keywords: Mapping[str, Any], dry: bool = False) -> Any
         return None
     lib = _library(parts.base, parts.asyncio)
     client = _make_client(parts, lib, client_opts)
-    from .redis import AsyncRedisStorage, RedisStorage
-    from .redis._connections import connect_timeout
+    from .redis import AsyncRedisStorage, RedisStorage, connect_timeout
 
     cls = AsyncRedisStorage if parts.asyncio else RedisStorage
     try:
@@ -793,7 +792,7 @@ def _make_client(parts: _Parts, lib: _Library, opts: dict[str, Any]) -> Any:
         except (TypeError, ValueError) as exc:
             raise ValidationError(f"{parts.scheme}://: {exc}") from None
         except _failures(lib) as exc:  # the synchronous cluster asks its nodes at once
-            from .redis import RedisUnavailableError
+            from ..errors import RedisUnavailableError
 
             shown = ",".join(f"{h}:{p}" for h, p in hosts)
             raise RedisUnavailableError(

@@ -50,22 +50,16 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from ..._shared import (
-    DUPLICATE_COMPOUND,
-    MAX_CLOCK_LEAD,
+from ..._clocks import MAX_CLOCK_LEAD, check_now
+from ..._decision_py import (
     REASON_STORE_ERROR,  # noqa: F401 (the name tests and callers import from here)
     REASON_STORE_UNAVAILABLE,
     CompoundDecision,
     KernelVerdict,
-    LimiterConfig,
-    LimiterState,
-    ValidationError,
-    check_batch,
-    check_cost,
-    check_key,
-    check_now,
-    compound_items,
 )
+from ..._limiter_config import LimiterConfig, LimiterState
+from ..._validation import DUPLICATE_COMPOUND, check_batch, check_cost, check_key, compound_items
+from ...errors import ValidationError
 
 # Every name the single module ``storage/redis.py`` held stays importable
 # from here (the tests and old imports use some private ones), so the
@@ -83,32 +77,39 @@ from ._base import (
 from ._connections import (
     _UNPROBED,  # noqa: F401
     _AsyncSpareConnections,  # noqa: F401
-    _client_package,
     _hiredis_pack,  # noqa: F401
     _refused_connect,
     _SpareConnections,  # noqa: F401
     _SyncSpareConnections,  # noqa: F401
     check_client,  # noqa: F401
-    derive_client,  # noqa: F401
     direct_path,  # noqa: F401
     is_asyncio_client,  # noqa: F401
     is_cluster_client,  # noqa: F401
 )
+from ._connections import (
+    _client_package as _client_package,
+)
+from ._connections import (
+    connect_timeout as connect_timeout,
+)
+from ._connections import (
+    derive_client as derive_client,
+)
 from ._local import REASON_STORE_UNAVAILABLE_LOCAL, LocalFallback  # noqa: F401
 from ._resilience import (
     _CLASS_CODES,  # noqa: F401
-    _POLICIES,  # noqa: F401
     SERVER_ERROR_CODES,  # noqa: F401
     WRITE_REFUSED_CODES,  # noqa: F401
-    CircuitOpenError,
     OnError,  # noqa: F401
-    RedisKeyError,
-    RedisUnavailableError,
-    StorageUnavailableError,
     _Breaker,
     _code_of_text,  # noqa: F401
-    _is_noscript,
     error_code,  # noqa: F401
+)
+from ._resilience import (
+    _POLICIES as _POLICIES,
+)
+from ._resilience import (
+    _is_noscript as _is_noscript,
 )
 from ._scripts import (
     _ALGO_IDS,
@@ -125,27 +126,17 @@ from ._scripts import (
     SCRIPTS,
     _params,
     _parse_verdict,
-    _Script,
+)
+from ._scripts import (
+    _Script as _Script,
 )
 
 __all__ = [
     "MAX_CLOCK_LEAD",
     "REASON_STORE_UNAVAILABLE_LOCAL",
     "AsyncRedisStorage",
-    "CircuitOpenError",
-    "RedisKeyError",
     "RedisStorage",
-    "RedisUnavailableError",
-    "StorageUnavailableError",
 ]
-
-
-# The public classes name this package, where they are documented and
-# imported from, in reprs, tracebacks and pickles (not the private module
-# that defines them).
-for _cls in (StorageUnavailableError, RedisUnavailableError, CircuitOpenError, RedisKeyError):
-    _cls.__module__ = __name__
-del _cls
 
 
 class RedisStorage(_RedisBase):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-import sys
 import threading
 import time
 import weakref
@@ -19,22 +18,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NoReturn
 
-from ..._shared import (
-    MAX_KEY_BYTES,
-    REASON_STORE_ERROR,
-    REASON_STORE_UNAVAILABLE,
-    Algorithm,
-    KernelVerdict,
-    LimiterConfig,
-    LimiterState,
-    SystemClock,
-    ValidationError,
-    check_cutoff,
-    check_now,
-    decision_from_verdict,
-    event_counter,
-)
-from ..._validation import MAX_WINDOW, check_int_option, check_seconds_option
+from ..._clocks import SystemClock, check_now
+from ..._decision_py import REASON_STORE_ERROR, REASON_STORE_UNAVAILABLE, KernelVerdict, decision_from_verdict
+from ..._limiter_config import Algorithm, LimiterConfig, LimiterState
+from ..._select import event_counter, twin_of
+from ..._validation import MAX_KEY_BYTES, MAX_WINDOW, check_cutoff, check_int_option, check_seconds_option
+from ...errors import CircuitOpenError, RedisKeyError, RedisUnavailableError, ValidationError
 from ._cluster import NodeRoutes
 from ._connections import (
     _AsyncSpareConnections,
@@ -51,10 +40,7 @@ from ._resilience import (
     _POLICIES,
     SERVER_ERROR_CODES,
     WRITE_REFUSED_CODES,
-    CircuitOpenError,
     OnError,
-    RedisKeyError,
-    RedisUnavailableError,
     _Breaker,
     _code_of_text,
     _is_noscript,
@@ -1052,11 +1038,4 @@ def kernel_now(limiter: Any) -> float | None:
 
 def decision_maker(limiter: Any, cfg: LimiterConfig) -> Callable[[KernelVerdict], Any]:
     """Build the Decision type of the limiter's own twin from a verdict."""
-    module = sys.modules.get(type(limiter).__module__)
-    decision_type: Any = getattr(module, "Decision", None)
-    if decision_type is None:  # pragma: no cover - a foreign limiter class
-        from ..._decision_py import Decision as py_decision
-
-        decision_type = py_decision
-
-    return functools.partial(decision_from_verdict, decision_type, cfg)
+    return functools.partial(decision_from_verdict, twin_of(limiter).Decision, cfg)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, ClassVar, Final
 
-from ..._shared import ValidationError
+from ...errors import ValidationError
 
 log = logging.getLogger("nanolimit.storage.redis")
 
@@ -68,10 +68,8 @@ def _client_package(client: Any) -> Any:
 
 
 def _shown(value: Any) -> str:
-    if isinstance(value, str):  # a URL given where a client belongs: never its password
-        from ..uri import redact_uri
-
-        value = redact_uri(value)
+    if isinstance(value, str):  # a URL given where a client belongs: never shown, it may hold a password
+        return "(not shown)"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 

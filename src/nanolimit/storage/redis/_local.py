@@ -33,9 +33,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from ..._decision_py import KernelVerdict
+from ..._limiter_config import LIMITER_CLASS_NAMES, LimiterConfig
 from ..._select import twin
-from ..._shared import LIMITER_CLASS_NAMES, KernelVerdict, LimiterConfig, ValidationError
 from ..._validation import MAX_KEYS, check_int_option
+from ...errors import ValidationError
 
 # Decision.reason of a decision the local store made during an outage.
 REASON_STORE_UNAVAILABLE_LOCAL = "store_unavailable_local"

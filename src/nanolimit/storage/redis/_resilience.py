@@ -20,36 +20,6 @@ OnError = Literal["allow", "deny", "raise", "local"]
 _POLICIES: Final = ("allow", "deny", "raise", "local")
 
 # --------------------------------------------------------------------------
-# Errors
-
-
-class StorageUnavailableError(RuntimeError):
-    """A shared store could not answer a decision (raised only under
-    ``on_error="raise"``; the other policies answer a degraded decision)."""
-
-
-class RedisUnavailableError(StorageUnavailableError):
-    """Redis/Valkey failed, timed out, or is behind an open circuit breaker."""
-
-
-class CircuitOpenError(RedisUnavailableError):
-    """The circuit breaker is open: the store was not even asked."""
-
-
-class RedisKeyError(RedisUnavailableError):
-    """The server answered this one call with an error about the key, not
-    about itself: a value of another type at the limiter's key (``WRONGTYPE``),
-    a stored state the limiter did not write (``BADSTATE``), a write refused
-    for memory (``OOM``) or persistence (``MISCONF``), an ACL refusal
-    (``NOPERM``), a script error. Raised only under ``on_error="raise"``; it
-    never feeds the circuit breaker (``code`` is the reply's error code)."""
-
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-# --------------------------------------------------------------------------
 # Error replies: which say the server cannot answer now (they feed the circuit
 # breaker) and which are about one call's key (answered by that key's policy).
 # Classified by the reply's error code, its first word; never by its text.

@@ -4,7 +4,7 @@ Why a private module: the scripts are the server half of every decision
 (docs/redis.md, "Scripts"); the storages only send them. The Lua lives in
 ``lua/*.lua`` next to this file, shipped as package data and read once, at
 import (``importlib.resources``), so the Lua reads and diffs as Lua (the
-prelude's ``@NAME@`` placeholders take the limits from ``_shared``, the mains'
+prelude's ``@NAME@`` placeholders take the limits from ``_clocks`` and ``_validation``, the mains'
 ``@ALGORITHM@`` their kernel's name); each file is one fragment of the inline strings the scripts were built
 from before, byte for byte (the SHAs are pinned in tests/test_redis_scripts.py).
 """
@@ -15,7 +15,10 @@ import hashlib
 from importlib import resources
 from typing import Any, Final
 
-from ..._shared import MAX_CLOCK_LEAD, MAX_LIMIT, MAX_TIME, Algorithm, KernelVerdict, LimiterConfig
+from ..._clocks import MAX_CLOCK_LEAD, MAX_TIME
+from ..._decision_py import KernelVerdict
+from ..._limiter_config import Algorithm, LimiterConfig
+from ..._validation import MAX_LIMIT
 
 # Lua. One prelude, one function per kernel; a single-decision script is the
 # prelude, its kernel and a three-line main; the compound script holds them all.
@@ -62,7 +65,7 @@ def _fragment(name: str, **values: str) -> str:
     return "\n" + text
 
 
-# The constants the kernels share with the in-memory twins, from _shared.
+# The constants the kernels share with the in-memory twins, from _clocks and _validation.
 _PRELUDE: Final = _fragment(
     "prelude", MAX_LEAD=repr(MAX_CLOCK_LEAD), MAX_STAMP=_MAX_STAMP, MAX_COUNT=str(MAX_LIMIT)
 )
