@@ -68,7 +68,6 @@ from ._base import (
     _BatchRun,
     _Call,  # noqa: F401
     _digest,  # noqa: F401
-    _NearCache,  # noqa: F401
     _RedisBase,
     decision_maker,
     kernel_now,
@@ -96,6 +95,7 @@ from ._connections import (
     derive_client as derive_client,
 )
 from ._local import REASON_STORE_UNAVAILABLE_LOCAL, LocalFallback  # noqa: F401
+from ._near_cache import _NearCache  # noqa: F401
 from ._resilience import (
     _CLASS_CODES,  # noqa: F401
     SERVER_ERROR_CODES,  # noqa: F401

@@ -14,7 +14,6 @@ import inspect
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NoReturn
 
@@ -36,6 +35,7 @@ from ._connections import (
     is_cluster_client,
 )
 from ._local import DEFAULT_LOCAL_MAX_KEYS, LocalFallback, check_local_options
+from ._near_cache import _NearCache
 from ._resilience import (
     _POLICIES,
     SERVER_ERROR_CODES,
@@ -60,62 +60,6 @@ from ._scripts import (
 #: The bound of a count option (breaker threshold, near-cache entries): an
 #: int32, so no count is ever a number no table or counter could hold.
 MAX_COUNT = (1 << 31) - 1  # storage/uri.py names the same bound
-
-# --------------------------------------------------------------------------
-# Near-cache
-
-
-class _NearCache:
-    """Local memory of recent denials:
-    ``(rule, key) -> (until, cost, retry_at, reset_at)``.
-
-    A request of at least the denied cost before ``until`` is denied without a
-    round trip (a smaller cost might pass sooner, so it goes to the store).
-    Bounded in size (LRU) and in lifetime (``max_ttl``) so a stale entry can
-    only ever shorten, never extend, the wrong answer window. The answer's
-    ``retry_after`` counts down from the store's own, not from ``until``:
-    the cache's lifetime is ours, the wait is the client's.
-    """
-
-    __slots__ = ("_entries", "_lock", "max_entries", "max_ttl")
-
-    def __init__(self, max_entries: int, max_ttl: float) -> None:
-        self.max_entries = max_entries
-        self.max_ttl = max_ttl
-        self._entries: OrderedDict[Any, tuple[float, int, float, float]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def lookup(self, ident: Any, cost: int, now: float) -> tuple[float, float] | None:
-        entry = self._entries.get(ident)
-        if entry is None:
-            return None
-        until, min_cost, retry_at, reset_at = entry
-        if now >= until:
-            with self._lock:
-                if self._entries.get(ident) is entry:
-                    del self._entries[ident]
-            return None
-        if cost < min_cost:
-            return None
-        return retry_at - now, max(0.0, reset_at - now)
-
-    def remember(self, ident: Any, cost: int, now: float, retry_after: float, reset_after: float) -> None:
-        ttl = min(retry_after, self.max_ttl)
-        if ttl <= 0.0:
-            return
-        with self._lock:
-            self._entries[ident] = (now + ttl, cost, now + retry_after, now + reset_after)
-            self._entries.move_to_end(ident)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-
-    def forget(self, ident: Any) -> None:
-        with self._lock:
-            self._entries.pop(ident, None)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
 
 # --------------------------------------------------------------------------
 # The storages: what the synchronous and the asyncio one share, then each one's I/O
