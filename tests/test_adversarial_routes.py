@@ -351,7 +351,8 @@ def test_fastapi_no_probe_changes_the_limits_of_the_next_request(
 
 
 def flask_app(backend: types.SimpleNamespace) -> Flask:
-    limiter = Limiter(storage=backend.InMemoryStorage(), algorithm="fixed_window", log_denials=None)
+    # token buckets: a fixed window on the wall clock could turn over between two requests
+    limiter = Limiter(storage=backend.InMemoryStorage(), log_denials=None)
     app = Flask("attacks", subdomain_matching=True)
     app.config["SERVER_NAME"] = "example.com"
     api = Blueprint("api", "attacks_api", subdomain="api")
