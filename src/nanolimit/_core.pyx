@@ -20,6 +20,7 @@ one module, so calls across layers stay direct C calls and inline):
     _core_storage.pxi      InMemoryStorage
     _core_zone_table.pxi   the zone's table operations (nogil, _zone.pxd)
     _core_zone.pxi         SharedMemoryStorage (the table in shared memory)
+    _core_zone_segment.pxi its segment: create or attach, check the header
     _core_gateway.pxi      EventCounter, AdmittedRequests
     _core_leases.pxi       LeaseGate, LeaseBook (two-tier leases)
     _core_limiters.pxi     _Limiter and the six limiters
@@ -161,6 +162,7 @@ include "_core_storage.pxi"
 # ============================================================== shared-memory zone
 include "_core_zone_table.pxi"
 include "_core_zone.pxi"
+include "_core_zone_segment.pxi"
 
 
 # ============================================================== gateway
