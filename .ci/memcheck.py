@@ -24,6 +24,7 @@ OURS_FILES = (
     "_native.h",
     "_decision_pool.h",
     "_kernels.pxd",
+    "_index.pxd",
     "_table.pxd",
     "_zone.pxd",
     "_zone.h",

@@ -18,7 +18,9 @@ one module, so calls across layers stay direct C calls and inline):
     _core_decision.pxi     Decision and its pool
     _core_table.pxi        table operations over one stripe (nogil)
     _core_storage.pxi      InMemoryStorage
-    _core_zone.pxi         SharedMemoryStorage (the table in shared memory, _zone.pxd)
+    _core_zone_table.pxi   the zone's table operations (nogil, _zone.pxd)
+    _core_zone.pxi         SharedMemoryStorage (the table in shared memory)
+    _core_zone_segment.pxi its segment: create or attach, check the header
     _core_gateway.pxi      EventCounter, AdmittedRequests
     _core_leases.pxi       LeaseGate, LeaseBook (two-tier leases)
     _core_limiters.pxi     _Limiter and the six limiters
@@ -42,7 +44,7 @@ from nanolimit._kernels cimport (
     add_clock_lead, clock_rebase, init_state, log_at, log_drop_oldest, log_expire, log_free, log_reserve,
     log_ring_size, log_run_of, refund_kernel, run_kernel,
 )
-from nanolimit._zone cimport *  # the zone layout and its nogil table (_core_zone.pxi)
+from nanolimit._zone cimport *  # the zone layout and its nogil table (_core_zone_table.pxi)
 from nanolimit._table cimport (
     NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, CompoundKeys, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
     stripe_could_make_room, stripe_make_room, stripe_sweep_idle,
@@ -146,7 +148,9 @@ include "_core_storage.pxi"
 
 
 # ============================================================== shared-memory zone
+include "_core_zone_table.pxi"
 include "_core_zone.pxi"
+include "_core_zone_segment.pxi"
 
 
 # ============================================================== gateway

@@ -412,7 +412,7 @@ cdef inline void refund_sliding_log(Entry* e, double now, int64_t cost, double a
                                     const Params* p) noexcept nogil:
     """In place: the later stamps move back over the run removed, so the ring
     stays oldest first (the zone, where a holder may die part-way, copies
-    instead: ``_core_zone.pxi``)."""
+    instead: ``zone_refund_log``, ``_core_zone_table.pxi``)."""
     cdef LogState* lg = &e.state.log
     cdef uint32_t first, run, i, size, src, dst
     log_expire(lg, now, p)

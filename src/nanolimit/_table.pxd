@@ -1,8 +1,9 @@
 # cython: language_level=3, cdivision=True
 # One stripe of the striped hash table: a dense array of 48-byte entries plus
 # an open-addressing index of uint32 slots (linear probing, backward-shift
-# deletion, so there are no tombstones). A slot holds an 8-bit fingerprint of
-# the hash and the entry's position + 1; 0 is empty. No function here raises
+# deletion, so there are no tombstones: the loops are _index.pxd's, shared
+# with the zone, over this layout's ``TableIndex``). A slot holds an 8-bit
+# fingerprint of the hash and the entry's position + 1; 0 is empty. No function here raises
 # or touches a Python object, and every one runs under the stripe's lock but
 # the prefetch hints and the batch readers' epoch (prefetch_slot,
 # prefetch_entry, batch_join, batch_leave), which read without it.
@@ -11,6 +12,10 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 
+from nanolimit._index cimport (
+    SLOT_POSITION_MASK, TableIndex, entry_key, home_slot, index_entry_hash, index_find, index_remove_slot,
+    index_slot_naming, slot_value,
+)
 from nanolimit._kernels cimport log_at, log_free
 from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET,
@@ -85,29 +90,25 @@ ctypedef struct ObjectList:         # Python objects to release after unlocking
 
 
 cdef enum:
-    SLOT_POSITION_MASK = 0xFFFFFF
     MAX_STRIPE_ENTRIES = 0xFFFFFE
     MIN_INDEX_SIZE = 16
     NS_ALGORITHM_MASK = 7           # a namespace id carries its algorithm in the low bits
 
 
-cdef inline uint32_t slot_value(uint64_t h, uint32_t position) noexcept nogil:
-    return ((<uint32_t>(h >> 32) & 0xFF) << 24) | (position + 1)
-
-
-cdef inline uint32_t home_slot(uint64_t h, uint32_t mask) noexcept nogil:
-    return <uint32_t>h & mask
-
-
-cdef inline const char* entry_key(const Entry* e) noexcept nogil:
-    if e.key_len <= INLINE_KEY_BYTES:
-        return e.key.short_key
-    return e.key.long_key
+cdef inline TableIndex table_index(const Stripe* s) noexcept nogil:
+    """The stripe's index as _index.pxd's loops read it."""
+    cdef TableIndex L
+    L.slots = s.index
+    L.entries = s.entries
+    L.mask = s.index_mask
+    L.hash_mask = s.hash_mask
+    return L
 
 
 cdef inline uint64_t entry_hash(const Stripe* s, const Entry* e) noexcept nogil:
     """Recompute an entry's hash (it is not stored, to keep entries at 48 bytes)."""
-    return nl_hash_seeded(nl_namespace_seed(e.ns), entry_key(e), e.key_len) & s.hash_mask
+    cdef TableIndex L = table_index(s)
+    return index_entry_hash(&L, e)
 
 
 cdef inline Py_ssize_t stripe_find(const Stripe* s, uint64_t h, uint32_t ns,
@@ -115,25 +116,12 @@ cdef inline Py_ssize_t stripe_find(const Stripe* s, uint64_t h, uint32_t ns,
                                    uint32_t* slot_out) noexcept nogil:
     """Position of the key's entry, or -1. ``slot_out`` gets the key's index
     slot, or the empty slot that ended the probe (where it would go)."""
-    cdef uint32_t mask = s.index_mask
-    cdef uint32_t fingerprint = <uint32_t>(h >> 32) & 0xFF
-    cdef uint32_t i, v
-    cdef const Entry* e
+    cdef TableIndex L
     if s.index == NULL:
         slot_out[0] = 0
         return -1
-    i = home_slot(h, mask)
-    while True:
-        v = s.index[i]
-        if v == 0:
-            slot_out[0] = i
-            return -1
-        if (v >> 24) == fingerprint:
-            e = &s.entries[(v & SLOT_POSITION_MASK) - 1]
-            if e.ns == ns and e.key_len == klen and nl_key_equal(entry_key(e), key, klen):
-                slot_out[0] = i
-                return (v & SLOT_POSITION_MASK) - 1
-        i = (i + 1) & mask
+    L = table_index(s)
+    return index_find(&L, h, ns, key, klen, slot_out)
 
 
 cdef inline void prefetch_slot(const Stripe* s, uint64_t h) noexcept nogil:
@@ -346,40 +334,18 @@ cdef inline void* entry_release(Entry* e) noexcept nogil:
     return obj
 
 
-cdef inline void index_remove_slot(Stripe* s, uint32_t hole) noexcept nogil:
-    """Backward-shift deletion: pull later members of the probe run into the
-    hole so every remaining key stays reachable from its home slot."""
-    cdef uint32_t mask = s.index_mask
-    cdef uint32_t j = hole
-    cdef uint32_t v, home
-    while True:
-        j = (j + 1) & mask
-        v = s.index[j]
-        if v == 0:
-            break
-        home = home_slot(entry_hash(s, &s.entries[(v & SLOT_POSITION_MASK) - 1]), mask)
-        if (j > hole and (home <= hole or home > j)) or (j < hole and home <= hole and home > j):
-            s.index[hole] = v
-            hole = j
-    s.index[hole] = 0
-
-
 cdef inline void* stripe_delete(Stripe* s, uint32_t slot, uint32_t position) noexcept nogil:
     """Remove the entry at ``position`` (found at index ``slot``); the last
     entry moves into its place. Returns the entry's Python object, if any."""
     cdef void* obj = entry_release(&s.entries[position])
     cdef uint32_t last = s.count - 1
-    cdef uint32_t mask = s.index_mask
-    cdef uint32_t i
+    cdef TableIndex L = table_index(s)
     cdef uint64_t h
-    index_remove_slot(s, slot)
+    index_remove_slot(&L, slot)
     if position != last:
         s.entries[position] = s.entries[last]
-        h = entry_hash(s, &s.entries[position])
-        i = home_slot(h, mask)
-        while (s.index[i] & SLOT_POSITION_MASK) != last + 1:
-            i = (i + 1) & mask
-        s.index[i] = slot_value(h, position)
+        h = index_entry_hash(&L, &s.entries[position])
+        s.index[index_slot_naming(&L, h, last)] = slot_value(h, position)
     s.count = last
     return obj
 
@@ -608,11 +574,8 @@ cdef inline uint32_t eviction_candidate(uint32_t i, uint32_t* cursor, uint32_t* 
 
 cdef inline uint32_t slot_of(const Stripe* s, uint32_t position) noexcept nogil:
     """The index slot pointing at ``position`` (it always exists)."""
-    cdef uint32_t mask = s.index_mask
-    cdef uint32_t i = home_slot(entry_hash(s, &s.entries[position]), mask)
-    while (s.index[i] & SLOT_POSITION_MASK) != position + 1:
-        i = (i + 1) & mask
-    return i
+    cdef TableIndex L = table_index(s)
+    return index_slot_naming(&L, index_entry_hash(&L, &s.entries[position]), position)
 
 
 cdef inline void stripe_remove_position(Stripe* s, uint32_t position) noexcept nogil:

@@ -33,10 +33,14 @@
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
+from nanolimit._index cimport (
+    INDEX_CORRUPT, NO_SLOT, SLOT_POSITION_MASK, ZoneIndex, home_slot, index_entry_hash, index_find,
+    index_remove_slot, index_slot_naming, slot_value, stored_len, zone_keyed_seed,
+)
 from nanolimit._kernels cimport clock_rebase, init_state, log_ring_size, run_kernel
 from nanolimit._table cimport (
-    EVICTION_SAMPLE, EVICTION_SCAN, NS_ALGORITHM_MASK, SLOT_POSITION_MASK, SWEEP_STEP,
-    entry_at_rest, entry_given_back, eviction_candidate, home_slot, slot_value,
+    EVICTION_SAMPLE, EVICTION_SCAN, NS_ALGORITHM_MASK, SWEEP_STEP,
+    entry_at_rest, entry_given_back, eviction_candidate,
 )
 from nanolimit._types cimport (
     ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_CORRUPT, NL_NOMEM, NL_OK, Entry, Params, Verdict, ZoneLog, nl_hash, nl_key_equal,
@@ -83,7 +87,7 @@ cdef enum:
     ZONE_COMPOUND_MAX = 16          # limits in one allow_all
     ON_FULL_EVICT = 0
     ON_FULL_DENY_NEW = 1
-    ZONE_FIND_CORRUPT = -2          # zone_find: the probe met what cannot be (garbage slots)
+    ZONE_FIND_CORRUPT = INDEX_CORRUPT   # zone_find: the probe met what cannot be (garbage slots)
 
 
 ctypedef struct ZoneHeader:
@@ -195,7 +199,7 @@ ctypedef struct Zone:               # one process's view: addresses of the parts
 # ---------------------------------------------------------------- keys and hashes
 
 cdef inline uint64_t zone_seed(const Zone* z, uint32_t ns) noexcept nogil:
-    return nl_mum(z.k0 ^ <uint64_t>ns, z.s1 ^ 0x9E3779B97F4A7C15ULL)
+    return zone_keyed_seed(z.k0, z.s1, ns)
 
 
 cdef inline const char* zone_key(const Zone* z, const char* key, uint32_t klen, char* digest) noexcept nogil:
@@ -206,16 +210,14 @@ cdef inline const char* zone_key(const Zone* z, const char* key, uint32_t klen, 
     return digest
 
 
-cdef inline uint32_t stored_len(uint32_t klen) noexcept nogil:
-    return klen if klen <= INLINE_KEY_BYTES else INLINE_KEY_BYTES
-
-
 cdef inline uint64_t zone_hash(const Zone* z, uint64_t seed, const char* stored, uint32_t klen) noexcept nogil:
     return nl_hash(seed, z.s1, z.s2, stored, stored_len(klen))
 
 
 cdef inline uint64_t zone_entry_hash(const Zone* z, const Entry* e) noexcept nogil:
-    return zone_hash(z, zone_seed(z, e.ns), e.key.short_key, e.key_len)
+    cdef ZoneIndex L
+    L.k0, L.s1, L.s2 = z.k0, z.s1, z.s2
+    return index_entry_hash(&L, e)
 
 
 cdef inline uint32_t zone_stripe_of(const Zone* z, uint64_t h) noexcept nogil:
@@ -228,6 +230,18 @@ cdef inline Entry* stripe_entries(const Zone* z, uint32_t si) noexcept nogil:
 
 cdef inline uint32_t* stripe_index(const Zone* z, uint32_t si) noexcept nogil:
     return z.index + <size_t>si * (<size_t>z.index_mask + 1)
+
+
+cdef inline ZoneIndex zone_index(const Zone* z, uint32_t si) noexcept nogil:
+    """Stripe ``si``'s index as _index.pxd's loops read it: bounded by the
+    index's size, its positions checked against the stripe's array."""
+    cdef ZoneIndex L
+    L.slots = stripe_index(z, si)
+    L.entries = stripe_entries(z, si)
+    L.mask = z.index_mask
+    L.bound = z.stripe_entries
+    L.k0, L.s1, L.s2 = z.k0, z.s1, z.s2
+    return L
 
 
 cdef inline const Params* zone_params(const Zone* z, uint32_t ns) noexcept nogil:
@@ -249,31 +263,9 @@ cdef inline Py_ssize_t zone_find(const Zone* z, uint32_t si, uint64_t h, uint32_
     the key's index slot, or the empty slot that ended the probe.
     ZONE_FIND_CORRUPT when a slot names a position outside the stripe's
     array or no slot of the index is empty (it is never over 3/4 full):
-    a probe visits each slot once at most."""
-    cdef uint32_t mask = z.index_mask
-    cdef const uint32_t* index = stripe_index(z, si)
-    cdef const Entry* entries = stripe_entries(z, si)
-    cdef uint32_t fingerprint = <uint32_t>(h >> 32) & 0xFF
-    cdef uint32_t i = home_slot(h, mask)
-    cdef uint32_t v, n = stored_len(klen), position, steps = mask
-    cdef const Entry* e
-    while True:
-        v = index[i]
-        if v == 0:
-            slot_out[0] = i
-            return -1
-        if (v >> 24) == fingerprint:
-            position = (v & SLOT_POSITION_MASK) - 1
-            if position >= z.stripe_entries:
-                return ZONE_FIND_CORRUPT
-            e = &entries[position]
-            if e.ns == ns and e.key_len == klen and nl_key_equal(e.key.short_key, stored, n):
-                slot_out[0] = i
-                return position
-        if steps == 0:
-            return ZONE_FIND_CORRUPT
-        steps -= 1
-        i = (i + 1) & mask
+    a probe visits each slot once at most (``index_find``)."""
+    cdef ZoneIndex L = zone_index(z, si)
+    return index_find(&L, h, ns, stored, klen, slot_out)
 
 
 cdef inline void zone_prefetch_slot(const Zone* z, uint64_t h) noexcept nogil:
@@ -297,41 +289,18 @@ cdef inline void zone_prefetch_entry(const Zone* z, uint64_t h) noexcept nogil:
 
 
 cdef inline bint zone_remove_slot(const Zone* z, uint32_t si, uint32_t hole) noexcept nogil:
-    """Backward-shift deletion (as the in-memory table's index_remove_slot);
-    False, the index part-shifted, when it meets a slot naming no entry of
-    the stripe or no empty slot (the caller repairs the stripe)."""
-    cdef uint32_t mask = z.index_mask
-    cdef uint32_t* index = stripe_index(z, si)
-    cdef const Entry* entries = stripe_entries(z, si)
-    cdef uint32_t j = hole
-    cdef uint32_t v, home, position, steps
-    for steps in range(mask):
-        j = (j + 1) & mask
-        v = index[j]
-        if v == 0:
-            index[hole] = 0
-            return True
-        position = (v & SLOT_POSITION_MASK) - 1
-        if position >= z.stripe_entries:
-            return False
-        home = home_slot(zone_entry_hash(z, &entries[position]), mask)
-        if (j > hole and (home <= hole or home > j)) or (j < hole and home <= hole and home > j):
-            index[hole] = v
-            hole = j
-    return False
+    """Backward-shift deletion (``index_remove_slot``); False, the index
+    part-shifted, when it meets a slot naming no entry of the stripe or no
+    empty slot (the caller repairs the stripe)."""
+    cdef ZoneIndex L = zone_index(z, si)
+    return index_remove_slot(&L, hole)
 
 
 cdef inline uint32_t zone_slot_naming(const Zone* z, uint32_t si, uint64_t h, uint32_t position) noexcept nogil:
     """The index slot that names ``position`` (its entry's hash ``h``), or
-    0xFFFFFFFF when none does within one lap of the index."""
-    cdef uint32_t mask = z.index_mask
-    cdef const uint32_t* index = stripe_index(z, si)
-    cdef uint32_t i = home_slot(h, mask), steps
-    for steps in range(mask + 1):
-        if (index[i] & SLOT_POSITION_MASK) == position + 1:
-            return i
-        i = (i + 1) & mask
-    return 0xFFFFFFFFU
+    0xFFFFFFFF (NO_SLOT) when none does within one lap of the index."""
+    cdef ZoneIndex L = zone_index(z, si)
+    return index_slot_naming(&L, h, position)
 
 
 # ---------------------------------------------------------------- the arena
