@@ -211,7 +211,14 @@ class Cluster:
         while time.monotonic() < deadline:
             infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
             text = [i.decode() if isinstance(i, bytes) else str(i) for i in infos]
-            if all("cluster_state:ok" in t and f"cluster_known_nodes:{len(clients)}" in t for t in text):
+            # every slot seen as served by every node: with cluster-require-full-coverage
+            # no, cluster_state is ok even while a node has yet to learn another's slots
+            if all(
+                "cluster_state:ok" in t
+                and f"cluster_known_nodes:{len(clients)}" in t
+                and "cluster_slots_ok:16384" in t
+                for t in text
+            ):
                 for c in clients:
                     c.close()
                 return

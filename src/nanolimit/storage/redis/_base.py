@@ -207,6 +207,13 @@ class _RedisBase:
             base = getattr(exceptions, "RedisError", None) or getattr(exceptions, "ValkeyError", None)
             if isinstance(base, type) and issubclass(base, BaseException):
                 self._errors = (base, OSError)
+            # a cluster client's own failures (no node answered, slots not
+            # covered) are not RedisErrors: an outage all the same
+            cluster = getattr(exceptions, "RedisClusterException", None) or getattr(
+                exceptions, "ValkeyClusterException", None
+            )
+            if isinstance(cluster, type) and issubclass(cluster, BaseException):
+                self._errors = (*self._errors, cluster)
             reply = getattr(exceptions, "ResponseError", None)
             if isinstance(reply, type) and issubclass(reply, BaseException):
                 self._reply_errors = (reply,)
