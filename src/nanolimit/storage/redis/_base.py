@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import threading
 import time
 import weakref
@@ -29,6 +28,7 @@ from ._connections import (
     _client_package,
     _SyncSpareConnections,
     check_client,
+    connection_args,
     derive_client,
     direct_path,
     is_asyncio_client,
@@ -249,20 +249,10 @@ class _RedisBase:
         pool = self.client.connection_pool
         if not (hasattr(pool, "get_connection") and hasattr(pool, "release")):
             return
-        try:
-            params = list(inspect.signature(pool.get_connection).parameters.values())
-        except (TypeError, ValueError):
+        conn_args = connection_args(pool)
+        if conn_args is None:
             return
-        if (
-            params
-            and params[0].default is inspect.Parameter.empty
-            and params[0].kind
-            in (
-                inspect.Parameter.POSITIONAL_ONLY,
-                inspect.Parameter.POSITIONAL_OR_KEYWORD,
-            )
-        ):
-            self._conn_args = ("EVALSHA",)  # older redis-py and valkey-py want a command name
+        self._conn_args = conn_args
         self._pool = pool
         if path == "kept":
             self._keep_spares(pool, keep)

@@ -29,32 +29,13 @@ import threading
 import time
 from typing import Any, ClassVar
 
-from ._connections import _client_package
+from ._connections import _client_package, connection_args
 from ._resilience import _Breaker
 
 log = logging.getLogger("nanolimit.storage.redis")
 
 #: The breaker of keys whose slot no node owns in the client's map.
 UNCOVERED = "(uncovered)"
-
-
-def _connection_args(pool: Any) -> tuple[str, ...]:
-    """Older redis-py and valkey-py pools want a command name in ``get_connection``."""
-    try:
-        params = list(inspect.signature(pool.get_connection).parameters.values())
-    except (TypeError, ValueError):
-        return ()
-    if (
-        params
-        and params[0].default is inspect.Parameter.empty
-        and params[0].kind
-        in (
-            inspect.Parameter.POSITIONAL_ONLY,
-            inspect.Parameter.POSITIONAL_OR_KEYWORD,
-        )
-    ):
-        return ("EVALSHA",)
-    return ()
 
 
 class NodeRoutes:
@@ -159,7 +140,7 @@ class NodeRoutes:
         pool = client.connection_pool
         conn_args = self._conn_args
         if conn_args is None:
-            conn_args = self._conn_args = _connection_args(pool)
+            conn_args = self._conn_args = connection_args(pool) or ()
         conn = pool.get_connection(*conn_args)
         try:
             if asking:

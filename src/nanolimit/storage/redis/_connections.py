@@ -53,6 +53,26 @@ _ACCEPTED: Final = (
 )
 
 
+def connection_args(pool: Any) -> tuple[str, ...] | None:
+    """What ``pool.get_connection`` takes: older redis-py and valkey-py pools
+    want a command name; None when its signature cannot be read."""
+    try:
+        params = list(inspect.signature(pool.get_connection).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if (
+        params
+        and params[0].default is inspect.Parameter.empty
+        and params[0].kind
+        in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        )
+    ):
+        return ("EVALSHA",)
+    return ()
+
+
 def _client_package(client: Any) -> Any:
     """``redis`` or ``valkey`` (or any redis-py fork): the top package of the
     library the client's class comes from, found along its MRO so a subclass
