@@ -526,7 +526,10 @@ class RateLimitMiddleware:
         path = request.path
         route_template = request.route
         if route_template is None and self.route_resolver is not None:
-            route_template = self.route_resolver(request)
+            if len(key) > 3 and self.route_context is None:
+                route_template = key[3]  # _routed_key asked the resolver already
+            else:
+                route_template = self.route_resolver(request)
         rules = ruleset.lookup_route(method, path, tier, route_template)
         route: _Route
         if not rules:
