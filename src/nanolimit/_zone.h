@@ -346,39 +346,11 @@ static inline int nlz_take_over_dead(uint64_t *lock)
 #endif
 }
 
-static inline int nlz_lock_slow(uint64_t *lock)
-{
-    unsigned spins = 0;
-    double checked = 0.0, now;
-    uint64_t owner;
-    for (;;) {
-        owner = nlz_lock_owner(lock);
-        if (owner == 0 && nlz_trylock(lock)) {
-            return 0;
-        }
-        if (++spins < 64) {
-            nl_cpu_relax();
-            continue;
-        }
-        nl_yield_thread();
-        if ((spins & 63) != 0) {
-            continue;
-        }
-        now = nl_wall_now();
-        if (checked == 0.0) {
-            checked = now;
-        } else if (now - checked >= 0.001) {
-            checked = now;
-            if (nlz_take_over_dead(lock)) {
-                return 1;
-            }
-        }
-    }
-}
-
-/* nlz_lock_slow with a deadline (seconds of wall time from now): 0 or 1 as
- * nlz_lock_slow, -1 when a live owner still held it at the deadline. For the
- * lifecycle (attach, join, unlink, close), which must never wait forever. */
+/* Wait for a lock, at most `seconds` from now: 0 when taken free, 1 when
+ * taken over from a dead owner, -1 when a live owner still held it at the
+ * deadline. The lifecycle (attach, join, unlink, close) passes a deadline,
+ * as it must never wait forever; a decision waits without one
+ * (nlz_lock_slow), since a live holder may still be writing. */
 static inline int nlz_lock_timed(uint64_t *lock, double seconds)
 {
     unsigned spins = 0;
@@ -410,6 +382,11 @@ static inline int nlz_lock_timed(uint64_t *lock, double seconds)
             }
         }
     }
+}
+
+static inline int nlz_lock_slow(uint64_t *lock)
+{
+    return nlz_lock_timed(lock, 1e300);  /* no deadline */
 }
 
 static inline int nlz_lock(uint64_t *lock)
