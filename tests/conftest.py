@@ -87,9 +87,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "native: the test needs the compiled twin, nanolimit._core"
-    )
+    config.addinivalue_line("markers", "native: the test needs the compiled twin, nanolimit._core")
     config.addinivalue_line(
         "markers", "not_on_zone: a ZONE_SUITE test of what only InMemoryStorage has (apply)"
     )
@@ -151,12 +149,23 @@ def zone_factory(module: types.ModuleType):
     test run leaves nothing in /dev/shm."""
     import uuid
 
-    def make(*, stripes: int = 64, max_key_bytes: int | None = None, max_keys: int | None = None,
-             on_full: str = "evict", evict_idle_after: float | None = None):
+    def make(
+        *,
+        stripes: int = 64,
+        max_key_bytes: int | None = None,
+        max_keys: int | None = None,
+        on_full: str = "evict",
+        evict_idle_after: float | None = None,
+    ):
         options = {} if max_key_bytes is None else {"max_key_bytes": max_key_bytes}
         zone = module.SharedMemoryStorage(
-            f"nltest-{uuid.uuid4().hex[:16]}", max_keys=ZONE_TEST_KEYS if max_keys is None else max_keys,
-            stripes=stripes, on_full=on_full, evict_idle_after=evict_idle_after, **options)
+            f"nltest-{uuid.uuid4().hex[:16]}",
+            max_keys=ZONE_TEST_KEYS if max_keys is None else max_keys,
+            stripes=stripes,
+            on_full=on_full,
+            evict_idle_after=evict_idle_after,
+            **options,
+        )
         zone.unlink()
         return zone
 
@@ -170,7 +179,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         callspec = getattr(item, "callspec", None)
         on_zone = callspec is not None and callspec.params.get("backend") == "zone"
         opted_in = (getattr(item.module, "ZONE_SUITE", False) or item.get_closest_marker("on_zone")) and not (
-            item.get_closest_marker("not_on_zone"))
+            item.get_closest_marker("not_on_zone")
+        )
         if on_zone and not opted_in:
             dropped.append(item)
         else:

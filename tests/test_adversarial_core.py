@@ -443,6 +443,7 @@ def test_eight_thread_mix_on_a_full_table(backend: types.SimpleNamespace, algori
     def newest() -> Any:
         with busy_lock:
             return busy[-1]
+
     admitted = [0] * 3
     errors: list[BaseException] = []
     stop = threading.Event()

@@ -38,6 +38,7 @@ def native(request: pytest.FixtureRequest):
         pytest.skip("NANOLIMIT_NO_EXTENSIONS is set: no native twin to compare with the reference")
     return importlib.import_module("nanolimit._core")
 
+
 ALGORITHMS = (
     "token_bucket",
     "leaky_bucket",
@@ -264,8 +265,20 @@ def test_traces_agree(native, scenario: Scenario) -> None:
 # floors with integer arithmetic, and its window indexes and GCRA
 # microseconds must still be the reference's to the bit.
 FLOOR_EDGES = (
-    -4503599626.5, -7.25, -3.0, -2.9999999999999996, -0.3, -1e-300, -0.0, 0.0, 5e-324,
-    0.3, 2.9999999999999996, 3.0, 4294967296.5, 4503599626.75,
+    -4503599626.5,
+    -7.25,
+    -3.0,
+    -2.9999999999999996,
+    -0.3,
+    -1e-300,
+    -0.0,
+    0.0,
+    5e-324,
+    0.3,
+    2.9999999999999996,
+    3.0,
+    4294967296.5,
+    4503599626.75,
 )
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from nanolimit.errors import ValidationError
-from nanolimit.storage.redis import AsyncRedisStorage, RedisStorage, direct_path
+from nanolimit.storage.redis import AsyncRedisStorage, RedisStorage
+from nanolimit.storage.redis._connections import direct_path
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -17,11 +17,8 @@ import pytest
 
 from nanolimit._limiter_config import LimiterConfig
 from nanolimit.errors import ValidationError
-from nanolimit.storage.redis import (
-    RedisStorage,
-    _connections,  # where the hiredis packer is looked up
-    _SpareConnections,
-)
+from nanolimit.storage.redis import RedisStorage, _connections  # where the hiredis packer is looked up
+from nanolimit.storage.redis._connections import _SpareConnections
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

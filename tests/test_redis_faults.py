@@ -227,7 +227,7 @@ def test_a_probe_that_never_reports_does_not_hold_the_breaker_open() -> None:
     """Half-open lets one caller probe. A probe that ends without reporting
     (a cancelled task, an interrupt) must not leave every later decision
     behind an open breaker: after another cooldown the next caller probes."""
-    from nanolimit.storage.redis import _Breaker
+    from nanolimit.storage.redis._resilience import _Breaker
 
     breaker = _Breaker(threshold=2, cooldown=0.05)
     breaker.failure()

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from nanolimit import reference
 from nanolimit._limiter_config import Algorithm, LimiterConfig
-from nanolimit.storage.redis import SCRIPTS
+from nanolimit.storage.redis._scripts import SCRIPTS
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib import resources
 
 from nanolimit._limiter_config import Algorithm
-from nanolimit.storage.redis import BATCH_SCRIPTS, COMPOUND_SCRIPT, REFUND_SCRIPTS, SCRIPTS
+from nanolimit.storage.redis._scripts import BATCH_SCRIPTS, COMPOUND_SCRIPT, REFUND_SCRIPTS, SCRIPTS
 
 # SHA1s computed from the inline Lua strings of storage/redis.py just before
 # the Lua moved into .lua files (commit 3bd93b1). They pin the move as

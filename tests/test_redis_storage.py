@@ -18,7 +18,8 @@ from nanolimit import reference
 from nanolimit._limiter_config import LimiterConfig
 from nanolimit._protocols import KernelStorage, Storage
 from nanolimit.errors import ValidationError
-from nanolimit.storage.redis import INJECTED_EXPIRY_FLOOR_MS, RedisStorage
+from nanolimit.storage.redis import RedisStorage
+from nanolimit.storage.redis._scripts import INJECTED_EXPIRY_FLOOR_MS
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
 

@@ -508,9 +508,7 @@ def test_storage_keys_len_and_evict_idle(backend, storage):
     limiter.allow("alice")
     clock.set(20.0)
     limiter.allow("bob")
-    expected = {
-        backend.storage_key(backend.Algorithm.TOKEN_BUCKET, "api", k) for k in ("alice", "bob")
-    }
+    expected = {backend.storage_key(backend.Algorithm.TOKEN_BUCKET, "api", k) for k in ("alice", "bob")}
     assert len(storage) == 2
     assert sorted(storage.keys()) == sorted(expected)
     assert storage.evict_idle(15.0) == 1

@@ -40,6 +40,7 @@ def _native() -> types.ModuleType:
         pytest.skip("NANOLIMIT_NO_EXTENSIONS is set: no native twin to compare")
     return importlib.import_module("nanolimit._core")
 
+
 KEYS = ("a", "b", "c", "d", "e", "f")
 RULES = (
     ("TokenBucket", "tb"),

@@ -20,8 +20,9 @@ from redis_servers import Server, require_binary
 import nanolimit
 from nanolimit import LimiterFactory, RateLimitRule, ValidationError, storage_from_uri
 from nanolimit._select import native_core
-from nanolimit.storage.redis import AsyncRedisStorage, RedisStorage, direct_path
-from nanolimit.storage.redis._resilience import _POLICIES
+from nanolimit.storage.redis import AsyncRedisStorage, RedisStorage
+from nanolimit.storage.redis._connections import direct_path
+from nanolimit.storage.redis._resilience import ON_ERROR_POLICIES
 from nanolimit.storage.uri import DEFAULT_MEMORY_MAX_KEYS, SCHEMES, redact_uri
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
@@ -439,8 +440,8 @@ def test_on_error_accepts_the_storages_own_policies() -> None:
     """One tuple of policies: what the URI accepts is what the storage does."""
     with pytest.raises(ValidationError) as err:
         storage_from_uri("redis://h?on_error=nope")
-    assert ", ".join(_POLICIES) in str(err.value)
-    for policy in _POLICIES:
+    assert ", ".join(ON_ERROR_POLICIES) in str(err.value)
+    for policy in ON_ERROR_POLICIES:
         storage = storage_from_uri(f"redis://{HOST}:1?on_error={policy}")
         assert storage.on_error == policy
         storage.close()

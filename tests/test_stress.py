@@ -27,8 +27,8 @@ GUARD_CAPACITY = 300
 @pytest.mark.parametrize("algorithm", ["token_bucket", "sliding_log", "fixed_window", "gcra"])
 def test_mixed_operations_under_eight_threads(backend, algorithm) -> None:
     storage = backend.InMemoryStorage(stripes=4)
-    clock = backend.FakeClock(10_000.0)       # frozen: the guard's budget is exact
-    old_clock = backend.FakeClock(1_000.0)    # stamps entries the evictor may take
+    clock = backend.FakeClock(10_000.0)  # frozen: the guard's budget is exact
+    old_clock = backend.FakeClock(1_000.0)  # stamps entries the evictor may take
     cls = backend.limiters[algorithm]
     limiters = {
         "guard": cls(GUARD_CAPACITY, 3600.0, storage, clock, rule="guard"),
@@ -62,6 +62,7 @@ def test_mixed_operations_under_eight_threads(backend, algorithm) -> None:
                 limiters["busy"].allow_many(rng.sample(keys, 5))
             else:
                 storage.allow_all([(limiters["busy"], rng.choice(keys)), (limiters["old"], rng.choice(keys))])
+
         return body
 
     def resetter(rng: random.Random) -> None:

@@ -176,4 +176,3 @@ class LockedCounter:
     def add(self, amount: int = 1) -> None:
         with self._lock:
             self.value += amount
-

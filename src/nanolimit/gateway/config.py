@@ -133,11 +133,11 @@ def _field_name(key: object) -> str:
 def _shown_option(key: str, value: Any) -> str:
     """An option's value as any output shows it: a URI with its passwords
     as ``***`` (``redact_uri``), a secret-looking option as ``***`` whole."""
-    from ..storage.uri import _SECRET_NAME, redact_uri
+    from ..storage.uri import SECRET_FIELD_NAME, redact_uri
 
     if key == "uri":
         return repr(redact_uri(value)) if isinstance(value, str) else f"<{type(value).__name__}>"
-    if _SECRET_NAME.search(key):
+    if SECRET_FIELD_NAME.search(key):
         return "'***'"
     return repr(value)
 

@@ -502,7 +502,6 @@ class _ShardedAdmitted:
         )
         self.count(decision, near)  # counted once the headers are written
 
-
     def record_pairs(
         self,
         decision: Any,

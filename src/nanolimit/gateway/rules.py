@@ -38,6 +38,7 @@ __all__ = [
     "parse_rate",
 ]
 
+
 def normalize_path(path: str) -> str:
     """The path as the frameworks route it, which is the path rules match.
 

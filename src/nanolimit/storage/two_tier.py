@@ -45,7 +45,7 @@ from .._limiter_config import LIMITER_CLASS_NAMES, Algorithm, LimiterConfig, Lim
 from .._select import native_core, twin, twin_of
 from .._validation import check_int_option, check_seconds_option
 from ..errors import ValidationError
-from .redis import RedisStorage, _client_package, _is_noscript, _Script, derive_client
+from .redis import LuaScript, RedisStorage, client_package, derive_client, is_noscript
 
 __all__ = ["SUPPORTED_ALGORITHMS", "TwoTierStorage"]
 
@@ -382,7 +382,7 @@ class TwoTierStorage:
         self._leaving = False  # close(): the last sync asks for no lease
         self._slot_of: Any = None  # a cluster's key -> slot, to group a script's keys
         if getattr(self.remote, "cluster", False):
-            self._slot_of = _client_package(self.remote.user_client).crc.key_slot
+            self._slot_of = client_package(self.remote.user_client).crc.key_slot
         self._script_loaded = False
         self._stats: dict[str, Any] = {
             "syncs": 0,
@@ -853,7 +853,7 @@ class TwoTierStorage:
             except self._errors as exc:
                 # a node that restarted or failed over lost the script: the
                 # reconcile writes absolute values, so sending again is safe
-                if not _is_noscript(exc):
+                if not is_noscript(exc):
                     raise
                 replies = self._exchange(work, n, ttl_ms, grace_ms, reserve, True)
         except self._errors:
@@ -1139,4 +1139,4 @@ class TwoTierStorage:
         )
 
 
-_RECONCILE_SCRIPT = _Script(_RECONCILE)
+_RECONCILE_SCRIPT = LuaScript(_RECONCILE)

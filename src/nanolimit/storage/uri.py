@@ -31,6 +31,7 @@ from ..errors import ValidationError
 __all__ = [
     "DEFAULT_MEMORY_MAX_KEYS",
     "SCHEMES",
+    "SECRET_FIELD_NAME",
     "check_storage_uri",
     "redact_uri",
     "storage_from_uri",
@@ -162,9 +163,9 @@ class _Option:
 def _policies() -> tuple[str, ...]:
     """The failure policies the Redis storages accept: their own tuple, so a
     policy added there is accepted here with no second list to edit."""
-    from .redis import _POLICIES
+    from .redis import ON_ERROR_POLICIES
 
-    return tuple(_POLICIES)
+    return tuple(ON_ERROR_POLICIES)
 
 
 #: the Redis storages' bound of a count option (storage/redis/_base.py's MAX_COUNT)
@@ -246,7 +247,7 @@ _INSTEAD: Final = {
 #: What a field's name says about its value: shown as ``***`` by
 #: :func:`redact_uri` (``password``, ``sentinel_password``, ``ssl_password``,
 #: and the misspellings and inventions an operator may bring).
-_SECRET_NAME = re.compile(r"pass|pwd|secret|salt|token|auth|cred", re.IGNORECASE)
+SECRET_FIELD_NAME = re.compile(r"pass|pwd|secret|salt|token|auth|cred", re.IGNORECASE)
 
 
 def _option_names() -> frozenset[str]:
@@ -305,8 +306,8 @@ def _redact_query(query: str) -> str:
         name, eq, _ = field.partition("=")
         decoded = unquote_plus(name)
         if eq and decoded in names:
-            masking = bool(_SECRET_NAME.search(decoded))
-        elif eq and _SECRET_NAME.search(decoded):
+            masking = bool(SECRET_FIELD_NAME.search(decoded))
+        elif eq and SECRET_FIELD_NAME.search(decoded):
             masking = True  # an unknown secret-looking name: refused, but not shown
         elif masking:
             continue  # the secret value's continuation: folded into its ***
@@ -326,13 +327,13 @@ def redact_uri(uri: str) -> str:
         return repr(type(uri))
     scheme, sep, rest = uri.partition("://")
     if not sep or not scheme.replace("+", "").replace("-", "").replace(".", "").isalnum():
-        return "***" if ("@" in uri or _SECRET_NAME.search(uri)) else uri
+        return "***" if ("@" in uri or SECRET_FIELD_NAME.search(uri)) else uri
     low = scheme.lower()
     userinfo, rest = _userinfo(rest, low.endswith("unix"))
     shown = ""
     if userinfo is not None:
         user, colon, _ = userinfo.partition(":")
-        if colon or _SECRET_NAME.search(unquote(user)):
+        if colon or SECRET_FIELD_NAME.search(unquote(user)):
             shown = f"{user}:***@" if colon else "***@"
         else:
             shown = f"{user}@"
@@ -425,8 +426,8 @@ def _query(text: str, scheme: str) -> tuple[dict[str, str], frozenset[str]]:
         name, eq, value = field.partition("=")
         name = unquote_plus(name)
         if name in names:
-            after_secret = bool(_SECRET_NAME.search(name))
-        elif after_secret or _SECRET_NAME.search(name):
+            after_secret = bool(SECRET_FIELD_NAME.search(name))
+        elif after_secret or SECRET_FIELD_NAME.search(name):
             hidden.add(name)
         if not eq:
             raise ValidationError(

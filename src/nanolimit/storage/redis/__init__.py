@@ -60,82 +60,33 @@ from ..._decision_py import (
 from ..._limiter_config import LimiterConfig, LimiterState
 from ..._validation import DUPLICATE_COMPOUND, check_batch, check_cost, check_key, compound_items
 from ...errors import ValidationError
-
-# Every name the single module ``storage/redis.py`` held stays importable
-# from here (the tests and old imports use some private ones), so the
-# ones this module does not use itself carry ``noqa: F401``.
-from ._base import (
-    _BatchRun,
-    _Call,  # noqa: F401
-    _digest,  # noqa: F401
-    _RedisBase,
-    decision_maker,
-    kernel_now,
-    limiter_config,
-)
-from ._connections import (
-    _UNPROBED,  # noqa: F401
-    _AsyncSpareConnections,  # noqa: F401
-    _hiredis_pack,  # noqa: F401
-    _refused_connect,
-    _SpareConnections,  # noqa: F401
-    _SyncSpareConnections,  # noqa: F401
-    check_client,  # noqa: F401
-    direct_path,  # noqa: F401
-    is_asyncio_client,  # noqa: F401
-    is_cluster_client,  # noqa: F401
-)
-from ._connections import (
-    _client_package as _client_package,
-)
-from ._connections import (
-    connect_timeout as connect_timeout,
-)
-from ._connections import (
-    derive_client as derive_client,
-)
-from ._local import REASON_STORE_UNAVAILABLE_LOCAL, LocalFallback  # noqa: F401
-from ._near_cache import _NearCache  # noqa: F401
-from ._resilience import (
-    _CLASS_CODES,  # noqa: F401
-    SERVER_ERROR_CODES,  # noqa: F401
-    WRITE_REFUSED_CODES,  # noqa: F401
-    OnError,  # noqa: F401
-    _Breaker,
-    _code_of_text,  # noqa: F401
-    error_code,  # noqa: F401
-)
-from ._resilience import (
-    _POLICIES as _POLICIES,
-)
-from ._resilience import (
-    _is_noscript as _is_noscript,
-)
+from ._base import _BatchRun, _RedisBase, decision_maker, kernel_now, limiter_config
+from ._connections import _refused_connect, client_package, connect_timeout, derive_client
+from ._local import REASON_STORE_UNAVAILABLE_LOCAL
+from ._resilience import ON_ERROR_POLICIES, _Breaker, is_noscript
 from ._scripts import (
     _ALGO_IDS,
-    _COMPOUND_MAIN,  # noqa: F401
-    _ERROR_TEXT,  # noqa: F401
-    _KERNEL_LUA,  # noqa: F401
-    _MAX_STAMP,  # noqa: F401
-    _PRELUDE,  # noqa: F401
-    BATCH_CHUNK,  # noqa: F401
     BATCH_SCRIPTS,
     COMPOUND_SCRIPT,
-    INJECTED_EXPIRY_FLOOR_MS,  # noqa: F401
     REFUND_SCRIPTS,
     SCRIPTS,
+    LuaScript,
     _params,
     _parse_verdict,
-)
-from ._scripts import (
-    _Script as _Script,
 )
 
 __all__ = [
     "MAX_CLOCK_LEAD",
+    "ON_ERROR_POLICIES",
     "REASON_STORE_UNAVAILABLE_LOCAL",
     "AsyncRedisStorage",
+    "LuaScript",
     "RedisStorage",
+    # what the other storages (two_tier, uri) build on
+    "client_package",
+    "connect_timeout",
+    "derive_client",
+    "is_noscript",
 ]
 
 
@@ -213,7 +164,7 @@ class RedisStorage(_RedisBase):
         for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), COMPOUND_SCRIPT, *REFUND_SCRIPTS.values()):
             self._load(script)
 
-    def _load(self, script: _Script, node: Any = None) -> None:
+    def _load(self, script: LuaScript, node: Any = None) -> None:
         if node is not None and self._routes is not None:  # that node alone: another may be down
             self._loaded(script, self._routes.call(node, ("SCRIPT", "LOAD", script.source)))
             return
@@ -243,13 +194,13 @@ class RedisStorage(_RedisBase):
         finally:
             pool.release(conn)
 
-    def _evalsha(self, script: _Script, keys: Sequence[str], args: Sequence[str], node: Any = None) -> Any:
+    def _evalsha(self, script: LuaScript, keys: Sequence[str], args: Sequence[str], node: Any = None) -> Any:
         """One ``EVALSHA``; on ``NOSCRIPT`` load and retry once (safe: the
         script did not run). Never retried otherwise."""
         try:
             return self._call("EVALSHA", script.sha, len(keys), *keys, *args, node=node)
         except self._errors as exc:
-            if not _is_noscript(exc):
+            if not is_noscript(exc):
                 raise
         self._load(script, node)
         return self._call("EVALSHA", script.sha, len(keys), *keys, *args, node=node)
@@ -423,7 +374,7 @@ class RedisStorage(_RedisBase):
         return [v for v in out if v is not None]
 
     def _check_one_slot(self, keys: Sequence[str]) -> None:
-        slot = _client_package(self.user_client).crc.key_slot
+        slot = client_package(self.user_client).crc.key_slot
         slots = {slot(k.encode("utf-8")) for k in keys}
         if len(slots) > 1:
             raise ValidationError(
@@ -558,7 +509,7 @@ class AsyncRedisStorage(_RedisBase):
         for script in (*SCRIPTS.values(), *BATCH_SCRIPTS.values(), *REFUND_SCRIPTS.values()):
             await self._load(script)
 
-    async def _load(self, script: _Script, node: Any = None) -> None:
+    async def _load(self, script: LuaScript, node: Any = None) -> None:
         if node is not None and self._routes is not None:  # that node alone: another may be down
             self._loaded(script, await self._routes.call_async(node, ("SCRIPT", "LOAD", script.source)))
             return
@@ -589,14 +540,14 @@ class AsyncRedisStorage(_RedisBase):
             await pool.release(conn)
 
     async def _evalsha(
-        self, script: _Script, keys: Sequence[str], args: Sequence[str], node: Any = None
+        self, script: LuaScript, keys: Sequence[str], args: Sequence[str], node: Any = None
     ) -> Any:
         """One ``EVALSHA``; on ``NOSCRIPT`` load and retry once (safe: the
         script did not run). Never retried otherwise."""
         try:
             return await self._call("EVALSHA", script.sha, len(keys), *keys, *args, node=node)
         except self._errors as exc:
-            if not _is_noscript(exc):
+            if not is_noscript(exc):
                 raise
         await self._load(script, node)
         return await self._call("EVALSHA", script.sha, len(keys), *keys, *args, node=node)

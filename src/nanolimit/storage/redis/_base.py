@@ -25,9 +25,9 @@ from ...errors import CircuitOpenError, RedisKeyError, RedisUnavailableError, Va
 from ._cluster import NodeRoutes
 from ._connections import (
     _AsyncSpareConnections,
-    _client_package,
     _SyncSpareConnections,
     check_client,
+    client_package,
     connection_args,
     derive_client,
     direct_path,
@@ -37,14 +37,14 @@ from ._connections import (
 from ._local import DEFAULT_LOCAL_MAX_KEYS, LocalFallback, check_local_options
 from ._near_cache import _NearCache
 from ._resilience import (
-    _POLICIES,
+    ON_ERROR_POLICIES,
     SERVER_ERROR_CODES,
     WRITE_REFUSED_CODES,
     OnError,
     _Breaker,
     _code_of_text,
-    _is_noscript,
     error_code,
+    is_noscript,
 )
 from ._scripts import (
     BATCH_CHUNK,
@@ -52,9 +52,9 @@ from ._scripts import (
     INJECTED_EXPIRY_FLOOR_MS,
     REFUND_SCRIPTS,
     SCRIPTS,
+    LuaScript,
     _params,
     _parse_verdict,
-    _Script,
 )
 
 #: The bound of a count option (breaker threshold, near-cache entries): an
@@ -70,7 +70,7 @@ def _digest(text: str, salt: bytes) -> str:
 
 
 # One script call of a batch: script, its keys, its arguments, the batch positions it decides.
-_Call = tuple[_Script, list[str], list[str], list[int]]
+_Call = tuple[LuaScript, list[str], list[str], list[int]]
 
 
 class _RedisBase:
@@ -120,8 +120,8 @@ class _RedisBase:
         if clock not in ("server", "client"):
             raise ValidationError(f"clock must be 'server' or 'client', got {clock!r}")
         for policy in (on_error, *(rule_on_error or {}).values()):
-            if policy not in _POLICIES:
-                raise ValidationError(f"on_error must be one of {_POLICIES}, got {policy!r}")
+            if policy not in ON_ERROR_POLICIES:
+                raise ValidationError(f"on_error must be one of {ON_ERROR_POLICIES}, got {policy!r}")
         timeout = check_seconds_option("timeout", timeout, 0, 60)
         deny_retry_after = check_seconds_option("deny_retry_after", deny_retry_after, 0, MAX_WINDOW)
         breaker_threshold = check_int_option("breaker_threshold", breaker_threshold, 1, MAX_COUNT)
@@ -203,7 +203,7 @@ class _RedisBase:
         # is not the builtin one) and the builtin (socket and asyncio timeouts).
         self._timeout_errors: tuple[type[BaseException], ...] = (TimeoutError,)
         try:
-            exceptions = _client_package(client).exceptions
+            exceptions = client_package(client).exceptions
             base = getattr(exceptions, "RedisError", None) or getattr(exceptions, "ValkeyError", None)
             if isinstance(base, type) and issubclass(base, BaseException):
                 self._errors = (base, OSError)
@@ -271,7 +271,7 @@ class _RedisBase:
             or isinstance(getattr(pool, "timeout", None), (int, float))
         ):
             return
-        exceptions = getattr(_client_package(self.client), "exceptions", None)
+        exceptions = getattr(client_package(self.client), "exceptions", None)
         if self._asyncio:
             self._spares = _AsyncSpareConnections(pool, self._conn_args, keep, exceptions)
             return
@@ -361,7 +361,7 @@ class _RedisBase:
         return out
 
     # -- what a decision sends, and what it makes of the answer --------------------
-    def _loaded(self, script: _Script, sha: Any) -> None:
+    def _loaded(self, script: LuaScript, sha: Any) -> None:
         """Check the SHA a ``SCRIPT LOAD`` answered."""
         if isinstance(sha, bytes):
             sha = sha.decode()
@@ -634,7 +634,7 @@ class _RedisBase:
             script = BATCH_SCRIPTS[config.algorithm]
             groups: dict[int, list[int]] = {}
             if self.cluster:
-                slot_of = _client_package(self.user_client).crc.key_slot
+                slot_of = client_package(self.user_client).crc.key_slot
                 for i, rkey in enumerate(rkeys):
                     groups.setdefault(slot_of(rkey.encode("utf-8")), []).append(i)
             else:
@@ -663,7 +663,7 @@ class _RedisBase:
     # -- refunds ------------------------------------------------------------------
     def _refund_start(
         self, config: LimiterConfig, key: str, units: int, at: float | None, now: float | None
-    ) -> tuple[_Script, tuple[str], tuple[str, ...], _Breaker, Any] | None:
+    ) -> tuple[LuaScript, tuple[str], tuple[str, ...], _Breaker, Any] | None:
         """A refund's script, ``KEYS``, ``ARGV``, breaker and cluster node
         (see ``_route``), or None when the open
         breaker answers it (under ``"raise"`` it raises
@@ -881,7 +881,7 @@ class _BatchRun:
         for script, call_keys, args, _ in self.todo:
             pipe.execute_command("EVALSHA", script.sha, len(call_keys), *call_keys, *args)
 
-    def absorb(self, replies: Sequence[Any], attempt: int) -> _Script | None:
+    def absorb(self, replies: Sequence[Any], attempt: int) -> LuaScript | None:
         again = self.absorb_calls(self.todo, replies, attempt, None)
         self.todo = again
         return again[0][0] if again else None
@@ -896,7 +896,7 @@ class _BatchRun:
         for call, reply in zip(calls, replies):
             members = call[3]
             if isinstance(reply, BaseException):
-                if attempt == 0 and _is_noscript(reply):
+                if attempt == 0 and is_noscript(reply):
                     again.append(call)
                     continue
                 self.failed += len(members)

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, ClassVar
 
-from ._connections import _client_package, connection_args
+from ._connections import client_package, connection_args
 from ._resilience import _Breaker
 
 log = logging.getLogger("nanolimit.storage.redis")
@@ -48,7 +48,7 @@ class NodeRoutes:
         self.threshold = threshold
         self.cooldown = cooldown
         self.asyncio = asyncio_client
-        pkg = _client_package(client)
+        pkg = client_package(client)
         self._slot = pkg.crc.key_slot
         self._exceptions = pkg.exceptions
         self._breakers: dict[str, _Breaker] = {}

@@ -73,7 +73,7 @@ def connection_args(pool: Any) -> tuple[str, ...] | None:
     return ()
 
 
-def _client_package(client: Any) -> Any:
+def client_package(client: Any) -> Any:
     """``redis`` or ``valkey`` (or any redis-py fork): the top package of the
     library the client's class comes from, found along its MRO so a subclass
     defined elsewhere still names its library."""
@@ -110,7 +110,7 @@ def check_client(client: Any) -> None:
         )
     if not callable(getattr(client, "execute_command", None)):
         raise ValidationError(f"client must be {_ACCEPTED}; got {type(client).__name__} {_shown(client)}")
-    _client_package(client)
+    client_package(client)
 
 
 def _library_class(pkg: Any, asyncio_client: bool, module: str, name: str) -> Any:
@@ -138,7 +138,7 @@ def _exactly(value: Any, pkg: Any, asyncio_client: bool, module: str, names: tup
 def is_cluster_client(client: Any) -> bool:
     """A RedisCluster (or a subclass), of either flavour: routed by slot."""
     try:
-        pkg = _client_package(client)
+        pkg = client_package(client)
     except ValidationError:
         return False
     return _is_a(client, pkg, is_asyncio_client(client), "cluster", _CLUSTERS)
@@ -162,7 +162,7 @@ def direct_path(client: Any) -> str:
     ``read_response``/``release``, the pool's and the connection's public
     methods), none kept (so too an asyncio connection without the
     ``can_read`` check a kept one needs); ``"public"`` — anything else: ``execute_command``."""
-    pkg = _client_package(client)
+    pkg = client_package(client)
     aio = is_asyncio_client(client)
     if not _exactly(client, pkg, aio, "client", _CLIENTS):
         return "public"  # a cluster (routing), or a subclass that may change execute_command
@@ -238,7 +238,7 @@ def derive_client(client: Any, timeout: float) -> Any:
 
 
 def _derive(client: Any, timeout: float) -> Any:
-    pkg = _client_package(client)
+    pkg = client_package(client)
     aio = is_asyncio_client(client)
     home = pkg.__name__ + (".asyncio" if aio else "")  # where the client's own Retry lives
     retry_mod = importlib.import_module(home + ".retry")

@@ -17,7 +17,7 @@ from typing import Final, Literal
 OnError = Literal["allow", "deny", "raise", "local"]
 # "local": decide in a bounded in-process store at a share of each limit while
 # the server is unreachable (``_local``); a key's error reply is denied.
-_POLICIES: Final = ("allow", "deny", "raise", "local")
+ON_ERROR_POLICIES: Final = ("allow", "deny", "raise", "local")
 
 # --------------------------------------------------------------------------
 # Error replies: which say the server cannot answer now (they feed the circuit
@@ -113,7 +113,7 @@ def error_code(exc: BaseException) -> str:
     return _code_of_text(str(exc.args[0]) if exc.args else "")
 
 
-def _is_noscript(exc: BaseException) -> bool:
+def is_noscript(exc: BaseException) -> bool:
     """redis-py and valkey-py raise ``NoScriptError`` (the ``NOSCRIPT`` prefix
     stripped); other clients may hand back the raw reply."""
     return error_code(exc) == "NOSCRIPT"

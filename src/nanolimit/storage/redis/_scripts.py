@@ -70,6 +70,7 @@ _PRELUDE: Final = _fragment(
     "prelude", MAX_LEAD=repr(MAX_CLOCK_LEAD), MAX_STAMP=_MAX_STAMP, MAX_COUNT=str(MAX_LIMIT)
 )
 
+
 # Each kernel: (key, clock, cost, commit, floor_ms, p1, p2) -> allowed (bool),
 # and the reply string "allowed remaining retry_after reset_after delay at"
 # (``at``: the key's time it decided at, the ``now`` a sliding log stamps).
@@ -117,7 +118,7 @@ _ERROR_TEXT: Final = _fragment("error_text")
 _COMPOUND_MAIN: Final = _fragment("compound_main")
 
 
-class _Script:
+class LuaScript:
     """A script's source and its SHA1, computed locally (no round trip)."""
 
     __slots__ = ("sha", "source")
@@ -131,25 +132,25 @@ class _Script:
 # p1, p2, cost_1 .. cost_n. One clock reading for the whole batch, as in memory.
 # lua/batch_main.lua, its kernel named by @ALGORITHM@.
 
-SCRIPTS: Final[dict[Algorithm, _Script]] = {
-    algo: _Script(_PRELUDE + lua + _fragment("single_main", ALGORITHM=algo.value))
+SCRIPTS: Final[dict[Algorithm, LuaScript]] = {
+    algo: LuaScript(_PRELUDE + lua + _fragment("single_main", ALGORITHM=algo.value))
     for algo, lua in _KERNEL_LUA.items()
 }
-BATCH_SCRIPTS: Final[dict[Algorithm, _Script]] = {
-    algo: _Script(_PRELUDE + lua + _ERROR_TEXT + _fragment("batch_main", ALGORITHM=algo.value))
+BATCH_SCRIPTS: Final[dict[Algorithm, LuaScript]] = {
+    algo: LuaScript(_PRELUDE + lua + _ERROR_TEXT + _fragment("batch_main", ALGORITHM=algo.value))
     for algo, lua in _KERNEL_LUA.items()
 }
 # Keys per batch script: bounds how long one script holds the server (~10 µs a key).
 BATCH_CHUNK: Final = 200
-COMPOUND_SCRIPT: Final = _Script(_PRELUDE + "".join(_KERNEL_LUA.values()) + _ERROR_TEXT + _COMPOUND_MAIN)
+COMPOUND_SCRIPT: Final = LuaScript(_PRELUDE + "".join(_KERNEL_LUA.values()) + _ERROR_TEXT + _COMPOUND_MAIN)
 
 # A refund (docs/redis.md, "Refunds"): KEYS[1]; ARGV: now ('' = server TIME),
 # at ('' = the key's own u), cost, floor_ms, p1, p2. Reads the state as a
 # decision does (``<algorithm>_state.lua``), gives back, stamps u = now and
 # sets the expiry a decision would; a key that does not exist is left
 # unmade (the reply is 0, else 1).
-REFUND_SCRIPTS: Final[dict[Algorithm, _Script]] = {
-    algo: _Script(
+REFUND_SCRIPTS: Final[dict[Algorithm, LuaScript]] = {
+    algo: LuaScript(
         _PRELUDE
         + _state_lua(algo)
         + _fragment(f"{algo.value}_refund")
