@@ -110,6 +110,47 @@ def test_a_sentinel_managed_client_decides(
             conn.close()
 
 
+@pytest.mark.parametrize("package", ["redis", "valkey"])
+def test_unreachable_sentinels_cost_a_decision_its_timeout_not_retries(
+    package: str, backend: types.SimpleNamespace
+) -> None:
+    """Finding the master asks the Sentinels on the decision path; the
+    caller's Sentinel retries with backoff (8 s for one decision at a 50 ms
+    timeout). The derived one asks each watcher once, within the timeout,
+    and leaves the caller's Sentinel as it was."""
+    import socket
+    import time
+
+    sentinel_mod = pytest.importorskip(package + ".sentinel")
+    closed = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind((HOST, 0))
+            closed.append((HOST, probe.getsockname()[1]))  # nothing listens there
+    manager = sentinel_mod.Sentinel(closed, socket_timeout=2.0)
+    client = manager.master_for("mymaster")
+    before = [watcher.get_retry() for watcher in manager.sentinels]
+    storage = RedisStorage(client, timeout=0.05, on_error="allow", breaker_threshold=100)
+    try:
+        derived = storage.client.connection_pool.sentinel_manager
+        assert derived is not manager
+        ports = [w.connection_pool.connection_kwargs["port"] for w in derived.sentinels]
+        assert ports == [port for _, port in closed]
+        assert all(w.connection_pool.connection_kwargs["socket_timeout"] == 0.05 for w in derived.sentinels)
+        limiter = backend.TokenBucket(3, 60.0, storage, rule="lost")
+        for _ in range(3):
+            start = time.monotonic()
+            decision = limiter.allow("k")
+            elapsed = time.monotonic() - start
+            assert decision.allowed and decision.degraded
+            assert elapsed < 1.0, elapsed  # two refused connects, not seconds of backoff
+        assert [watcher.get_retry() for watcher in manager.sentinels] == before
+        assert manager.sentinels[0].connection_pool.connection_kwargs["socket_timeout"] == 2.0
+    finally:
+        storage.close()
+        client.close()
+
+
 def test_an_asyncio_sentinel_managed_client_decides(sentinel: Any, backend: types.SimpleNamespace) -> None:
     import redis.asyncio.sentinel
 

@@ -17,7 +17,7 @@ import select
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, ClassVar, Final
@@ -279,7 +279,7 @@ def _derive(client: Any, timeout: float) -> Any:
     if _is_sentinel_pool(pool, pkg, aio):
         # the pool's own back reference (a proxy) is rebuilt by the new pool
         kwargs.pop("connection_pool", None)
-        manager = pool.sentinel_manager
+        manager = _bounded_sentinel(pool.sentinel_manager, overrides, no_retry)
         make = manager.master_for if pool.is_master else manager.slave_for
         # redis-py names the client class ``redis_class``, valkey-py ``valkey_class``
         names = inspect.signature(make).parameters
@@ -310,6 +310,35 @@ def _derive(client: Any, timeout: float) -> Any:
         raise _CannotDerive(f"{type(client).__name__} cannot be made on a pool ({exc})") from exc
     derived.auto_close_connection_pool = True  # our pool: ``close()``/``aclose()`` disconnects it
     return derived
+
+
+def _bounded_sentinel(manager: Any, overrides: dict[str, Any], no_retry: Callable[[], Any]) -> Any:
+    """The caller's Sentinel again, its watchers asked with our timeout and no
+    retries: finding the master is on the decision path, and redis-py's
+    default retries with backoff made one decision against unreachable
+    Sentinels take 8 s at a 50 ms timeout."""
+    try:
+        places = [watcher.connection_pool.connection_kwargs for watcher in manager.sentinels]
+        hosts = [(place["host"], place["port"]) for place in places]
+        watchers = dict(manager.sentinel_kwargs)
+        settings = dict(manager.connection_kwargs)
+    except (AttributeError, KeyError, TypeError) as exc:
+        shown = type(manager).__name__
+        raise _CannotDerive(f"its Sentinel ({shown}) does not show its watchers ({exc})") from exc
+    watchers.update(overrides, retry=no_retry())
+    for name in ("retry_on_timeout", "retry_on_error"):  # the Retry says it (redis-py 6 warns of these)
+        watchers.pop(name, None)
+    if getattr(manager, "_force_master_ip", None) is not None:  # redis-py only
+        settings["force_master_ip"] = manager._force_master_ip
+    try:
+        return type(manager)(
+            hosts,
+            min_other_sentinels=getattr(manager, "min_other_sentinels", 0),
+            sentinel_kwargs=watchers,
+            **settings,
+        )
+    except TypeError as exc:  # a Sentinel subclass with other arguments
+        raise _CannotDerive(f"its Sentinel cannot make another ({exc})") from exc
 
 
 def _drop(pool: Any) -> None:
