@@ -106,9 +106,7 @@ def main() -> None:
             f"p99 {_pct(healthy_times, 0.99) * 1e3:.3f} ms, max {max(healthy_times) * 1e3:.1f} ms"
         )
         print(f"one master dead: {dead_rate:,.0f} decisions/s, live masters' keys {dead_live:,.0f}/s")
-        print(
-            f"live masters' keys' rate, dead/healthy (0.25 s slices): {dead_live / healthy_live:.2f}x"
-        )
+        print(f"live masters' keys' rate, dead/healthy (0.25 s slices): {dead_live / healthy_live:.2f}x")
         hcycle = keys * (len(healthy_times) // len(keys) + 1)
         live_before = statistics.median(t for t, (_, ok) in zip(healthy_times, hcycle) if ok)
         live_after = statistics.median(t for t, (_, ok) in zip(times, cycle) if ok)
