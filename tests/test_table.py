@@ -20,10 +20,15 @@ ONE_MILLION = 1_000_000
 
 
 def test_growth_past_one_million_keys(backend: types.SimpleNamespace) -> None:
+    """The native table doubles its index 20 times on the way to a million
+    keys, each a rehash that must lose nothing. The reference's stripes are
+    dicts, which Python grows: a tenth of the keys shows the same answers in
+    a tenth of the time (24 s of CI on the million)."""
     clock = backend.FakeClock(1000.0)
     storage = backend.InMemoryStorage()
     limiter = backend.FixedWindowCounter(3, 60.0, storage=storage, clock=clock, rule="grow")
-    keys = [f"k{i}" for i in range(ONE_MILLION + 17)]
+    total = ONE_MILLION if backend.name == "native" else ONE_MILLION // 10
+    keys = [f"k{i}" for i in range(total + 17)]
     first = limiter.allow_many(keys)
     assert len(storage) == len(keys)
     assert first.allowed_count == len(keys)
