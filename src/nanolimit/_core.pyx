@@ -45,9 +45,11 @@ from nanolimit._kernels cimport (
     log_ring_size, log_run_of, refund_kernel, run_kernel,
 )
 from nanolimit._zone cimport *  # the zone layout and its nogil table (_core_zone_table.pxi)
+from nanolimit._evict cimport (
+    TableRoom, ZoneRoom, evict_could_make_room, evict_make_room, evict_room_for_new_key, table_room, zone_room,
+)
 from nanolimit._table cimport (
     NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, CompoundKeys, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
-    stripe_could_make_room, stripe_make_room, stripe_sweep_idle,
     prefetch_slot, stripe_clear, stripe_delete, stripe_evict, stripe_find, stripe_reclaim,
     BatchReaders, IndexHeader, batch_join, batch_leave,
     stripe_insert,
