@@ -58,6 +58,7 @@ from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET, ALG_SLIDING_COUNTER,
     ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_CORRUPT, NL_NOMEM, NL_OK, NL_REENTRANT,
     NL_TABLE_FULL, Entry, LogState, Params, Verdict, nl_hash_seeded, nl_lock_spin, nl_mum,
+    BatchBlock, batch_alloc, batch_begin, batch_take,
     nl_namespace_seed, nl_set_secrets, nl_add_u64_relaxed, nl_load_u64_relaxed,
     nl_cas_u64, nl_floor_i64, nl_load_pointer_relaxed, nl_load_u64_seq,
     nl_trylock, nl_unlock, nl_wall_now,
