@@ -58,6 +58,7 @@ def _extensions() -> list:
             "src/nanolimit/_types.pxd",
             "src/nanolimit/_kernels.pxd",
             "src/nanolimit/_index.pxd",
+            "src/nanolimit/_evict.pxd",
             "src/nanolimit/_table.pxd",
             "src/nanolimit/_zone.pxd",
             "src/nanolimit/_zone.h",

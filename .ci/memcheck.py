@@ -25,6 +25,7 @@ OURS_FILES = (
     "_decision_pool.h",
     "_kernels.pxd",
     "_index.pxd",
+    "_evict.pxd",
     "_table.pxd",
     "_zone.pxd",
     "_zone.h",

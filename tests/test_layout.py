@@ -32,7 +32,7 @@ GONE = (
     "nanolimit._shared", "nanolimit._errors",
 )  # fmt: skip
 CORE_MODULES = {
-    "_clocks", "_core", "_decision_py", "_kernels", "_limiter_config", "_protocols", "_select",
+    "_clocks", "_core", "_decision_py", "_evict", "_kernels", "_limiter_config", "_protocols", "_select",
     "_table", "_types", "_validation", "_version", "_zone", "errors", "reference",
 }  # fmt: skip
 

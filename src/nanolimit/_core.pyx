@@ -45,9 +45,11 @@ from nanolimit._kernels cimport (
     log_ring_size, log_run_of, refund_kernel, run_kernel,
 )
 from nanolimit._zone cimport *  # the zone layout and its nogil table (_core_zone_table.pxi)
+from nanolimit._evict cimport (
+    TableRoom, ZoneRoom, evict_could_make_room, evict_make_room, evict_room_for_new_key, table_room, zone_room,
+)
 from nanolimit._table cimport (
     NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, CompoundKeys, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
-    stripe_could_make_room, stripe_make_room, stripe_sweep_idle,
     prefetch_slot, stripe_clear, stripe_delete, stripe_evict, stripe_find, stripe_reclaim,
     BatchReaders, IndexHeader, batch_join, batch_leave,
     stripe_insert,
@@ -56,6 +58,7 @@ from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET, ALG_SLIDING_COUNTER,
     ALG_SLIDING_LOG, ALG_TOKEN_BUCKET, NL_CORRUPT, NL_NOMEM, NL_OK, NL_REENTRANT,
     NL_TABLE_FULL, Entry, LogState, Params, Verdict, nl_hash_seeded, nl_lock_spin, nl_mum,
+    BatchBlock, batch_alloc, batch_begin, batch_take,
     nl_namespace_seed, nl_set_secrets, nl_add_u64_relaxed, nl_load_u64_relaxed,
     nl_cas_u64, nl_floor_i64, nl_load_pointer_relaxed, nl_load_u64_seq,
     nl_trylock, nl_unlock, nl_wall_now,

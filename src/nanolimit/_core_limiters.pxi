@@ -297,7 +297,8 @@ cdef class _Limiter:
         cdef list cost_list = None
         cdef list time_list = None
         cdef double* stamps = NULL
-        cdef char* block
+        cdef BatchBlock block
+        cdef int carving
         cdef Py_ssize_t n = len(key_list)
         cdef Py_ssize_t i, done = 0, refused = 0, nheld = 0
         cdef const char** data
@@ -323,19 +324,17 @@ cdef class _Limiter:
             time_list = times if type(times) is list else list(times)
             if len(time_list) != n:
                 raise ValidationError(f"{n} keys but {len(time_list)} times")
-        block = <char*>malloc(<size_t>(n if n else 1) * (sizeof(char*) + sizeof(Py_ssize_t)
-                                                        + sizeof(int64_t) + sizeof(uint64_t)
-                                                        + sizeof(PyObject*) + sizeof(double)
-                                                        + sizeof(uint8_t)))
-        if block == NULL:
-            raise MemoryError()
-        data = <const char**>block
-        sizes = <Py_ssize_t*>(data + n)
-        units = <int64_t*>(sizes + n)
-        hashes = <uint64_t*>(units + n)
-        held = <PyObject**>(hashes + n)
-        stamps = <double*>(held + n)            # used only with ``times``
-        storage_full = <uint8_t*>(stamps + n)
+        batch_begin(&block, n)
+        for carving in range(2):    # measure, then carve
+            if carving:
+                batch_alloc(&block)
+            data = <const char**>batch_take(&block, sizeof(char*))
+            sizes = <Py_ssize_t*>batch_take(&block, sizeof(Py_ssize_t))
+            units = <int64_t*>batch_take(&block, sizeof(int64_t))
+            hashes = <uint64_t*>batch_take(&block, sizeof(uint64_t))
+            held = <PyObject**>batch_take(&block, sizeof(PyObject*))
+            stamps = <double*>batch_take(&block, sizeof(double))       # used only with ``times``
+            storage_full = <uint8_t*>batch_take(&block, sizeof(uint8_t))
         if time_list is None:
             stamps = NULL
         try:
@@ -378,7 +377,7 @@ cdef class _Limiter:
         finally:
             for i in range(nheld):
                 Py_DECREF(<object>held[i])
-            free(block)
+            free(block.base)
         if status != NL_OK:
             if status == NL_CORRUPT and self.zone is not None:
                 self.zone.raise_corrupt("a stripe of this batch")     # repaired, its lock released

@@ -391,7 +391,8 @@ cdef class InMemoryStorage:
         cdef Py_ssize_t i, j, locked = 0, stripes_used = 0
         cdef list limiters = []
         cdef _Limiter limiter
-        cdef char* block
+        cdef BatchBlock block
+        cdef int carving
         cdef const char** data
         cdef Py_ssize_t* sizes
         cdef int64_t* units
@@ -411,23 +412,21 @@ cdef class InMemoryStorage:
         cdef bint absent = False
         cdef uint8_t* created
         cdef uint8_t* reserved
-        cdef size_t row = (sizeof(char*) + sizeof(Py_ssize_t) + sizeof(int64_t) + sizeof(uint64_t)
-                           + sizeof(double) + sizeof(Params*) + 2 * sizeof(uint32_t) + sizeof(Verdict)
-                           + 2 * sizeof(uint8_t))
-        block = <char*>malloc(<size_t>n * row)
-        if block == NULL:
-            raise MemoryError()
-        verdicts = <Verdict*>block
-        data = <const char**>(verdicts + n)
-        sizes = <Py_ssize_t*>(data + n)
-        units = <int64_t*>(sizes + n)
-        hashes = <uint64_t*>(units + n)
-        nows = <double*>(hashes + n)
-        params = <const Params**>(nows + n)
-        namespaces = <uint32_t*>(params + n)
-        stripe_ids = namespaces + n
-        created = <uint8_t*>(stripe_ids + n)
-        reserved = created + n
+        batch_begin(&block, n)
+        for carving in range(2):    # measure, then carve
+            if carving:
+                batch_alloc(&block)
+            verdicts = <Verdict*>batch_take(&block, sizeof(Verdict))
+            data = <const char**>batch_take(&block, sizeof(char*))
+            sizes = <Py_ssize_t*>batch_take(&block, sizeof(Py_ssize_t))
+            units = <int64_t*>batch_take(&block, sizeof(int64_t))
+            hashes = <uint64_t*>batch_take(&block, sizeof(uint64_t))
+            nows = <double*>batch_take(&block, sizeof(double))
+            params = <const Params**>batch_take(&block, sizeof(Params*))
+            namespaces = <uint32_t*>batch_take(&block, sizeof(uint32_t))
+            stripe_ids = <uint32_t*>batch_take(&block, sizeof(uint32_t))
+            created = <uint8_t*>batch_take(&block, sizeof(uint8_t))
+            reserved = <uint8_t*>batch_take(&block, sizeof(uint8_t))
         try:
             for i in range(n):
                 candidate, key, cost = items[i]
@@ -521,7 +520,7 @@ cdef class InMemoryStorage:
                 limiter = <_Limiter>limiters[i]
                 decisions.append(make_decision(&verdicts[i], limiter.p.capacity, limiter._rule, limiter.p.window))
         finally:
-            free(block)
+            free(block.base)
         return CompoundDecision(decisions)
 
     # -- the Storage protocol ------------------------------------------------

@@ -6,32 +6,22 @@
 # lock, but ``lock_stripe`` and ``release_objects``.
 
 cdef inline bint room_for_new_key(Stripe* s, const Bounds* b, double now) noexcept nogil:
-    """Bounded storages: run the idle sweep, then make room in a full stripe.
-    False means the new key must be refused (``on_full="deny_new"``, or no
-    entry could be freed). In a compound's first phase the room counts the
-    compound's new keys of this stripe already given room and not in yet
-    (``b.pending``), and no key of the compound (``b.keep``) is forgotten
-    for it: committing then writes them all and the stripe stays within
-    its cap (docs/spec.md §5)."""
-    if b.idle_after > 0.0:
-        stripe_sweep_idle(s, now - b.idle_after, b.keep)
-    if b.stripe_cap == 0:
-        return True
-    # a loop, not one eviction: a compound's second new key of the stripe
-    # wants room for two, recounted after each forget
-    while <uint64_t>s.count + b.pending >= s.cap:
-        if not stripe_make_room(s, b.chunks, now, b.evict_active, b.keep):
-            s.denied_new += 1
-            return False
-    return True
+    """Bounded storages: run the idle sweep, then make room in a full stripe
+    (``evict_room_for_new_key``). False means the new key must be refused
+    (``on_full="deny_new"``, or no entry could be freed). In a compound's
+    first phase the room counts ``b.pending`` and spares ``b.keep``."""
+    cdef TableRoom R = table_room(s, b)
+    return evict_room_for_new_key(&R, now, b.idle_after, b.pending, b.evict_active) > 0
 
 
 cdef inline bint peek_finds_room(const Stripe* s, const Bounds* b, double now) noexcept nogil:
     """``room_for_new_key`` for ``peek``: the same answer, nothing changed.
     Only a full ``deny_new`` stripe can refuse."""
+    cdef TableRoom R
     if b.stripe_cap == 0 or b.evict_active or s.count < s.cap:
         return True
-    return stripe_could_make_room(s, b.chunks, now, b.idle_after > 0.0, now - b.idle_after)
+    R = table_room(<Stripe*>s, b)      # read only: the scan walks copies of the cursor and random state
+    return evict_could_make_room(&R, now, b.idle_after > 0.0, now - b.idle_after) > 0
 
 
 cdef inline void refuse_new_key(Verdict* v) noexcept nogil:

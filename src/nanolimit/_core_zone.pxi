@@ -557,7 +557,8 @@ cdef class SharedMemoryStorage:
         cdef list limiters = []
         cdef list keys = []
         cdef _Limiter limiter
-        cdef char* block
+        cdef BatchBlock block
+        cdef int carving
         cdef char* digests
         cdef const char** data
         cdef Py_ssize_t* sizes
@@ -571,25 +572,24 @@ cdef class SharedMemoryStorage:
         cdef uint32_t stripe_id
         cdef bint all_allowed = True
         cdef int status = NL_OK
-        cdef size_t row = (sizeof(char*) + sizeof(Py_ssize_t) + sizeof(int64_t) + sizeof(uint64_t)
-                           + sizeof(double) + sizeof(Params*) + 2 * sizeof(uint32_t) + sizeof(Verdict) + 16)
         self.check_open()
         if n > ZONE_COMPOUND_MAX:
             raise ValidationError(
                 f"a compound request on a shared-memory zone holds at most {ZONE_COMPOUND_MAX} limits, got {n}")
-        block = <char*>malloc(<size_t>(n if n else 1) * row)
-        if block == NULL:
-            raise MemoryError()
-        verdicts = <Verdict*>block
-        data = <const char**>(verdicts + n)
-        sizes = <Py_ssize_t*>(data + n)
-        units = <int64_t*>(sizes + n)
-        hashes = <uint64_t*>(units + n)
-        nows = <double*>(hashes + n)
-        params = <const Params**>(nows + n)
-        namespaces = <uint32_t*>(params + n)
-        stripe_ids = namespaces + n
-        digests = <char*>(stripe_ids + n)
+        batch_begin(&block, n)
+        for carving in range(2):    # measure, then carve
+            if carving:
+                batch_alloc(&block)
+            digests = <char*>batch_take(&block, 16)     # a long key's digest, 16 bytes
+            verdicts = <Verdict*>batch_take(&block, sizeof(Verdict))
+            data = <const char**>batch_take(&block, sizeof(char*))
+            sizes = <Py_ssize_t*>batch_take(&block, sizeof(Py_ssize_t))
+            units = <int64_t*>batch_take(&block, sizeof(int64_t))
+            hashes = <uint64_t*>batch_take(&block, sizeof(uint64_t))
+            nows = <double*>batch_take(&block, sizeof(double))
+            params = <const Params**>batch_take(&block, sizeof(Params*))
+            namespaces = <uint32_t*>batch_take(&block, sizeof(uint32_t))
+            stripe_ids = <uint32_t*>batch_take(&block, sizeof(uint32_t))
         try:
             for i in range(n):
                 candidate, key, cost = items[i]
@@ -643,7 +643,7 @@ cdef class SharedMemoryStorage:
             while locked > 0:
                 locked -= 1
                 nlz_unlock(&self.z.stripes[stripe_ids[locked]].lock)
-            free(block)
+            free(block.base)
         return CompoundDecision(decisions)
 
     # -- the Storage protocol ------------------------------------------------

@@ -6,6 +6,94 @@
 # refund, and decide a compound. All ``noexcept nogil`` under the stripe
 # locks that SharedMemoryStorage (``_core_zone.pxi``) takes.
 
+cdef inline int zone_room_for_new_key(Zone* z, uint32_t si, double now,
+                                      const ZoneCompound* compound) noexcept nogil:
+    """``room_for_new_key`` on the zone (``evict_room_for_new_key``): 1 when
+    the stripe has room for a new key (made if need be), 0 when it has
+    none, NL_CORRUPT when its count or its cap cannot be. In a compound's
+    first phase (``compound``, else NULL) the room counts
+    ``compound.pending`` and no key of the compound is forgotten for it."""
+    cdef ZoneRoom R = zone_room(z, si, NULL, compound)
+    return evict_room_for_new_key(&R, now, z.idle_after, 0 if compound == NULL else compound.pending,
+                                  z.evict_active)
+
+
+cdef inline int zone_could_make_room(Zone* z, uint32_t si, double now) noexcept nogil:
+    """``peek_finds_room``'s scan on a full ``deny_new`` zone stripe: the
+    answer ``zone_room_for_new_key`` would give (1 or 0), changing nothing;
+    NL_CORRUPT when the stripe cannot be read."""
+    cdef ZoneRoom R = zone_room(z, si, NULL, NULL)
+    return evict_could_make_room(&R, now, z.idle_after > 0.0, now - z.idle_after)
+
+
+cdef inline Entry* zone_ring_for(Zone* z, uint32_t si, Entry* e, uint32_t* keep, int64_t needed,
+                                 int64_t capacity, double now, const ZoneCompound* compound,
+                                 int* status) noexcept nogil:
+    """Make a sliding log's ring hold ``min(needed, capacity)`` stamps before
+    its kernel runs, so the kernel never allocates (its rings are C heap;
+    these are the arena's). Grows by doubling, as the in-memory log does.
+    When the arena is out of room, an ``evict`` zone forgets one other entry
+    of the stripe and tries once more. ``keep`` is the position of ``e`` in
+    the stripe (NULL for a scratch entry): eviction never picks it, and
+    moves it if the entry it frees was the last; nor does it pick a key of
+    ``compound`` (the allow_all being prepared, or NULL). Returns ``e`` where it now
+    is, or NULL when there is no room (the caller refuses the request) or,
+    with ``status`` set to NL_CORRUPT, when the log or the stripe cannot be
+    read."""
+    cdef ZoneLog* lg = zone_log(e)
+    cdef uint32_t size = 0, i, j
+    cdef int64_t want
+    cdef int freed = 0
+    cdef uint64_t block, old
+    cdef double* old_ring
+    cdef double* new_ring
+    cdef ZoneRoom R
+    if not zone_log_valid(z, lg):
+        status[0] = NL_CORRUPT
+        return NULL
+    if needed > capacity:
+        needed = capacity
+    if lg.ring != 0:
+        size = (<uint32_t*>(z.base + lg.ring))[0]
+    if needed <= <int64_t>size:
+        return e
+    want = 8 if size == 0 else <int64_t>size * 2
+    if want < needed:
+        want = needed
+    if want > capacity:
+        want = capacity
+    block = arena_alloc(z, <uint64_t>want)
+    if block == 0 and z.evict_active:
+        R = zone_room(z, si, keep, compound)
+        freed = evict_make_room(&R, now, True)
+        if freed < 0:
+            status[0] = freed
+            return NULL
+        if freed > 0:
+            if keep != NULL:
+                e = &stripe_entries(z, si)[keep[0]]
+                lg = zone_log(e)
+            block = arena_alloc(z, <uint64_t>want)
+    if block == 0:
+        z.stripes[si].denied_arena += 1
+        return NULL
+    old = lg.ring
+    old_ring = zone_ring(z, old)
+    new_ring = zone_ring(z, block)
+    j = lg.head
+    for i in range(lg.length):
+        new_ring[i] = old_ring[j]
+        j += 1
+        if j == size:
+            j = 0
+    nlz_compiler_barrier()
+    lg.ring = block             # the entry names the new ring before the old one is freed:
+    lg.head = 0                 # a holder killed between leaks a block, never shares one
+    nlz_compiler_barrier()
+    arena_free(z, old)
+    return e
+
+
 cdef int zone_decide(Zone* z, uint32_t si, uint64_t h, uint32_t ns, const char* stored, uint32_t klen,
                      double clock_now, int64_t cost, const Params* p, bint commit, ZoneCompound* reserve,
                      Verdict* v) noexcept nogil:

@@ -8,7 +8,7 @@
 # the prefetch hints and the batch readers' epoch (prefetch_slot,
 # prefetch_entry, batch_join, batch_leave), which read without it.
 
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memset
 
@@ -16,12 +16,10 @@ from nanolimit._index cimport (
     SLOT_POSITION_MASK, TableIndex, entry_key, home_slot, index_entry_hash, index_find, index_remove_slot,
     index_slot_naming, slot_value,
 )
-from nanolimit._kernels cimport log_at, log_free
+from nanolimit._kernels cimport log_free
 from nanolimit._types cimport (
-    ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET,
-    ALG_SLIDING_COUNTER, ALG_TOKEN_BUCKET, Params,
-    ALG_SLIDING_LOG, INLINE_KEY_BYTES, LogState, NL_NOMEM, NL_OK,
-    NL_TABLE_FULL, Entry, nl_add_u64_relaxed, nl_fence, nl_fetch_add_u64, nl_floor_i64, nl_hash_seeded,
+    ALG_APPLY, Params, ALG_SLIDING_LOG, INLINE_KEY_BYTES, NL_NOMEM, NL_OK,
+    NL_TABLE_FULL, Entry, nl_add_u64_relaxed, nl_fence, nl_fetch_add_u64, nl_hash_seeded,
     nl_key_equal, nl_load_pointer_acquire, nl_load_pointer_relaxed, nl_load_u32_relaxed,
     nl_load_u64_seq, nl_namespace_seed, nl_prefetch, nl_store_pointer_release,
 )
@@ -429,106 +427,7 @@ cdef inline void stripe_clear(Stripe* s, ObjectList* out) noexcept nogil:
 
 
 # ---------------------------------------------------------------- bounded memory
-
-cdef enum:
-    EVICTION_SCAN = 16              # entries along the cursor looked at per eviction
-    EVICTION_SAMPLE = 8             # random entries looked at per eviction
-    SWEEP_STEP = 4                  # entries the idle sweep looks at per insert
-
-
-cdef inline bint entry_at_rest(const Entry* e, const Params* p, double now) noexcept nogil:
-    """True when the key's state is back to that of a key never seen, so
-    forgetting it changes no decision (docs/spec.md §4, the new-key states)."""
-    cdef int alg = e.ns & NS_ALGORITHM_MASK
-    cdef double elapsed
-    cdef int64_t index
-    if p == NULL or alg == ALG_APPLY:
-        return False
-    if now < e.updated_at:
-        now = e.updated_at
-    elapsed = now - e.updated_at
-    if alg == ALG_TOKEN_BUCKET:
-        return e.state.bucket.level + elapsed * p.rate >= p.capacity_f
-    if alg == ALG_LEAKY_BUCKET:
-        return e.state.bucket.level - elapsed * p.rate <= 0.0
-    if alg == ALG_GCRA:
-        return e.state.gcra.tat <= nl_floor_i64(now * 1000000.0)
-    if alg == ALG_SLIDING_LOG:
-        return e.state.log.length == 0 or log_at(&e.state.log, e.state.log.length - 1) <= now - p.window
-    index = nl_floor_i64(now / p.window)
-    if alg == ALG_FIXED_WINDOW:
-        return e.state.window.count == 0 or index != e.state.window.index
-    # sliding counter: both the current and the previous window must be empty
-    if e.state.window.count == 0 and e.state.window.previous == 0:
-        return True
-    return index >= e.state.window.index + 2 or (index == e.state.window.index + 1 and e.state.window.count == 0)
-
-
-cdef inline uint32_t log_live(const LogState* lg, double cutoff) noexcept nogil:
-    """Stamps newer than ``cutoff`` (the log is oldest first: a binary search)."""
-    cdef uint32_t lo = 0, hi = lg.length, mid
-    while lo < hi:
-        mid = lo + (hi - lo) // 2
-        if log_at(lg, mid) <= cutoff:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lg.length - lo
-
-
-cdef inline double entry_given_back(const Entry* e, const Params* p, double now,
-                                    bint* in_debt) noexcept nogil:
-    """Units that forgetting the key would hand back at ``now`` (what it has
-    spent and not yet recovered), and whether it is in debt: it could not
-    pass a request of cost 1 now. Choosing the victim by this, not by when
-    it would be at rest, is what keeps a flood of fresh keys from buying an
-    exhausted key its budget back (matches ``reference._given_back``)."""
-    cdef int alg = e.ns & NS_ALGORITHM_MASK
-    cdef double elapsed, level, spent, weight
-    cdef int64_t index, backlog, count, previous
-    if now < e.updated_at:
-        now = e.updated_at
-    elapsed = now - e.updated_at
-    if alg == ALG_TOKEN_BUCKET:
-        level = e.state.bucket.level + elapsed * p.rate
-        if level > p.capacity_f:
-            level = p.capacity_f
-        in_debt[0] = level < 1.0
-        return p.capacity_f - level
-    if alg == ALG_LEAKY_BUCKET:
-        level = e.state.bucket.level - elapsed * p.rate
-        if level < 0.0:
-            level = 0.0
-        in_debt[0] = p.capacity_f - level < 1.0
-        return level
-    if alg == ALG_GCRA:
-        backlog = e.state.gcra.tat - nl_floor_i64(now * 1000000.0)
-        if backlog < 0:
-            backlog = 0
-        in_debt[0] = backlog + p.interval_us > p.tolerance_us
-        return <double>backlog / <double>p.interval_us
-    if alg == ALG_SLIDING_LOG:
-        count = log_live(&e.state.log, now - p.window)
-        in_debt[0] = count + 1 > p.capacity
-        return <double>count
-    index = nl_floor_i64(now / p.window)
-    if alg == ALG_FIXED_WINDOW:
-        count = e.state.window.count if index == e.state.window.index else 0
-        in_debt[0] = count + 1 > p.capacity
-        return <double>count
-    # sliding counter: the estimate after rolling to ``now``'s window
-    count = 0
-    previous = 0
-    if index == e.state.window.index:
-        count = e.state.window.count
-        previous = e.state.window.previous
-    elif index == e.state.window.index + 1:
-        previous = e.state.window.count
-    weight = 1.0 - (now - <double>index * p.window) / p.window
-    spent = <double>previous * weight + <double>count
-    in_debt[0] = spent + 1.0 > p.capacity_f
-    return spent
-
+# (which entry to forget, and when: _evict.pxd, written once for both tables)
 
 cdef enum:
     NAMESPACE_CHUNK = 256           # namespaces per params chunk; 256 chunks at most
@@ -546,30 +445,6 @@ cdef inline const Params* params_for(Params** chunks, uint32_t ns) noexcept nogi
     if chunk == NULL or chunk[ident % NAMESPACE_CHUNK].capacity == 0:
         return NULL
     return &chunk[ident % NAMESPACE_CHUNK]
-
-
-cdef inline uint32_t xorshift32(uint32_t x) noexcept nogil:
-    x ^= x << 13
-    x ^= x >> 17
-    x ^= x << 5
-    return x
-
-
-cdef inline uint32_t eviction_candidate(uint32_t i, uint32_t* cursor, uint32_t* random,
-                                        uint32_t count) noexcept nogil:
-    """The ``i``-th entry an eviction looks at (of ``EVICTION_SCAN +
-    EVICTION_SAMPLE``): along the cursor, then at random. One sequence for
-    both tables, and for ``peek``, which walks it on copies of the cursor
-    and the random state to answer as ``allow`` would."""
-    cdef uint32_t position
-    if i < <uint32_t>EVICTION_SCAN:
-        if cursor[0] >= count:
-            cursor[0] = 0
-        position = cursor[0]
-        cursor[0] += 1
-        return position
-    random[0] = xorshift32(random[0])
-    return random[0] % count
 
 
 cdef inline uint32_t slot_of(const Stripe* s, uint32_t position) noexcept nogil:
@@ -596,100 +471,4 @@ cdef inline bint entry_kept(const Entry* e, const CompoundKeys* keep) noexcept n
         if (keep.namespaces[i] == e.ns and <uint32_t>keep.sizes[i] == e.key_len
                 and nl_key_equal(entry_key(e), keep.data[i], e.key_len)):
             return True
-    return False
-
-
-cdef inline void stripe_sweep_idle(Stripe* s, double cutoff, const CompoundKeys* keep) noexcept nogil:
-    """A few steps of the incremental idle sweep: O(1) per insert, and over
-    many inserts it visits every entry, with no timer thread. A key of
-    ``keep`` (the compound being decided, or NULL) is stepped over."""
-    cdef int step
-    cdef Entry* e
-    for step in range(SWEEP_STEP):
-        if s.count == 0:
-            return
-        if s.sweep >= s.count:
-            s.sweep = 0
-        e = &s.entries[s.sweep]
-        if e.updated_at < cutoff and e.ns != ALG_APPLY and not entry_kept(e, keep):
-            stripe_remove_position(s, s.sweep)     # the last entry moved here: look again
-            s.evicted_idle += 1
-        else:
-            s.sweep += 1
-
-
-cdef inline bint stripe_could_make_room(const Stripe* s, Params** chunks, double now,
-                                       bint sweep_idle, double idle_cutoff) noexcept nogil:
-    """Whether a new key's ``allow`` on this full ``deny_new`` stripe would
-    find room, changing nothing (``peek``): the idle sweep's steps and then
-    ``stripe_make_room``'s scan and sample (from a copy of the stripe's
-    random state), visited as they would be. Exact when the stripe holds
-    ``cap`` keys, which no stripe holds more of."""
-    cdef uint32_t i, position, cursor = s.sweep, x = s.random
-    cdef const Entry* e
-    if s.count == 0:
-        return True
-    if sweep_idle:
-        for i in range(<uint32_t>SWEEP_STEP):
-            if cursor >= s.count:
-                cursor = 0
-            e = &s.entries[cursor]
-            if e.updated_at < idle_cutoff and e.ns != ALG_APPLY:
-                return True
-            cursor += 1
-    for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
-        position = eviction_candidate(i, &cursor, &x, s.count)     # copies: nothing advances
-        e = &s.entries[position]
-        if e.ns != ALG_APPLY and entry_at_rest(e, params_for(chunks, e.ns), now):
-            return True
-    return False
-
-
-cdef inline bint stripe_make_room(Stripe* s, Params** chunks, double now,
-                                  bint evict_active, const CompoundKeys* keep) noexcept nogil:
-    """Free one entry of a full stripe. First an entry at rest (forgetting it
-    changes no decision), looked for along the sweep cursor and in a random
-    sample; else, when allowed, of those looked at and not in debt, the one
-    whose forgetting hands back the fewest units, the least recently used
-    among equals. A key in debt (a denied attacker's) is never forgotten to
-    make room: when every key looked at is in debt, nothing is freed and the
-    new key is refused. Nor is a key of ``keep`` (the compound being
-    decided, or NULL): those are looked at and passed over, so a stripe
-    holding only the compound's own keys frees nothing. O(1) per call (a
-    compound's keys: O(its size) more per entry looked at). Returns False
-    when nothing was freed."""
-    cdef uint32_t i, position, victim = 0
-    cdef double fewest = 0.0, oldest = 0.0, given
-    cdef bint have_victim = False, in_debt
-    cdef const Entry* e
-    cdef const Params* p
-    if s.count == 0:
-        return False                # only a compound's own new keys want the room
-    for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
-        position = eviction_candidate(i, &s.sweep, &s.random, s.count)
-        e = &s.entries[position]
-        if e.ns == ALG_APPLY or entry_kept(e, keep):
-            continue
-        p = params_for(chunks, e.ns)
-        if entry_at_rest(e, p, now):
-            stripe_remove_position(s, position)
-            if s.sweep > position:
-                s.sweep = position          # the entry moved into it is not looked at yet
-            s.evicted_at_rest += 1
-            return True
-        if p == NULL:
-            continue
-        given = entry_given_back(e, p, now, &in_debt)
-        if in_debt:
-            continue
-        if (not have_victim or given < fewest
-                or (given == fewest and e.updated_at < oldest)):
-            victim = position
-            fewest = given
-            oldest = e.updated_at
-            have_victim = True
-    if evict_active and have_victim:
-        stripe_remove_position(s, victim)
-        s.evicted_active += 1
-        return True
     return False

@@ -1,8 +1,10 @@
 # cython: language_level=3, cdivision=True
 # Fixed-layout C types shared by every native module: per-key state, the
-# table entry, the limiter parameters and a kernel's verdict.
+# table entry, the limiter parameters and a kernel's verdict; and the one
+# allocator of a batch's arrays (BatchBlock).
 
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport SIZE_MAX, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport malloc
 
 
 cdef extern from "_native.h" nogil:
@@ -119,3 +121,67 @@ ctypedef struct Verdict:
     double reset_after
     double delay
     double at                       # the key's time the decision was made at (Decision.at)
+
+
+# ---------------------------------------------------------------- a batch's arrays
+#
+# A batch (allow_many, allow_all) keeps a few arrays of one row per request:
+# one malloc, carved. The caller lists its arrays once, in a loop that runs
+# twice: the first pass measures, the second carves the block then allocated.
+#
+#     batch_begin(&block, n)
+#     for carving in range(2):
+#         if carving:
+#             batch_alloc(&block)
+#         verdicts = <Verdict*>batch_take(&block, sizeof(Verdict))
+#         keys = <const char**>batch_take(&block, sizeof(char*))
+#     try: ... finally: free(block.base)
+#
+# Each array starts at its item's alignment (the largest power of two that
+# divides its size, which the C alignment of a type always divides; at most
+# malloc's 16), so any order is correct; listing the widest first leaves no
+# padding. A batch of none is given one row: malloc never sees 0, so NULL is
+# only ever out of memory, and an array of a batch of none can be passed on.
+
+ctypedef struct BatchBlock:
+    char* base                      # the block: NULL until the second pass
+    size_t rows                     # items per array (n, or 1 for a batch of none)
+    size_t size                     # bytes laid out so far
+    bint overflow                   # the block would not fit in a size_t
+
+
+cdef inline void batch_begin(BatchBlock* b, Py_ssize_t n) noexcept nogil:
+    b.base = NULL
+    b.rows = <size_t>n if n > 0 else 1
+    b.size = 0
+    b.overflow = False
+
+
+cdef inline int batch_alloc(BatchBlock* b) except -1:
+    """Allocate the block the first pass measured; the second then carves
+    it. MemoryError when it cannot be had (nothing is then left to free)."""
+    if b.overflow:
+        raise MemoryError()
+    b.base = <char*>malloc(b.size)
+    if b.base == NULL:
+        raise MemoryError()
+    b.size = 0
+    return 0
+
+
+cdef inline void* batch_take(BatchBlock* b, size_t item) noexcept nogil:
+    """The next array, of ``rows`` items of ``item`` bytes (NULL in the
+    measuring pass)."""
+    cdef size_t align = item & (~item + 1)
+    cdef size_t offset
+    if align > 16:
+        align = 16
+    offset = (b.size + align - 1) & ~(align - 1)
+    if offset < b.size or item > (SIZE_MAX - offset) // b.rows:
+        b.overflow = True
+        return NULL
+    b.size = offset + item * b.rows
+    if b.base == NULL:
+        return NULL
+    return b.base + offset
+
