@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import threading
 import time
 import weakref
@@ -26,6 +27,7 @@ from ._cluster import NodeRoutes
 from ._connections import (
     _AsyncSpareConnections,
     _SyncSpareConnections,
+    address_of,
     check_client,
     client_package,
     connection_args,
@@ -56,6 +58,8 @@ from ._scripts import (
     _params,
     _parse_verdict,
 )
+
+log = logging.getLogger("nanolimit.storage.redis")
 
 #: The bound of a count option (breaker threshold, near-cache entries): an
 #: int32, so no count is ever a number no table or counter could hold.
@@ -145,6 +149,9 @@ class _RedisBase:
                 f"{type(client).__name__} (use {other} for that one)"
             )
         self.user_client = client
+        #: where the store is, for the outage log: the URI redacted when
+        #: storage_from_uri made it, else read from the client (no credential)
+        self.address = address_of(client)
         self.client = derive_client(client, float(timeout)) if derive else client
         self.cluster = is_cluster_client(client)
         self.prefix = prefix
@@ -415,10 +422,39 @@ class _RedisBase:
         is closed again (the recovery complete) that server's outage ends:
         its local store hands new decisions back to Redis."""
         b = breaker or self._breaker
-        b.success()
+        if b.success():
+            self._recovered(b)
         local = self._local
         if local is not None and local.active and b.closed:
             local.handover(b.name)
+
+    def _outage(self, exc: BaseException, breaker: _Breaker) -> None:
+        """The first failure of an outage: one WARNING, with where the store
+        is (redacted) and what answers meanwhile, until it answers again."""
+        text = str(exc).replace("\n", " ")
+        policies = {self.on_error, *self.rule_on_error.values()}
+        answer = f"on_error={self.on_error!r}" + (
+            f" (per rule: {sorted(policies)})" if len(policies) > 1 else ""
+        )
+        log.warning(
+            "nanolimit: the Redis store at %s%s is failing (%s: %s): decisions follow %s until it "
+            "answers again (logged once per outage)",
+            self.address,
+            f" (node {breaker.name})" if breaker.name else "",
+            type(exc).__name__,
+            text if len(text) <= 200 else text[:200] + "...",
+            answer,
+            extra={"store": self.address, "node": breaker.name},
+        )
+
+    def _recovered(self, breaker: _Breaker) -> None:
+        """The answer that ends an outage (the breaker closed again)."""
+        log.info(
+            "nanolimit: the Redis store at %s%s answers again: decisions are its own",
+            self.address,
+            f" (node {breaker.name})" if breaker.name else "",
+            extra={"store": self.address, "node": breaker.name},
+        )
 
     def _fallback(
         self, cfg: LimiterConfig, exc: BaseException | None, reason: str = REASON_STORE_UNAVAILABLE
@@ -454,7 +490,9 @@ class _RedisBase:
         self._count("errors")
         if isinstance(exc, self._timeout_errors):
             self._count("timeouts")
-        (breaker or self._breaker).failure()
+        b = breaker or self._breaker
+        if b.failure():
+            self._outage(exc, b)
         if self._routes is not None:
             self._routes.refresh_soon()
 
@@ -600,7 +638,8 @@ class _RedisBase:
     ) -> KernelVerdict:
         """The store answered: a verdict, remembered by the near-cache if a denial."""
         b = breaker or self._breaker
-        b.success()
+        if b.success():
+            self._recovered(b)
         local = self._local
         if local is not None and local.active and b.closed:
             local.handover(b.name)

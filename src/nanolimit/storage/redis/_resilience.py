@@ -139,9 +139,15 @@ class _Breaker:
 
     ``name`` is what the breaker guards: ``""`` for a standalone server (or
     a Sentinel-managed one), a cluster node's ``host:port``, one breaker per
-    node (see ``_cluster``)."""
+    node (see ``_cluster``).
+
+    An *outage* (an episode) runs from a failure while ``closed`` to the
+    answer that makes it ``closed`` again: :meth:`failure` says when one
+    starts and :meth:`success` when it ends, so the storage logs each once
+    (a flapping server is one outage, as above)."""
 
     __slots__ = (
+        "_down",
         "_failures",
         "_lock",
         "_open_until",
@@ -165,6 +171,7 @@ class _Breaker:
         self._probing = False
         self._lock = threading.Lock()
         self.opened = 0
+        self._down = False  # in an outage: from its first failure until closed again
 
     def allow_call(self) -> bool:
         if not self._tripped:
@@ -183,7 +190,9 @@ class _Breaker:
             self._open_until = now + self.cooldown
             return True
 
-    def success(self) -> None:
+    def success(self) -> bool:
+        """An answer; True when it ends an outage (the breaker closed again)."""
+        # in an outage one of the three is set, so the common case is this test
         if self._failures or self._tripped or self._recovering:
             with self._lock:
                 self._failures = 0
@@ -193,23 +202,31 @@ class _Breaker:
                     self._recovering = self.threshold - 1  # this answer is the first of them
                 elif self._recovering:
                     self._recovering -= 1
+                if self._down and not self._recovering:
+                    self._down = False
+                    return True
+        return False
 
-    def failure(self) -> None:
+    def failure(self) -> bool:
+        """A failure; True when it starts an outage."""
         with self._lock:
             self._probing = False
+            began = not self._down
+            self._down = True
             if self._tripped or self._recovering:
                 if not self._tripped:
                     self.opened += 1  # a relapse during the recovery: open again at once
                 self._tripped = True
                 self._recovering = 0
                 self._open_until = time.monotonic() + self.cooldown
-                return
+                return began
             self._failures += 1
             if self._failures >= self.threshold:
                 self._tripped = True
                 self._failures = 0
                 self.opened += 1
                 self._open_until = time.monotonic() + self.cooldown
+            return began
 
     @property
     def closed(self) -> bool:
