@@ -29,7 +29,7 @@ from nanolimit.errors import RuleValidationError
 from nanolimit.flask import Limiter
 from nanolimit.gateway.keyfuncs import MAX_KEY_BYTES
 from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
-from nanolimit.gateway.routes import RouteLimits
+from nanolimit.gateway.routes import FOREIGN_KEYWORDS, RouteLimits
 from nanolimit.gateway.rules import KeyScope, RateLimitRule
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -359,3 +359,119 @@ def test_aiohttp_key_is_handed_the_aiohttp_request() -> None:
 
     assert asyncio.run(asyncio.wait_for(run(), 20)) == [200, 429, 200]
     assert seen and all(isinstance(r, web.Request) for r in seen)
+
+
+# ---------------------------------------------------------------------------
+# What the other front ends hand: the WSGI environ, a websocket's connection
+
+
+def test_the_wsgi_middleware_hands_the_environ() -> None:
+    from werkzeug.test import Client as WerkzeugClient
+
+    from nanolimit.wsgi import RateLimitMiddleware as WSGIMiddleware
+
+    seen: list[Any] = []
+
+    def key(environ: Any) -> str:
+        seen.append(environ)
+        return str(environ.get("HTTP_X_TENANT", "anon"))
+
+    def app(environ: Any, start_response: Any) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    rule = RateLimitRule.from_rate("wsgi", "1/minute", algorithm="fixed_window", key=key)
+    client = WerkzeugClient(WSGIMiddleware(app, RuleRegistry([rule]), LimiterFactory(InMemoryStorage())))
+    got = [client.get("/", headers={"X-Tenant": t}).status_code for t in "aab"]
+    assert got == [200, 429, 200] and all(type(e) is dict and "wsgi.version" in e for e in seen)
+
+
+def test_a_websocket_key_is_handed_an_http_connection() -> None:
+    from starlette.applications import Starlette
+    from starlette.requests import HTTPConnection
+    from starlette.routing import WebSocketRoute
+    from starlette.websockets import WebSocket
+
+    seen: list[Any] = []
+
+    def key(connection: HTTPConnection) -> str:
+        seen.append(connection)
+        return connection.headers.get("x-tenant", "anon")
+
+    async def echo(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.close()
+
+    rule = RateLimitRule.from_rate("ws", "5/minute", key=key)
+    app = Starlette(routes=[WebSocketRoute("/ws", echo)])
+    app.add_middleware(ASGIMiddleware, registry=RuleRegistry([rule]))
+    with TestClient(app) as client, client.websocket_connect("/ws", headers={"x-tenant": "a"}):
+        pass
+    assert len(seen) == 1 and type(seen[0]) is HTTPConnection and seen[0].url.path == "/ws"
+
+
+def test_without_starlette_an_asgi_key_is_handed_the_scope(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanolimit.gateway import keyfuncs
+
+    monkeypatch.setattr(keyfuncs, "_StarletteRequest", None)
+    monkeypatch.setitem(sys.modules, "starlette.requests", None)  # import fails, as uninstalled
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": []}
+    assert keyfuncs.key_argument(Request("GET", "/", native=scope)) is scope
+
+
+def test_an_http_exception_a_flask_key_raises_is_answered_as_itself() -> None:
+    from werkzeug.exceptions import Unauthorized
+
+    def key(request: Any) -> str:
+        if "X-Api-Key" not in request.headers:
+            raise Unauthorized("an API key, please")
+        return str(request.headers["X-Api-Key"])
+
+    app = Flask(__name__)
+    limiter = Limiter(app=app)
+
+    @app.get("/k")
+    @limiter.limit("5/minute", key=key)
+    def k() -> str:
+        return "k"
+
+    @app.get("/bad")
+    @limiter.limit("5/minute", key=lambda request: None)
+    def bad() -> str:
+        return "bad"
+
+    client = app.test_client()
+    assert client.get("/k").status_code == 401
+    assert client.get("/k", headers={"X-Api-Key": "s"}).status_code == 200
+    app.testing = False  # a production app: the error is a 500, logged by Flask
+    assert client.get("/bad").status_code == 500
+
+
+@pytest.mark.parametrize("keyword", sorted(FOREIGN_KEYWORDS))
+def test_every_foreign_keyword_is_refused_naming_ours(keyword: str) -> None:
+    instead = FOREIGN_KEYWORDS[keyword]
+    for call in (Limiter, Limiter().limit, RouteLimits, RouteLimits().limit):
+        args = () if call in (Limiter, RouteLimits) else ("5/minute",)
+        with pytest.raises(TypeError, match=f"takes no {keyword}=") as caught:
+            call(*args, **{keyword: None})  # type: ignore[operator]
+        assert str(caught.value).endswith("use " + instead)
+
+
+def test_limiter_key_keyword_is_the_default_of_declarations_and_default_limits() -> None:
+    app = Flask(__name__)
+    app.config["RATELIMIT_DEFAULT"] = "1/hour"
+    limiter = Limiter(app=app, key=lambda request: str(request.headers.get("X-Tenant", "anon")))
+
+    @app.get("/d")
+    @limiter.limit("1/hour")
+    def d() -> str:
+        return "d"
+
+    @app.get("/other")
+    def other() -> str:
+        return "other"
+
+    client = app.test_client()
+    for path in ("/d", "/other"):
+        assert [client.get(path, headers={"X-Tenant": t}).status_code for t in "aab"] == [200, 429, 200]
+    assert all(r.key is not None for r in limiter.pipeline(app).registry.ruleset.rules)
