@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 import threading
 import time
 import weakref
@@ -47,6 +46,8 @@ from ._resilience import (
     _code_of_text,
     error_code,
     is_noscript,
+    log_outage,
+    log_recovery,
 )
 from ._scripts import (
     BATCH_CHUNK,
@@ -58,8 +59,6 @@ from ._scripts import (
     _params,
     _parse_verdict,
 )
-
-log = logging.getLogger("nanolimit.storage.redis")
 
 #: The bound of a count option (breaker threshold, near-cache entries): an
 #: int32, so no count is ever a number no table or counter could hold.
@@ -423,38 +422,10 @@ class _RedisBase:
         its local store hands new decisions back to Redis."""
         b = breaker or self._breaker
         if b.success():
-            self._recovered(b)
+            log_recovery(self.address, b)
         local = self._local
         if local is not None and local.active and b.closed:
             local.handover(b.name)
-
-    def _outage(self, exc: BaseException, breaker: _Breaker) -> None:
-        """The first failure of an outage: one WARNING, with where the store
-        is (redacted) and what answers meanwhile, until it answers again."""
-        text = str(exc).replace("\n", " ")
-        policies = {self.on_error, *self.rule_on_error.values()}
-        answer = f"on_error={self.on_error!r}" + (
-            f" (per rule: {sorted(policies)})" if len(policies) > 1 else ""
-        )
-        log.warning(
-            "nanolimit: the Redis store at %s%s is failing (%s: %s): decisions follow %s until it "
-            "answers again (logged once per outage)",
-            self.address,
-            f" (node {breaker.name})" if breaker.name else "",
-            type(exc).__name__,
-            text if len(text) <= 200 else text[:200] + "...",
-            answer,
-            extra={"store": self.address, "node": breaker.name},
-        )
-
-    def _recovered(self, breaker: _Breaker) -> None:
-        """The answer that ends an outage (the breaker closed again)."""
-        log.info(
-            "nanolimit: the Redis store at %s%s answers again: decisions are its own",
-            self.address,
-            f" (node {breaker.name})" if breaker.name else "",
-            extra={"store": self.address, "node": breaker.name},
-        )
 
     def _fallback(
         self, cfg: LimiterConfig, exc: BaseException | None, reason: str = REASON_STORE_UNAVAILABLE
@@ -492,7 +463,7 @@ class _RedisBase:
             self._count("timeouts")
         b = breaker or self._breaker
         if b.failure():
-            self._outage(exc, b)
+            log_outage(self.address, b, exc, (self.on_error, *self.rule_on_error.values()))
         if self._routes is not None:
             self._routes.refresh_soon()
 
@@ -639,7 +610,7 @@ class _RedisBase:
         """The store answered: a verdict, remembered by the near-cache if a denial."""
         b = breaker or self._breaker
         if b.success():
-            self._recovered(b)
+            log_recovery(self.address, b)
         local = self._local
         if local is not None and local.active and b.closed:
             local.handover(b.name)

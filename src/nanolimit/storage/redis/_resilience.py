@@ -1,5 +1,6 @@
 """Failures: the errors a storage raises, how a server's error reply is
-classified (the server's trouble, or one key's), and the circuit breaker.
+classified (the server's trouble, or one key's), the circuit breaker, and
+the one record per outage it lets the storage write.
 
 Why a private module: what counts as "the store is down" decides whether a
 request is answered by policy and whether the breaker opens (docs/redis.md,
@@ -10,9 +11,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import Final, Literal
+
+log = logging.getLogger("nanolimit.storage.redis")
 
 OnError = Literal["allow", "deny", "raise", "local"]
 # "local": decide in a bounded in-process store at a share of each limit while
@@ -245,3 +250,33 @@ class _Breaker:
         if not self._tripped:
             return "closed"
         return "half-open" if time.monotonic() >= self._open_until else "open"
+
+
+def log_outage(address: str, breaker: _Breaker, exc: BaseException, policies: Iterable[str]) -> None:
+    """The first failure of an outage (:meth:`_Breaker.failure` said so):
+    one WARNING naming where the store is (``address``, redacted), the
+    error, and the policy answering until the store answers again."""
+    text = str(exc).replace("\n", " ")
+    first, *rest = policies
+    every = sorted({first, *rest})
+    answer = f"on_error={first!r}" + (f" (per rule: {every})" if len(every) > 1 else "")
+    log.warning(
+        "nanolimit: the Redis store at %s%s is failing (%s: %s): decisions follow %s until it "
+        "answers again (logged once per outage)",
+        address,
+        f" (node {breaker.name})" if breaker.name else "",
+        type(exc).__name__,
+        text if len(text) <= 200 else text[:200] + "...",
+        answer,
+        extra={"store": address, "node": breaker.name},
+    )
+
+
+def log_recovery(address: str, breaker: _Breaker) -> None:
+    """The answer that ends an outage (the breaker closed again)."""
+    log.info(
+        "nanolimit: the Redis store at %s%s answers again: decisions are its own",
+        address,
+        f" (node {breaker.name})" if breaker.name else "",
+        extra={"store": address, "node": breaker.name},
+    )
