@@ -5,6 +5,7 @@ breaker stops the hammering, and decisions resume by themselves."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import types
@@ -240,3 +241,96 @@ def test_a_probe_that_never_reports_does_not_hold_the_breaker_open() -> None:
     assert breaker.allow_call()  # a new probe
     breaker.success()
     assert breaker.state == "closed" and breaker.allow_call()
+
+
+# ---------------------------------------------------------------------------
+# The outage is logged: once per episode, at WARNING, the address redacted
+
+SECRET = "s3cret-pw-not-in-logs"
+
+
+def _outage_records(caplog: pytest.LogCaptureFixture) -> tuple[list[str], list[str]]:
+    records = [r for r in caplog.records if r.name == "nanolimit.storage.redis"]
+    warned = [r.getMessage() for r in records if r.levelname == "WARNING"]
+    recovered = [m for r in records if r.levelname == "INFO" and "answers again" in (m := r.getMessage())]
+    return warned, recovered
+
+
+def test_each_outage_is_one_warning_naming_the_store_without_its_password(
+    server_kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from redis_servers import Server, require_binary
+
+    import nanolimit
+    from nanolimit.storage.uri import storage_from_uri
+
+    server = Server(require_binary(server_kind), server_kind)
+
+    def start() -> None:  # the helper pings without a password: set it once the server answers
+        server.start()
+        admin = server.client()
+        admin.config_set("requirepass", SECRET)
+        admin.close()
+
+    start()
+    try:
+        uri = f"redis://:{SECRET}@127.0.0.1:{server.port}/0?breaker_threshold=3&breaker_cooldown=0.1"
+        storage = storage_from_uri(uri)
+        limiter = nanolimit.TokenBucket(100, 60.0, storage, rule="outage")
+        caplog.set_level(logging.INFO, logger="nanolimit.storage.redis")
+        assert not limiter.allow("k").degraded
+        for episode in (1, 2):
+            server.kill()
+            for _ in range(8):  # failures, the breaker opening, probes failing: one outage
+                assert limiter.allow("k").degraded
+                time.sleep(0.03)
+            warned, recovered = _outage_records(caplog)
+            assert len(warned) == episode and len(recovered) == episode - 1
+            start()
+            until_healthy(limiter, "k")
+            for _ in range(3):  # the recovery the breaker asks for: threshold answers in a row
+                assert not limiter.allow("k").degraded
+            warned, recovered = _outage_records(caplog)
+            assert len(warned) == episode and len(recovered) == episode
+        shown = f"redis://:***@127.0.0.1:{server.port}/0"
+        assert all(shown in m and "on_error='allow'" in m for m in warned)
+        assert all(shown in m for m in recovered)
+        assert SECRET not in caplog.text
+        storage.close()
+    finally:
+        server.stop()
+
+
+def test_a_flask_app_on_a_dead_store_uri_logs_the_outage_once(caplog: pytest.LogCaptureFixture) -> None:
+    """What the issue saw: RATELIMIT_STORAGE_URI at nothing, the default
+    on_error="allow", every request admitted with Remaining 0, and now one
+    WARNING saying why."""
+    from flask import Flask
+    from redis_servers import free_port
+
+    from nanolimit.flask import Limiter
+
+    port = free_port()  # nothing listens there
+    app = Flask(__name__)
+    app.config["RATELIMIT_STORAGE_URI"] = f"redis://:{SECRET}@127.0.0.1:{port}/0"
+    app.config["RATELIMIT_DEFAULT"] = "100/hour"
+    Limiter(app=app)
+
+    @app.get("/")
+    def index() -> str:
+        return "ok"
+
+    caplog.set_level(logging.WARNING, logger="nanolimit.storage.redis")
+    client = app.test_client()
+    answers = [client.get("/") for _ in range(10)]
+    assert [a.status_code for a in answers] == [200] * 10
+    assert {a.headers["X-RateLimit-Remaining"] for a in answers} == {"0"}
+    warned, _ = _outage_records(caplog)
+    assert len(warned) == 1
+    assert f"redis://:***@127.0.0.1:{port}/0" in warned[0] and "ConnectionError" in warned[0]
+    assert SECRET not in caplog.text
+
+
+def test_a_storage_made_from_a_client_names_its_address(own_server: Any) -> None:
+    storage = RedisStorage(own_server.client(password=None))
+    assert storage.address == f"redis://127.0.0.1:{own_server.port}/0"

@@ -21,6 +21,7 @@ __all__ = [
     "RuleNotFoundError",
     "RuleValidationError",
     "StorageUnavailableError",
+    "UnenforcedLimitWarning",
     "UnknownAlgorithmError",
     "ValidationError",
 ]
@@ -58,6 +59,14 @@ class RuleValidationError(ValidationError):
 
 class RuleAlgorithmError(RuleValidationError, UnknownAlgorithmError):
     """A rule naming an algorithm that does not exist (an ``UnknownAlgorithmError``)."""
+
+
+class UnenforcedLimitWarning(UserWarning):
+    """A limit declared on a view that runs with nothing enforcing it: the
+    front end that binds declarations (the ASGI middleware with
+    ``limits=``, Flask's ``init_app``, Django's middleware) is missing.
+    Warned once; ``warnings.simplefilter("error", UnenforcedLimitWarning)``
+    makes it an error."""
 
 
 # --------------------------------------------------------------------------

@@ -18,8 +18,10 @@ module-level :class:`~nanolimit.gateway.routes.RouteLimits` (or the one the
 ``LIMITS`` setting names) and become ordinary rules when the URLconf is
 bound: on the first request, and in the ``nanolimit`` system check, so a
 route template that matches no URL fails ``manage.py check`` and
-``runserver`` at startup (list :class:`NanolimitConfig` in
-``INSTALLED_APPS`` for the check to be registered before Django runs it).
+``runserver`` at startup (list ``NanolimitConfig`` in ``INSTALLED_APPS``
+for the check to be registered before Django runs it). A missing
+middleware is caught there too, and at the first request
+(:mod:`nanolimit.gateway.django_checks`).
 
 Async: in-process stores answer in microseconds and are called in-line on
 the event loop; a network store (Redis, the two-tier store) is called
@@ -38,7 +40,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from asgiref.sync import async_to_sync, iscoroutinefunction, markcoroutinefunction, sync_to_async
-from django.apps import AppConfig  # type: ignore[import-untyped]
 from django.conf import settings  # type: ignore[import-untyped]
 from django.core import checks  # type: ignore[import-untyped]
 from django.core.exceptions import (  # type: ignore[import-untyped]
@@ -48,19 +49,19 @@ from django.core.exceptions import (  # type: ignore[import-untyped]
 )
 from django.core.signals import setting_changed  # type: ignore[import-untyped]
 from django.http import HttpResponse  # type: ignore[import-untyped]
-from django.urls import URLPattern, URLResolver, get_resolver  # type: ignore[import-untyped]
 from django.utils.module_loading import import_string  # type: ignore[import-untyped]
 
 from .._limiter_config import Algorithm
 from .._protocols import Storage
 from ..errors import ValidationError
+from .django_checks import NanolimitConfig, routes_of
 from .factory import LimiterFactory
 from .keys import DefaultKeyExtractor
 from .middleware import Outcome
 from .middleware import RateLimitMiddleware as Pipeline
 from .registry import RuleSet
 from .request import Request
-from .routes import Limit, RouteInfo, RouteLimits
+from .routes import Limit, RouteLimits, refuse_foreign
 from .rules import KeyScope, RateLimitRule
 from .wsgi import _EnvironHeaders
 
@@ -109,6 +110,7 @@ _NETWORK_MODULES = ("nanolimit.storage.redis", "nanolimit.storage.two_tier")
 
 #: The declarations of every app that does not name its own ``LIMITS``.
 limits = RouteLimits()
+limits.guards = False  # a missing middleware is found from the settings (django_checks)
 
 
 class Ratelimited(PermissionDenied):  # type: ignore[misc]
@@ -404,37 +406,6 @@ setting_changed.connect(_on_setting_changed, dispatch_uid="nanolimit.django.rese
 
 
 # ---------------------------------------------------------------------------
-# The URLconf
-
-
-def _join(route1: str, route2: str) -> str:
-    # as Django's URLResolver._join_route builds ResolverMatch.route
-    if not route1:
-        return route2
-    return route1 + route2.removeprefix("^")
-
-
-def routes_of(resolver: Any = None) -> list[RouteInfo]:
-    """Every view of the URLconf (``get_resolver()`` by default), nested
-    ``include()``s joined, with templates spelt as ``ResolverMatch.route``
-    spells them (``users/<int:id>/avatar``)."""
-    root = get_resolver() if resolver is None else resolver
-    out: list[RouteInfo] = []
-
-    def walk(patterns: Iterable[Any], prefix: str) -> None:
-        for p in patterns:
-            route = _join(prefix, str(p.pattern))
-            if isinstance(p, URLResolver):
-                walk(p.url_patterns, route)
-            elif isinstance(p, URLPattern):
-                # "" (a root view) is the template "/", as the request reports it
-                out.append(RouteInfo(route or "/", frozenset(), p.callback))
-
-    walk(root.url_patterns, "")
-    return out
-
-
-# ---------------------------------------------------------------------------
 # Declarations
 
 
@@ -463,11 +434,16 @@ def limit(
     tier: str | None = None,
     shape: bool = True,
     name: str | None = None,
+    key: Callable[[Any], str] | None = None,
+    **foreign: Any,
 ) -> Limit:
     """``@limit("5/minute")`` on a function view, a class-based view (the
     class, or ``limit(...)(View.as_view())`` in ``urls.py``): see
     :meth:`nanolimit.gateway.routes.RouteLimits.limit`. ``cost(request)``
-    gets nanolimit's :class:`Request`; Django's request is its ``native``."""
+    gets nanolimit's :class:`Request`; Django's request is its ``native``.
+    ``key(request) -> str`` is handed Django's ``HttpRequest``."""
+    if foreign:
+        refuse_foreign("limit()", foreign)
     options = _defaults({"scope": scope, "algorithm": algorithm})
     return limits.limit(
         rate,
@@ -480,6 +456,7 @@ def limit(
         tier=tier,
         shape=shape,
         name=name,
+        key=key,
     )
 
 
@@ -567,12 +544,15 @@ class RateLimitMiddleware:
 
     sync_capable = True
     async_capable = True
+    #: what the missing-middleware check looks for (django_checks), subclasses included
+    nanolimit_middleware = True
 
     def __init__(self, get_response: Callable[[Any], Any]) -> None:
         self.get_response = get_response
         with _lock:
             live = _live if _live is not None else _build()
         if not live.conf.enabled:
+            live.limits.enforced = True  # off on purpose: not a limit silently missing
             raise MiddlewareNotUsed("NANOLIMIT['ENABLED'] is False")
         self.is_async = iscoroutinefunction(get_response)
         if self.is_async:
@@ -708,7 +688,8 @@ class RateLimitMiddleware:
 
 
 # ---------------------------------------------------------------------------
-# The system check, and the app that registers it at startup
+# The system check (the app that registers it at startup, and the check
+# for a missing middleware, are in django_checks)
 
 
 def check_limits(app_configs: Any = None, **kwargs: Any) -> list[Any]:
@@ -737,15 +718,3 @@ def check_limits(app_configs: Any = None, **kwargs: Any) -> list[Any]:
 
 
 checks.register(check_limits, "nanolimit")
-
-
-class NanolimitConfig(AppConfig):  # type: ignore[misc]
-    """``"nanolimit.django.NanolimitConfig"`` in ``INSTALLED_APPS``: imports
-    this module when Django starts, so the ``nanolimit`` system check runs
-    in ``manage.py check`` and ``runserver`` (listed in ``MIDDLEWARE``
-    alone, it is imported only when the first handler loads)."""
-
-    name = "nanolimit.django"
-    label = "nanolimit"
-    verbose_name = "nanolimit rate limits"
-    default = True

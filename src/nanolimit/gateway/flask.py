@@ -24,21 +24,23 @@ from __future__ import annotations
 
 import contextvars
 import importlib
+import inspect
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
-from flask import Flask, current_app, g, has_app_context
+from flask import Flask, current_app, g, has_app_context, request_started
 from flask import request as flask_request
 from flask.wrappers import Response as FlaskResponse
 from werkzeug.exceptions import TooManyRequests
 
 from .._limiter_config import Algorithm
 from .._protocols import Storage
-from ..errors import ValidationError
+from ..errors import UnenforcedLimitWarning, ValidationError
 from .config import load_rules
 from .factory import LimiterFactory
 from .keys import DefaultKeyExtractor
@@ -47,7 +49,7 @@ from .middleware import Outcome, RateLimitMiddleware
 from .rates import parse_rates
 from .registry import ExemptRoute, RuleRegistry, RuleSet
 from .request import Request
-from .routes import Limit, RouteInfo, RouteLimits
+from .routes import Limit, RouteInfo, RouteLimits, declarations, refuse_foreign, view_name
 from .rules import KeyScope, RateLimitRule
 
 __all__ = ["CONFIG_KEYS", "Limiter", "RateLimitExceeded"]
@@ -227,15 +229,27 @@ class Limiter:
     them; ``trusted_proxies``: networks whose ``X-Forwarded-For`` is
     believed (docs/proxies.md); ``deny(request, outcome) -> response``
     answers a denial instead of raising :class:`RateLimitExceeded`.
+    ``key``: a key function, the default of every declaration and of the
+    default limits (see :meth:`limit`); flask-limiter's
+    ``Limiter(get_remote_address, app=app)`` passes it first.
 
     Every one left out (None) is read from the app's ``RATELIMIT_*`` config
     at :meth:`init_app` (see :data:`CONFIG_KEYS`), then the stock default.
+    flask-limiter's keywords (``storage_uri``, ``strategy``, ...) are
+    refused naming nanolimit's.
+
+    Declarations of a Limiter that no app has been initialised with warn
+    once (:class:`UnenforcedLimitWarning`) when one of their views runs:
+    a forgotten ``init_app`` is loud, not silently unlimited.
     """
 
     def __init__(
         self,
-        app: Flask | None = None,
+        app_or_key: Flask | Callable[..., str] | None = None,
+        /,
         *,
+        app: Flask | None = None,
+        key: Callable[..., str] | None = None,
         rules: str | RuleRegistry | None = None,
         storage: Storage | str | None = None,
         default_limits: str | Sequence[str] | None = None,
@@ -248,7 +262,20 @@ class Limiter:
         on_breach: Callable[[Request, Outcome], Any] | None = None,
         log_denials: float | None = 1.0,
         metrics: Metrics | None = None,
+        **foreign: Any,
     ) -> None:
+        if foreign:
+            refuse_foreign("Limiter()", foreign)
+        if isinstance(app_or_key, Flask):
+            if app is not None:
+                raise TypeError("Limiter(app, app=...): give the app once")
+            app = app_or_key
+        elif app_or_key is not None:
+            if key is not None:
+                raise TypeError("Limiter(key_func, key=...): give the key function once")
+            key = app_or_key  # flask-limiter's Limiter(key_func, app=app)
+        if app is not None and not isinstance(app, Flask):
+            raise ValidationError(f"app must be a Flask app, got {type(app).__name__}")
         if rules is not None and not isinstance(rules, (str, RuleRegistry)):
             raise ValidationError(f"rules must be a rules file's path or a RuleRegistry, got {rules!r}")
         if storage is not None and not isinstance(storage, (str, Storage)):
@@ -277,7 +304,12 @@ class Limiter:
         self._limits = RouteLimits(
             scope=key_scope if key_scope is not None else KeyScope.IP,
             algorithm=algorithm if algorithm is not None else Algorithm.TOKEN_BUCKET,
+            key=flask_key(key),
         )
+        self._limits.guards = False  # a missing init_app is watched for below, whatever is declared on
+        self._apps = 0  # the apps initialised with this limiter
+        self._watching = False
+        self._warned = False
         # Flask's static files are never limited: a sentinel marked exempt
         # stands above their routes when the route table is read
         self._static = _Marker()
@@ -300,6 +332,8 @@ class Limiter:
         tier: str | None = None,
         shape: bool = True,
         name: str | None = None,
+        key: Callable[..., str] | None = None,
+        **foreign: Any,
     ) -> Limit:
         """A limit on the view function, ``MethodView`` class or blueprint
         it decorates (a blueprint's: each of its routes, nested blueprints
@@ -307,7 +341,11 @@ class Limiter:
         or cost raises :class:`ValidationError` naming the rate. See
         :meth:`RouteLimits.limit` for the options; ``cost(request)`` gets
         the gateway's :class:`Request`, whose ``native`` is
-        ``flask.request``."""
+        ``flask.request``. ``key``: a key function given ``flask.request``,
+        or given nothing (flask-limiter's ``get_remote_address`` reads the
+        request itself); default: the Limiter's."""
+        if foreign:
+            refuse_foreign("limit()", foreign)
         declared = self._limits.limit(
             rate,
             scope=scope,
@@ -319,8 +357,10 @@ class Limiter:
             tier=tier,
             shape=shape,
             name=name,
+            key=flask_key(key),
         )
         values = {f.name: getattr(declared, f.name) for f in fields(Limit)}
+        self._watch()
         return _FlaskLimit(**values, inherit_scope=scope is None, inherit_algorithm=algorithm is None)
 
     def shared(self, rate: str | Sequence[str], *, name: str, **options: Any) -> Limit:
@@ -334,6 +374,46 @@ class Limiter:
         """No limit at all (not the default limits, not a rules file's) for
         the routes of a view, class or blueprint."""
         return self._limits.exempt(target)
+
+    # -- a missing init_app ---------------------------------------------------------
+    def _watch(self) -> None:
+        """Watch requests for a declared view running while no app has
+        been initialised with this limiter (``request_started``, weakly:
+        the watch costs nothing once ``init_app`` ends it)."""
+        if not self._apps and not self._watching and not self._warned:
+            request_started.connect(self._unenforced)
+            self._watching = True
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            request_started.disconnect(self._unenforced)
+            self._watching = False
+
+    def _unenforced(self, sender: Any, **extra: Any) -> None:
+        """A request of an app this limiter was never initialised with:
+        warn once if its view (or its class, or a blueprint above it)
+        carries one of this limiter's declarations."""
+        if self._warned or not isinstance(sender, Flask):
+            return
+        native = flask_request._get_current_object()  # type: ignore[attr-defined]
+        view = sender.view_functions.get(native.endpoint) if native.endpoint else None
+        holders = [view, getattr(view, "view_class", None)]
+        holders.extend(sender.blueprints.get(name) for name in native.blueprints)
+        for holder in holders:
+            if holder is not None and any(d.owner is self._limits for d in declarations(holder)):
+                break
+        else:
+            return
+        self._warned = True
+        self._unwatch()
+        warnings.warn(
+            UnenforcedLimitWarning(
+                f"nanolimit: {view_name(view)} declares a rate limit, but its Limiter was never "
+                f"initialised with app {sender.name!r}: nothing enforces it. Call "
+                "limiter.init_app(app) (or Limiter(app=app)). (Warned once.)"
+            ),
+            stacklevel=2,
+        )
 
     # -- apps ---------------------------------------------------------------------------
     def init_app(self, app: Flask) -> None:
@@ -370,6 +450,7 @@ class Limiter:
                 r.window_seconds,
                 r.burst,
                 group=DEFAULT_RULE if len(rates) > 1 else None,
+                key=self._limits.key,
             )
             for r in rates
         ]
@@ -395,6 +476,8 @@ class Limiter:
         app.before_request(self._before_request)
         app.after_request(self._after_request)
         app.teardown_request(self._teardown_request)
+        self._apps += 1
+        self._unwatch()
 
     def _ruleset(
         self, source: str | RuleRegistry | None, storage: Storage | str | None
@@ -553,6 +636,39 @@ def _settle(pipeline: RateLimitMiddleware, outcome: Outcome, status: int) -> Non
 
 class _Marker:
     """An object that can carry a declaration (the static files' exemption)."""
+
+
+class _NoArgs:
+    """A key function that takes no argument (flask-limiter's way: it
+    reads ``flask.request`` itself), called as one that takes the request."""
+
+    def __init__(self, fn: Callable[[], str]) -> None:
+        self.fn = fn
+        self.__qualname__ = getattr(fn, "__qualname__", None) or type(fn).__name__
+
+    def __call__(self, request: Any) -> str:
+        return self.fn()
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _NoArgs and other.fn == self.fn
+
+    def __hash__(self) -> int:
+        return hash(self.fn)
+
+    def __repr__(self) -> str:
+        return f"<key {self.__qualname__}()>"
+
+
+def flask_key(key: Callable[..., str] | None) -> Callable[[Any], str] | None:
+    """A Flask key function as rules call it: given ``flask.request``, or,
+    written flask-limiter's way with no parameter, called with nothing."""
+    if key is None or not callable(key) or isinstance(key, _NoArgs):
+        return key  # None, or a non-callable the rule refuses with its message
+    try:
+        inspect.signature(key).bind()
+    except (TypeError, ValueError):
+        return key
+    return _NoArgs(key)
 
 
 def _needs_user(state: _AppState, ruleset: RuleSet) -> bool:

@@ -33,6 +33,7 @@ from .._limiter_config import Algorithm
 from ..errors import ValidationError
 from .factory import LimiterFactory
 from .headers import RATE_HEADERS, deny_body, rate_headers, retry_seconds, rule_pieces
+from .keyfuncs import call_key
 from .keys import DefaultKeyExtractor, KeyExtractor
 from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics
 from .registry import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RuleRegistry, RuleSet, key_bytes
@@ -201,6 +202,7 @@ class _Binding:
         "counted",
         "counted_lane",
         "dry_run",
+        "key_fn",
         "limit_pair",
         "limit_str",
         "limiter",
@@ -228,7 +230,8 @@ class _Binding:
         self.shape = rule.shape and rule.algorithm is Algorithm.LEAKY_BUCKET
         self.cost = rule.cost
         self.counted = rule.count_when is not None  # charged on entry, settled on the response
-        plain = not self.dry_run and not self.shape and self.cost == 1
+        self.key_fn = rule.key  # names the key instead of the scope: check() calls it
+        plain = not self.dry_run and not self.shape and self.cost == 1 and rule.key is None
         self.simple = plain and not self.counted
         self.counted_lane = plain and self.counted  # the simple lane, keeping a charge
         capacity = self.capacity = limiter.capacity
@@ -655,7 +658,7 @@ class RateLimitMiddleware:
         cost = self._cost(b, request)
         if cost > b.capacity:
             return self._too_costly(request, b, cost)
-        key = self._key(request, b.scope)
+        key = self._key(request, b.scope) if b.key_fn is None else call_key(b.key_fn, request, b.name)
         return self._answer(request, b, key, cost, b.allow(key, cost))
 
     async def check_async(self, request: Request) -> Outcome | None:
@@ -676,7 +679,7 @@ class RateLimitMiddleware:
         cost = self._cost(b, request)
         if cost > b.capacity:
             return self._too_costly(request, b, cost)
-        key = self._key(request, b.scope)
+        key = self._key(request, b.scope) if b.key_fn is None else call_key(b.key_fn, request, b.name)
         return self._answer(request, b, key, cost, await b.limiter.allow_async(key, cost))
 
     async def settle_async(self, outcome: Outcome | None, status: int) -> int:
@@ -773,7 +776,7 @@ class RateLimitMiddleware:
                     self._counts(shard, b.name)[SHADOW_DENIED] += 1
                     continue
                 return self._too_costly(request, b, cost)
-            key = self._key(request, b.scope)
+            key = self._key(request, b.scope) if b.key_fn is None else call_key(b.key_fn, request, b.name)
             if not b.dry_run:
                 enforced.append((b, key, cost))
                 continue

@@ -133,6 +133,10 @@ class RuleSet:
     ``match`` returns the most specific rule (or the default, or None);
     ``match_all`` returns every matching rule, most specific first (stacked
     mode). Both cost O(path segments), not O(rules).
+
+    ``adds``: a route's rules add to what the prefix rules decide instead
+    of replacing it (route limits declared beside global rules given
+    apart, ``registry=`` and ``limits=`` on one front end).
     """
 
     __slots__ = (
@@ -145,6 +149,7 @@ class RuleSet:
         "_exempt",
         "_root",
         "_route_index",
+        "adds",
         "default",
         "exempt",
         "has_tiers",
@@ -164,6 +169,7 @@ class RuleSet:
         cache_bytes: int = CACHE_KEY_BYTES,
         exempt: Iterable[ExemptRoute] = (),
         known_routes: Iterable[str] | None = None,
+        adds: bool = False,
     ) -> None:
         if isinstance(rules, RateLimitRule):
             rules = (rules,)  # RuleRegistry(rule): one rule is a ruleset of one
@@ -196,6 +202,7 @@ class RuleSet:
         self.rules = rules
         self.default = default
         self.stacked = bool(stacked)
+        self.adds = bool(adds)
         self.has_tiers = any(r.tier is not None for r in rules)
         self._cache_size = cache_size
         self._cache_max_bytes = cache_bytes
@@ -307,7 +314,8 @@ class RuleSet:
 
         ``route`` is the framework's matched template. An exempt route gets
         none. Rules declared on the route come first and, unstacked, are
-        the route's whole answer (a route's declarations decide together);
+        the route's whole answer (a route's declarations decide together;
+        with ``adds``, followed by what the prefix rules decide);
         otherwise the most specific prefix rule decides, with the rest of
         its ``group`` (a rate list); stacked, every match applies."""
         method = method.upper()
@@ -326,15 +334,15 @@ class RuleSet:
         if self.stacked:
             found = own + tuple(self._walk(method, path, tier, False))
             return found if found else (() if self.default is None else (self.default,))
-        if own:
+        if own and not self.adds:
             return own
         best = self._walk(method, path, tier, True)
         if not best:
-            return () if self.default is None else (self.default,)
+            return own if self.default is None else (*own, self.default)
         group = best[0].group
         if group is None:
-            return (best[0],)
-        return tuple(r for r in self._walk(method, path, tier, False) if r.group == group)
+            return (*own, best[0])
+        return (*own, *(r for r in self._walk(method, path, tier, False) if r.group == group))
 
     def lookup(self, method: str, path: str, tier: str | None = None) -> RateLimitRule | None:
         """:meth:`match` without the cache, for a caller that keeps its own
@@ -498,7 +506,8 @@ class RuleRegistry:
         """Swap in a new ruleset in one assignment (hot reload). The new set
         is built and validated first, so a bad ruleset changes nothing.
         ``default``, ``stacked``, ``exempt`` and the app's ``known_routes``
-        (see :meth:`declare`) are kept unless given."""
+        (see :meth:`declare`) are kept unless given, and so is whether
+        route rules add to the prefix rules (:meth:`declare`'s ``adds``)."""
         current = self.ruleset
         declared = set(self.declared)
         if isinstance(rules, RateLimitRule):
@@ -511,6 +520,7 @@ class RuleRegistry:
             cache_bytes=self._cache_bytes,
             exempt=current.exempt if exempt is _KEEP else exempt_routes(exempt) | self._declared_exempt,
             known_routes=current.known_routes if known_routes is _KEEP else known_routes,
+            adds=current.adds,
         )
         self.ruleset = new
         return new
@@ -521,13 +531,16 @@ class RuleRegistry:
         *,
         exempt: Iterable[ExemptRoute] = (),
         known_routes: Iterable[str] | None = _KEEP,
+        adds: bool = _KEEP,
     ) -> RuleSet:
         """Add the rules declared on an app's routes (and its exempt
         routes): kept by every later :meth:`replace`, so a reload of a
         rules file never drops a route's limit. ``known_routes`` is every
         template the app routes: each rule's and exemption's routes are
         then bound to the app's own (:func:`resolve_route`), here and in
-        every later :meth:`replace`, and one naming no route is an error."""
+        every later :meth:`replace`, and one naming no route is an error.
+        ``adds``: route rules add to what the prefix rules decide, even
+        unstacked (kept by later calls unless given)."""
         rules = tuple(rules)
         keys = exempt_routes(exempt)
         current = self.ruleset
@@ -540,6 +553,7 @@ class RuleRegistry:
             cache_bytes=self._cache_bytes,
             exempt=(current.exempt - self._declared_exempt) | keys,
             known_routes=current.known_routes if known_routes is _KEEP else known_routes,
+            adds=current.adds if adds is _KEEP else adds,
         )
         self.declared = rules
         self._declared_exempt = keys

@@ -19,17 +19,20 @@ declared rule (:meth:`nanolimit.gateway.registry.RuleRegistry.replace`).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 import threading
-from collections.abc import Callable, Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from .._limiter_config import Algorithm
-from ..errors import RuleValidationError, ValidationError
+from ..errors import RuleValidationError, UnenforcedLimitWarning, ValidationError
 from .rates import Rate, parse_rates
 from .registry import ExemptRoute, RuleRegistry
-from .rules import KeyScope, RateLimitRule, route_key
+from .rules import KeyScope, RateLimitRule, key_function_problem, route_key
 
 __all__ = ["Limit", "LimitDependency", "RouteInfo", "RouteLimits"]
 
@@ -38,6 +41,7 @@ T = TypeVar("T")
 # where a declaration is kept on the object it marks
 MARK = "__nanolimit_limits__"
 EXEMPT = "__nanolimit_exempt__"
+GUARD = "__nanolimit_guarded__"  # on a view's guard: the view it calls
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:@/+-]")
 
@@ -73,12 +77,17 @@ class Limit:
     tier: str | None = None
     shape: bool = True
     owner: Any = None  # the RouteLimits that made it
+    key: Callable[[Any], str] | None = None
 
     def __call__(self, target: T) -> T:
-        """Mark ``target`` (returned unchanged, so frameworks that read a
-        view's signature see the view itself)."""
+        """Mark ``target``. A view function comes back behind a guard (its
+        signature, name and marks are the view's, so frameworks reading it
+        see the view) that warns once if it runs while no front end has
+        bound its declarations (:meth:`RouteLimits.guard`); anything else
+        (a class, a router, a blueprint) comes back unchanged."""
         _mark(target, MARK, self)
-        return target
+        owner = self.owner
+        return owner.guard(target) if owner is not None else target
 
     def rules(self, base: str, routes: tuple[str, ...]) -> list[RateLimitRule]:
         """The rules this declaration makes for the routes of one view (or,
@@ -110,6 +119,7 @@ class Limit:
                         routes=routes,
                         count_when=self.count_when,
                         group=name if several else None,
+                        key=self.key,
                     )
                 )
         return out
@@ -168,8 +178,20 @@ class RouteLimits:
     one, where a route's own limits replace the global ones; pass
     ``RuleRegistry(global_rules, stacked=True)`` for global limits that
     apply as well, decided together with the route's, all or nothing.
-    ``scope`` and ``algorithm`` are the defaults of every declaration.
+    ``scope``, ``algorithm`` and ``key`` (a key function, see
+    :meth:`limit`) are the defaults of every declaration.
+
+    A declared view function that runs before any front end has bound the
+    declarations (``enforced``: the middleware is missing, or was given no
+    ``limits=``) warns once, :class:`UnenforcedLimitWarning`, instead of
+    running silently unlimited.
     """
+
+    #: whether declared view functions come back behind the guard (front
+    #: ends that watch for a missing setup themselves turn it off)
+    guards: bool = True
+    #: what :meth:`bind` hands ``RuleRegistry.declare`` besides the rules
+    _declare_options: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(
         self,
@@ -177,14 +199,23 @@ class RouteLimits:
         *,
         scope: KeyScope | str = KeyScope.IP,
         algorithm: Algorithm | str = Algorithm.TOKEN_BUCKET,
+        key: Callable[[Any], str] | None = None,
+        **foreign: Any,
     ) -> None:
+        if foreign:
+            refuse_foreign("RouteLimits()", foreign)
         if registry is not None and not isinstance(registry, RuleRegistry):
             raise ValidationError(f"registry must be a RuleRegistry, got {type(registry).__name__}")
         self.registry = registry if registry is not None else RuleRegistry()
         self.scope = _scope(scope)
         self.algorithm = Algorithm.parse(algorithm)
+        self.key = _key(key)
         self._lock = threading.Lock()
         self.bound = False
+        # a front end has read the declarations (or is off on purpose): the
+        # guard of a declared view then calls it straight away
+        self.enforced = False
+        self._warned = False
 
     # -- declarations -----------------------------------------------------------
     def limit(
@@ -200,6 +231,8 @@ class RouteLimits:
         tier: str | None = None,
         shape: bool = True,
         name: str | None = None,
+        key: Callable[[Any], str] | None = None,
+        **foreign: Any,
     ) -> Limit:
         """A limit for the routes of the view (class, router, blueprint) it
         decorates. ``rate`` may be a list (``"5/minute;100/hour"``): all its
@@ -208,7 +241,15 @@ class RouteLimits:
         whose ``native`` is the framework's request); ``count_when`` counts
         only responses with these statuses (or passing the predicate);
         ``methods`` restricts it (each method then has its own budget).
-        ``name`` makes it a shared budget (see :meth:`shared`)."""
+        ``name`` makes it a shared budget (see :meth:`shared`).
+        ``key(request) -> str`` names whose budget a request spends, in
+        place of ``scope``: it is handed the framework's own request
+        (:func:`nanolimit.gateway.keyfuncs.key_argument`) and returns a
+        non-empty str of at most 256 UTF-8 bytes. flask-limiter's and
+        slowapi's spellings (``key_func``, ``deduct_when``, ...) are
+        refused naming nanolimit's."""
+        if foreign:
+            refuse_foreign("limit()", foreign)
         try:
             rates = parse_rates(rate)
         except ValidationError as exc:
@@ -231,6 +272,7 @@ class RouteLimits:
             tier,
             shape,
             self,
+            _key(key) if key is not None else self.key,
         )
         try:  # every field checked now, at import, not at the first request
             declared.rules(name or "declared", ("/",))
@@ -254,7 +296,8 @@ class RouteLimits:
 
     def exempt(self, target: T) -> T:
         """No limit at all for the routes of ``target`` (not even global
-        rules): health checks, webhooks from a trusted peer."""
+        rules): health checks, webhooks from a trusted peer. Returned
+        unchanged."""
         try:
             setattr(target, EXEMPT, True)
         except (AttributeError, TypeError):
@@ -267,7 +310,10 @@ class RouteLimits:
         exempt route is its template; when another view of the app shares
         the template, only the methods the exempt view alone answers (one
         view of ``/x`` exempt is not the other's, and where both answer a
-        method, which serves depends on the router's order: none exempt)."""
+        method, which serves depends on the router's order: none exempt).
+        Called by the front ends as they bind: the declarations are then
+        ``enforced``."""
+        self.enforced = True
         routes = list(routes)
         per_view: dict[int, tuple[Any, list[str], list[Limit]]] = {}
         shared: dict[str, tuple[Limit, list[str]]] = {}
@@ -334,13 +380,87 @@ class RouteLimits:
                 rules, exempt = self.rules_for(routes)
                 # every rule's routes bound to the app's own templates (a
                 # rule naming none is an error naming both, raised here)
-                self.registry.declare(rules, exempt=exempt, known_routes=templates)
+                self.registry.declare(rules, exempt=exempt, known_routes=templates, **self._declare_options)
                 self.bound = True
             elif self.registry.ruleset.known_routes != frozenset(templates):
                 registry = self.registry
-                registry.declare(registry.declared, exempt=registry.declared_exempt, known_routes=templates)
+                registry.declare(
+                    registry.declared,
+                    exempt=registry.declared_exempt,
+                    known_routes=templates,
+                    **self._declare_options,
+                )
             ruleset = self.registry.ruleset
         return ruleset.rules
+
+    # -- the guard ------------------------------------------------------------------
+    def guard(self, target: T) -> T:
+        """``target`` behind a guard that warns once when it runs while
+        these declarations are not ``enforced``, for a plain or ``async``
+        view function (``functools.wraps``: the view's signature, name and
+        marks); anything else, or with ``guards`` off, unchanged."""
+        if not self.guards or getattr(target, GUARD, None) is not None:
+            return target
+        if not inspect.isfunction(target) or inspect.isgeneratorfunction(target):
+            return target
+        if inspect.isasyncgenfunction(target):
+            return target
+        view: Any = target
+        limits = self
+        if inspect.iscoroutinefunction(view):
+
+            @functools.wraps(view)
+            async def guarded_async(*args: Any, **kwargs: Any) -> Any:
+                if not limits.enforced:
+                    limits.unenforced(view)
+                return await view(*args, **kwargs)
+
+            guarded: Any = guarded_async
+        else:
+
+            @functools.wraps(view)
+            def guarded_sync(*args: Any, **kwargs: Any) -> Any:
+                if not limits.enforced:
+                    limits.unenforced(view)
+                return view(*args, **kwargs)
+
+            guarded = guarded_sync
+        setattr(guarded, GUARD, view)
+        return guarded  # type: ignore[no-any-return]
+
+    def unenforced(self, view: Any) -> None:
+        """A declared view ran with nothing enforcing its limits: warn,
+        once per RouteLimits (a warning filter may make it an error)."""
+        with self._lock:
+            if self._warned or self.enforced:
+                return
+            self._warned = True
+        warnings.warn(
+            UnenforcedLimitWarning(
+                f"nanolimit: {view_name(view)} declares a rate limit, but nothing enforces it: no "
+                "front end has bound this RouteLimits. Add nanolimit.asgi.RateLimitMiddleware "
+                "(app.add_middleware(RateLimitMiddleware, limits=limits)) or "
+                "nanolimit.aiohttp.setup(app, limits=limits). (Warned once.)"
+            ),
+            stacklevel=3,
+        )
+
+
+class _Onto(RouteLimits):
+    """``registry=`` and ``limits=`` on one front end: the declarations of
+    ``limits`` bound into ``registry``, where they add to its rules (a
+    route's limits and the rules the registry alone would apply decide the
+    request together, all or nothing), whether it is stacked or not."""
+
+    _declare_options: ClassVar[Mapping[str, Any]] = {"adds": True}
+
+    def __init__(self, declared: RouteLimits, registry: RuleRegistry) -> None:
+        super().__init__(registry, scope=declared.scope, algorithm=declared.algorithm, key=declared.key)
+        self.declared = declared
+
+    def rules_for(self, routes: Iterable[RouteInfo]) -> tuple[list[RateLimitRule], list[ExemptRoute]]:
+        self.enforced = True
+        return self.declared.rules_for(routes)
 
 
 # What a view that answers every method is exempt for, when another view of
@@ -366,16 +486,61 @@ def registry_and_limits(
 ) -> tuple[RuleRegistry | None, RouteLimits | None]:
     """What a front end decides from and what it binds to the app's routes:
     ``limits`` brings its own registry; a registry whose rules name routes
-    (a rules file) is bound as declarations are, so a typo fails the start."""
+    (a rules file) is bound as declarations are, so a typo fails the start.
+    Both (global rules and route limits): the declarations are bound into
+    ``registry``, adding to its rules (:class:`_Onto`)."""
     if limits is not None:
         if not isinstance(limits, RouteLimits):
             raise ValidationError(f"limits must be a RouteLimits, got {type(limits).__name__}")
         if registry is not None and registry is not limits.registry:
-            raise ValidationError("give limits= or registry=, not both: the limits' registry is the registry")
+            if not isinstance(registry, RuleRegistry):
+                raise ValidationError(f"registry must be a RuleRegistry, got {type(registry).__name__}")
+            return registry, _Onto(limits, registry)
         return limits.registry, limits
     if isinstance(registry, RuleRegistry) and (registry.ruleset.routes() or registry.ruleset.exempt):
         return registry, RouteLimits(registry)
     return registry, None
+
+
+def _key(key: Any) -> Callable[[Any], str] | None:
+    if key is None:
+        return None
+    problem = key_function_problem(key)
+    if problem is not None:
+        raise ValidationError(f"key: {problem}")
+    return key  # type: ignore[no-any-return]
+
+
+# flask-limiter's and slowapi's keywords, and what nanolimit says instead
+FOREIGN_KEYWORDS: Mapping[str, str] = {
+    "key_func": "key=: key(request) -> str, handed the framework's own request",
+    "deduct_when": (
+        "count_when=: the response statuses that count ({401, 403}), or count_when(status) -> bool; "
+        "it is charged on entry and refunded when the response does not count"
+    ),
+    "exempt_when": "exempt=... on the view (limits.exempt(view)), or a tier= for the requests let off",
+    "per_method": "methods=[...]: each method listed has a budget of its own",
+    "error_message": "the front end's deny= (or an error handler for 429) to shape the denial",
+    "override_defaults": (
+        "nothing: a route's own limits replace the default ones; for both, a stacked "
+        "RuleRegistry(rules, stacked=True) or registry= beside limits="
+    ),
+    "storage_uri": "storage= (a Storage, or a URI such as 'redis://10.0.0.5/0')",
+    "strategy": "algorithm= ('fixed_window', 'sliding_window', 'token_bucket', ...)",
+    "headers_enabled": "headers=",
+    "swallow_errors": "the storage's on_error= ('allow', 'deny', 'raise', 'local')",
+    "application_limits": "default_limits= or a rules file's global rules",
+}
+
+
+def refuse_foreign(where: str, given: Mapping[str, Any]) -> None:
+    """Keywords a call does not take: flask-limiter's and slowapi's are
+    named with nanolimit's spelling; any other is a plain unknown one."""
+    for name in given:
+        instead = FOREIGN_KEYWORDS.get(name)
+        if instead is not None:
+            raise TypeError(f"{where} takes no {name}= (a flask-limiter and slowapi keyword); use {instead}")
+    raise TypeError(f"{where} got unexpected keyword argument(s): {', '.join(sorted(given))}")
 
 
 def _scope(scope: KeyScope | str) -> KeyScope:

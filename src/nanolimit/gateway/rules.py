@@ -15,6 +15,7 @@ Flask and Django answer with the GET handler).
 from __future__ import annotations
 
 import enum
+import inspect
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -198,6 +199,28 @@ def _candidates(key: str, known: Iterable[str], part: Callable[[str], str]) -> l
     return [k for k in same_shape if _placeholder_names(part(k)) == names] or same_shape
 
 
+def key_function_problem(key: Any) -> str | None:
+    """What is wrong with ``key`` as a rule's key function, or None: it
+    must be callable with one argument, the request (a rule names whose
+    budget a request spends once per request, so a wrong signature must
+    fail where the rule is written, not as a 500 on the first request)."""
+    if not callable(key) or isinstance(key, (str, bytes)):
+        return f"must be a callable key(request) -> str, got {key!r}"
+    try:
+        signature = inspect.signature(key)
+    except (TypeError, ValueError):  # a builtin without a signature: it is the caller's word
+        return None
+    try:
+        signature.bind(None)
+    except TypeError:
+        return f"{_callable_name(key)}{signature} must take one argument, the request"
+    return None
+
+
+def _callable_name(fn: Any) -> str:
+    return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__)
+
+
 def _status_set(value: Any) -> frozenset[int]:
     statuses = frozenset(value)
     for status in statuses:
@@ -253,6 +276,13 @@ class RateLimitRule:
     requests never overspend, and refunded when the response does not
     count. Rules of one ``group`` (a rate list, a route's declarations)
     decide together, all or nothing.
+
+    ``key(request) -> str`` names whose budget a request spends instead of
+    ``scope`` (an API key's tenant, a session): it gets the framework's own
+    request (:func:`nanolimit.gateway.keyfuncs.key_argument` says which)
+    and must return a non-empty str of at most 256 UTF-8 bytes
+    (:func:`nanolimit.gateway.keyfuncs.call_key`). It is checked when the
+    rule is made: a callable that takes one argument.
     """
 
     name: str
@@ -270,6 +300,7 @@ class RateLimitRule:
     routes: tuple[str, ...] = field(default=(), kw_only=True)
     count_when: frozenset[int] | Callable[[int], bool] | None = field(default=None, kw_only=True)
     group: str | None = field(default=None, kw_only=True)
+    key: Callable[[Any], str] | None = field(default=None, kw_only=True)
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -372,13 +403,14 @@ class RateLimitRule:
                     self.routes,
                     self.count_when,
                     self.group,
+                    self.key,
                 )
             ),
         )
 
     def _check_route_fields(self, setter: Callable[[Any, str, Any], None]) -> None:
-        """``cost``, ``routes``, ``count_when`` and ``group``: checked and
-        put in the form the matcher compares."""
+        """``cost``, ``routes``, ``count_when``, ``group`` and ``key``:
+        checked and put in the form the matcher compares."""
         name = self.name
         cost = self.cost
         if isinstance(cost, bool) or not (isinstance(cost, int) or callable(cost)):
@@ -404,6 +436,10 @@ class RateLimitRule:
         group = self.group
         if group is not None and (not isinstance(group, str) or not group):
             raise RuleValidationError(name, "group", f"must be a non-empty str or None, got {group!r}")
+        if self.key is not None:
+            problem = key_function_problem(self.key)
+            if problem is not None:
+                raise RuleValidationError(name, "key", problem)
 
     def counts(self, status: int) -> bool:
         """Does a response of ``status`` spend this rule's budget?"""
@@ -439,6 +475,7 @@ class RateLimitRule:
                 self.routes,
                 self.count_when,
                 self.group,
+                self.key,
             ),
         )
 
@@ -452,15 +489,27 @@ class RateLimitRule:
         path_prefix: str = "/",
         scope: KeyScope | str = KeyScope.IP,
         algorithm: Algorithm | str = Algorithm.TOKEN_BUCKET,
+        burst: int | None = None,
         tier: str | None = None,
         dry_run: bool = False,
         shape: bool = True,
+        cost: int | Callable[[Any], int] = 1,
+        routes: Iterable[str] | str = (),
+        count_when: Iterable[int] | int | Callable[[int], bool] | None = None,
+        group: str | None = None,
+        key: Callable[[Any], str] | None = None,
     ) -> RateLimitRule:
-        """A rule from a rate string: ``RateLimitRule.from_rate("api", "100/minute")``."""
+        """A rule from a rate string: ``RateLimitRule.from_rate("api", "100/minute")``.
+        Every other field of the rule is a keyword of the same name; ``burst``
+        is the rate's own (``"100/minute burst 20"``) or the keyword, not both."""
         try:
             parsed = parse_rate(rate)
         except ValidationError as exc:
             raise RuleValidationError(name, "rate", str(exc)) from None
+        if burst is not None and parsed.burst is not None:
+            raise RuleValidationError(
+                name, "burst", f"given twice: {rate!r} has a burst, and burst={burst!r}; give one"
+            )
         return cls(
             name,
             method,
@@ -469,10 +518,15 @@ class RateLimitRule:
             algorithm,  # type: ignore[arg-type]
             parsed.limit,
             parsed.window_seconds,
-            parsed.burst,
+            parsed.burst if burst is None else burst,
             tier=tier,
             dry_run=dry_run,
             shape=shape,
+            cost=cost,
+            routes=routes,  # type: ignore[arg-type]  # a str or any iterable: made a tuple in __post_init__
+            count_when=count_when,  # type: ignore[arg-type]  # made a frozenset in __post_init__
+            group=group,
+            key=key,
         )
 
     @property
@@ -550,6 +604,7 @@ def _restore_rule(
     routes: tuple[str, ...] = (),
     count_when: Any = None,
     group: str | None = None,
+    key: Any = None,
 ) -> RateLimitRule:
     return RateLimitRule(
         name,
@@ -567,4 +622,5 @@ def _restore_rule(
         routes=routes,
         count_when=count_when,
         group=group,
+        key=key,
     )

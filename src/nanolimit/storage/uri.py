@@ -546,6 +546,7 @@ def storage_from_uri(uri: str, **options: Any) -> Storage:
         storage = _zone(parts, options)
     else:
         storage = _redis(parts, options)
+        storage.address = redact_uri(uri.strip())  # what its outage log names
     return storage  # type: ignore[no-any-return]
 
 

@@ -26,6 +26,7 @@ from ._cluster import NodeRoutes
 from ._connections import (
     _AsyncSpareConnections,
     _SyncSpareConnections,
+    address_of,
     check_client,
     client_package,
     connection_args,
@@ -45,6 +46,8 @@ from ._resilience import (
     _code_of_text,
     error_code,
     is_noscript,
+    log_outage,
+    log_recovery,
 )
 from ._scripts import (
     BATCH_CHUNK,
@@ -145,6 +148,9 @@ class _RedisBase:
                 f"{type(client).__name__} (use {other} for that one)"
             )
         self.user_client = client
+        #: where the store is, for the outage log: the URI redacted when
+        #: storage_from_uri made it, else read from the client (no credential)
+        self.address = address_of(client)
         self.client = derive_client(client, float(timeout)) if derive else client
         self.cluster = is_cluster_client(client)
         self.prefix = prefix
@@ -415,7 +421,8 @@ class _RedisBase:
         is closed again (the recovery complete) that server's outage ends:
         its local store hands new decisions back to Redis."""
         b = breaker or self._breaker
-        b.success()
+        if b.success():
+            log_recovery(self.address, b)
         local = self._local
         if local is not None and local.active and b.closed:
             local.handover(b.name)
@@ -454,7 +461,9 @@ class _RedisBase:
         self._count("errors")
         if isinstance(exc, self._timeout_errors):
             self._count("timeouts")
-        (breaker or self._breaker).failure()
+        b = breaker or self._breaker
+        if b.failure():
+            log_outage(self.address, b, exc, (self.on_error, *self.rule_on_error.values()))
         if self._routes is not None:
             self._routes.refresh_soon()
 
@@ -600,7 +609,8 @@ class _RedisBase:
     ) -> KernelVerdict:
         """The store answered: a verdict, remembered by the near-cache if a denial."""
         b = breaker or self._breaker
-        b.success()
+        if b.success():
+            log_recovery(self.address, b)
         local = self._local
         if local is not None and local.active and b.closed:
             local.handover(b.name)

@@ -144,6 +144,27 @@ def is_cluster_client(client: Any) -> bool:
     return _is_a(client, pkg, is_asyncio_client(client), "cluster", _CLUSTERS)
 
 
+def address_of(client: Any) -> str:
+    """Where ``client`` sends its commands, for a log line: scheme, hosts
+    and database, never a credential (none is read)."""
+    try:
+        if is_cluster_client(client):
+            nodes = client.get_nodes() or list(client.nodes_manager.startup_nodes.values())
+            shown = ",".join(f"{n.host}:{n.port}" for n in nodes[:4])
+            return f"redis+cluster://{shown}{',...' if len(nodes) > 4 else ''}"
+        pool = client.connection_pool
+        service = getattr(pool, "service_name", None)
+        kwargs = pool.connection_kwargs
+        db = kwargs.get("db", 0)
+        if isinstance(service, str):
+            return f"redis+sentinel://{service}/{db}"
+        if kwargs.get("path"):
+            return f"redis+unix://{kwargs['path']}?db={db}"
+        return f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}/{db}"
+    except Exception:  # noqa: BLE001 - a client we cannot read is named by its type
+        return f"<{type(client).__name__}>"
+
+
 def is_asyncio_client(client: Any) -> bool:
     """A ``redis.asyncio`` (or ``valkey.asyncio``) client: its commands are coroutines."""
     return inspect.iscoroutinefunction(getattr(client, "execute_command", None))

@@ -1,5 +1,6 @@
 """Failures: the errors a storage raises, how a server's error reply is
-classified (the server's trouble, or one key's), and the circuit breaker.
+classified (the server's trouble, or one key's), the circuit breaker, and
+the one record per outage it lets the storage write.
 
 Why a private module: what counts as "the store is down" decides whether a
 request is answered by policy and whether the breaker opens (docs/redis.md,
@@ -10,9 +11,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import Final, Literal
+
+log = logging.getLogger("nanolimit.storage.redis")
 
 OnError = Literal["allow", "deny", "raise", "local"]
 # "local": decide in a bounded in-process store at a share of each limit while
@@ -139,9 +144,15 @@ class _Breaker:
 
     ``name`` is what the breaker guards: ``""`` for a standalone server (or
     a Sentinel-managed one), a cluster node's ``host:port``, one breaker per
-    node (see ``_cluster``)."""
+    node (see ``_cluster``).
+
+    An *outage* (an episode) runs from a failure while ``closed`` to the
+    answer that makes it ``closed`` again: :meth:`failure` says when one
+    starts and :meth:`success` when it ends, so the storage logs each once
+    (a flapping server is one outage, as above)."""
 
     __slots__ = (
+        "_down",
         "_failures",
         "_lock",
         "_open_until",
@@ -165,6 +176,7 @@ class _Breaker:
         self._probing = False
         self._lock = threading.Lock()
         self.opened = 0
+        self._down = False  # in an outage: from its first failure until closed again
 
     def allow_call(self) -> bool:
         if not self._tripped:
@@ -183,7 +195,9 @@ class _Breaker:
             self._open_until = now + self.cooldown
             return True
 
-    def success(self) -> None:
+    def success(self) -> bool:
+        """An answer; True when it ends an outage (the breaker closed again)."""
+        # in an outage one of the three is set, so the common case is this test
         if self._failures or self._tripped or self._recovering:
             with self._lock:
                 self._failures = 0
@@ -193,23 +207,31 @@ class _Breaker:
                     self._recovering = self.threshold - 1  # this answer is the first of them
                 elif self._recovering:
                     self._recovering -= 1
+                if self._down and not self._recovering:
+                    self._down = False
+                    return True
+        return False
 
-    def failure(self) -> None:
+    def failure(self) -> bool:
+        """A failure; True when it starts an outage."""
         with self._lock:
             self._probing = False
+            began = not self._down
+            self._down = True
             if self._tripped or self._recovering:
                 if not self._tripped:
                     self.opened += 1  # a relapse during the recovery: open again at once
                 self._tripped = True
                 self._recovering = 0
                 self._open_until = time.monotonic() + self.cooldown
-                return
+                return began
             self._failures += 1
             if self._failures >= self.threshold:
                 self._tripped = True
                 self._failures = 0
                 self.opened += 1
                 self._open_until = time.monotonic() + self.cooldown
+            return began
 
     @property
     def closed(self) -> bool:
@@ -228,3 +250,33 @@ class _Breaker:
         if not self._tripped:
             return "closed"
         return "half-open" if time.monotonic() >= self._open_until else "open"
+
+
+def log_outage(address: str, breaker: _Breaker, exc: BaseException, policies: Iterable[str]) -> None:
+    """The first failure of an outage (:meth:`_Breaker.failure` said so):
+    one WARNING naming where the store is (``address``, redacted), the
+    error, and the policy answering until the store answers again."""
+    text = str(exc).replace("\n", " ")
+    first, *rest = policies
+    every = sorted({first, *rest})
+    answer = f"on_error={first!r}" + (f" (per rule: {every})" if len(every) > 1 else "")
+    log.warning(
+        "nanolimit: the Redis store at %s%s is failing (%s: %s): decisions follow %s until it "
+        "answers again (logged once per outage)",
+        address,
+        f" (node {breaker.name})" if breaker.name else "",
+        type(exc).__name__,
+        text if len(text) <= 200 else text[:200] + "...",
+        answer,
+        extra={"store": address, "node": breaker.name},
+    )
+
+
+def log_recovery(address: str, breaker: _Breaker) -> None:
+    """The answer that ends an outage (the breaker closed again)."""
+    log.info(
+        "nanolimit: the Redis store at %s%s answers again: decisions are its own",
+        address,
+        f" (node {breaker.name})" if breaker.name else "",
+        extra={"store": address, "node": breaker.name},
+    )
