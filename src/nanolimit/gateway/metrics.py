@@ -108,7 +108,7 @@ class Family:
 
 # -- the storages' numbers ---------------------------------------------------------
 # What each storage's metrics()/stats() holds (storage/redis/_base.py,
-# storage/two_tier.py, the twins' InMemoryStorage.stats, the zone's
+# storage/two_tier/_storage.py, the twins' InMemoryStorage.stats, the zone's
 # stats/metrics): the fields that only ever grow are counters, the rest are
 # gauges. A field named in neither (a future storage's) is exported as a gauge.
 STORAGE_COUNTERS: dict[str, str] = {
