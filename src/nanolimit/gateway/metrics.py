@@ -155,6 +155,7 @@ STORAGE_GAUGES: dict[str, str] = {
     "partition": "1 while the shared store is unreachable.",
     "instances": "Live instances sharing the limits.",
     "silent_instances": "Instances whose heartbeat lapsed within the grace period.",
+    "heartbeat_ttl_last": "Seconds the latest heartbeat keeps this instance live.",
     "max_keys": "Keys the table holds at most.",
     "segment_bytes": "Bytes of the shared-memory segment.",
     "arena_bytes": "Bytes of the key arena.",

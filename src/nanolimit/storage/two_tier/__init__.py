@@ -9,20 +9,27 @@ key and window, reads the fleet totals back and takes a new lease.
 
 Leases: a Lua script per (key, window) writes this instance's count, then
 grants it ``ceil(remaining / N)`` where ``remaining = L - all counts - the
-other instances' leases``. A lease never exceeds what remains, so the counts
-plus the leases of the instances that have synced in a window never pass the
-limit. Before its first sync of a window, an instance spends a default share
-``ceil(L / N)`` that nobody else has seen yet: that is the only overshoot.
+other instances' held leases and claims - the silent members' blind shares``.
+Whatever an instance may spend is held in Redis before it spends it: a lease
+never exceeds what remains, it shrinks only once the instance has heard of
+it (Redis holds the ceiling the instance decides against until its next
+sync), and an instance that admitted a key in a window claims its default
+share of the next one while it syncs (``L // M`` plus the remainder by rank,
+``M`` every member: the shares add up to ``L``). So counts plus held leases
+plus claims never pass the limit.
 
-Error bound (``L`` = the limit, ``N`` = live instances, ``I`` = sync interval,
-``r_j`` = the rate instance ``j`` admits a key at)::
+Error bound (``L`` = the limit, ``s_j`` = instance ``j``'s share, ``I`` = sync
+interval, ``r_j`` = the rate instance ``j`` admits a key at)::
 
-    admitted per key and window  <=  L + sum over all but the first instance to sync of u_j
-    u_j = min(ceil(L / N), r_j * I)     (what j admits in the window before its first sync)
-    so the over-admission is at most (N - 1) * min(ceil(L / N), r * I)
+    admitted per key and window  <=  L + sum over the instances that had not claimed it of u_j
+    u_j = min(s_j, r_j * I)     (what j admits in the window before its first sync)
 
-``sync_interval`` is the knob: shorter means fewer units admitted unseen.
-See ``docs/two_tier.md``.
+An instance had claimed a window when it admitted the key in the window
+before: in steady state the fleet admits at most ``L``, under load exactly
+``L``; a key's first window on an instance is the one left open. A cut
+instance admits what Redis holds for it, and its blind share where nothing
+is held, which the others reserve once its heartbeat lapses (a few of its
+own sync periods). See ``docs/two_tier.md``.
 
 The package's modules, by what they hold: ``_records`` (the per-key records
 and the shared constants), ``_scripts`` (the Lua, read from ``lua/*.lua`` once
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 from ._records import (
     FULL_SYNC_EVERY,
+    HEARTBEAT_GAPS,
     MAX_WINDOW_INDEX,
     RECONCILE_CHUNK,
     SETTLE_READS,
@@ -45,6 +53,7 @@ from ._storage import TwoTierStorage
 
 __all__ = [
     "FULL_SYNC_EVERY",
+    "HEARTBEAT_GAPS",
     "MAX_WINDOW_INDEX",
     "RECONCILE_CHUNK",
     "SETTLE_READS",

@@ -36,6 +36,12 @@ FULL_SYNC_EVERY = 8
 # ... and re-reads a past window's fleet total (the sliding estimate's previous
 # window) this many times after it ends, for the other instances' last pushes.
 SETTLE_READS = 3
+# A heartbeat expires this many of the instance's own longest recent sync
+# gaps after it is sent (between 2 * sync_interval and heartbeat_ttl): a
+# live instance that syncs slowly is never taken for silent, a cut one is
+# within a few of its periods. The gaps remembered: the last this many.
+HEARTBEAT_GAPS = 4
+GAPS_KEPT = 32
 
 
 def _shape(config: LimiterConfig) -> tuple[int, float, bool]:
@@ -67,6 +73,12 @@ class _Track:
     seen_total: dict[_Window, int] = field(default_factory=dict)
     seen_own: dict[_Window, int] = field(default_factory=dict)
     lease: dict[_Window, int] = field(default_factory=dict)  # granted at our last sync of the window
+    # the windows whose default share is reserved for us in Redis (claimed at a
+    # sync of the window before), and the share claimed
+    claimed: dict[_Window, int] = field(default_factory=dict)
+    # while blind: per window, the ceiling Redis holds for us (count + lease, or
+    # the claim), which is all we may admit there; other windows: the blind share
+    blind_cap: dict[_Window, int] = field(default_factory=dict)
     settled: dict[_Window, int] = field(default_factory=dict)  # reads of a past window's total
     book: Any = None  # the native LeaseBook holding this key's hot window, if any
     slot: int = -1
@@ -82,8 +94,11 @@ class _Work:
     value: int  # our cumulative units in the window
     current: bool  # the key's current window: a lease is granted
     hash_key: str
-    spec: str  # the script's six words: count, limit, previous window, expiry ms, current?, wanted cost
+    spec: str  # the script's first six words: count, limit, previous window, expiry ms, current?, wanted cost
     weight: float = 0.0  # a sliding current window: the weight of window - 1 in the estimate
+    held: int = 0  # current: the most our count may reach before the reply lands (the ceiling in use)
+    claim_key: str | None = None  # current: the next window's hash, to claim our default share in
+    claim: int = 0  # ... that share
 
 
 class _Guard:

@@ -4,6 +4,7 @@ is its base class, in ``_sync``; the package docstring has the design."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -21,7 +22,7 @@ from ..._select import native_core, twin, twin_of
 from ..._validation import check_int_option, check_seconds_option
 from ...errors import ValidationError
 from ..redis import RedisStorage, client_package, derive_client
-from ._records import _REFUSED, MAX_WINDOW_INDEX, SUPPORTED_ALGORITHMS, _Guard, _shape, _Track
+from ._records import _REFUSED, GAPS_KEPT, MAX_WINDOW_INDEX, SUPPORTED_ALGORITHMS, _Guard, _shape, _Track
 from ._sync import _FleetSync
 
 
@@ -42,29 +43,34 @@ class TwoTierStorage(_FleetSync):
     units). Sliding log, GCRA and leaky bucket raise :class:`ValidationError`
     on first use.
 
-    Bound: per key and window the fleet admits at most
-    ``L + (N - 1) * min(ceil(L / N), r * I)``: only what instances admit
-    before their first sync of a window goes unseen (module docstring).
+    Bound: per key and window the fleet admits at most ``L``, plus, in a
+    key's first window on an instance (one that did not admit the key in the
+    window before, so did not claim its default share there), what that
+    instance admits before its first sync: ``min(share, r * I)`` (package
+    docstring).
 
-    Partitions: when a sync fails, every instance enforces ``limit // N``
-    locally with the native kernel (``N`` = members last seen), on top
-    of the fleet total it last saw; it keeps counting what it admits, and the
-    first successful sync re-writes its cumulative per-window counts (``HSET``
-    of an absolute value per instance field: idempotent, so a retried or lost
-    reply never counts a unit twice, and a restarted empty server gets the
-    fleet's counts back). The window in which Redis returns can hold the
-    blind units on top of the limit (at most ``2 * L``): the first instances
-    back lease before the others' blind counts arrive.
+    Partitions: when a sync fails, the instance admits per window what Redis
+    holds for it there (its count plus its lease, or its claim) and
+    elsewhere its blind share (``L // M`` plus the remainder by rank, ``M``
+    the members last seen) with the native kernel, on top of the fleet total
+    it last saw; it keeps counting what it admits, and the first successful
+    sync re-writes its cumulative per-window counts (``HSET`` of an absolute
+    value per instance field: idempotent, so a retried or lost reply never
+    counts a unit twice, and a restarted empty server gets the fleet's
+    counts back). For ``heartbeat_ttl`` after an outage it reserves every
+    member's blind share wherever that member has not written its count
+    back, so the first instances back do not lease the others' blind units.
 
     Instances register in a sorted set scored by heartbeat expiry (server
-    clock), refreshed each sync; an instance that stops syncing stops counting
-    toward the live ``N`` ``heartbeat_ttl`` seconds later, but stays a
-    *silent* member until ``partition_grace`` seconds (default 30) after its
-    last heartbeat: it may be cut off from Redis and admitting its blind
-    share, so the others keep that share out of their leases. A partition of
-    some instances then keeps the fleet within ``L`` for as long as the
-    grace; a dead instance's share is idle for as long. ``close()`` leaves at
-    once. Its admitted units still count.
+    clock), refreshed each sync; a heartbeat lasts ``HEARTBEAT_GAPS`` of the
+    instance's own longest recent sync gaps, within ``[2 * sync_interval,
+    heartbeat_ttl]``. An instance that stops syncing stops counting toward
+    the live ``N`` then, but stays a *silent* member for ``partition_grace``
+    seconds (default 30) after: it may be cut off from Redis and admitting
+    its blind share, so the others keep that share out of their leases. A
+    partition of some instances then keeps the fleet within ``L`` for as
+    long as the grace; a dead instance's share is idle for as long.
+    ``close()`` leaves at once. Its admitted units still count.
     ``instances`` is the ``N`` assumed until the first sync answers (an
     instance started while Redis is down has nothing better to divide by).
     """
@@ -138,6 +144,12 @@ class TwoTierStorage(_FleetSync):
         self._rank = 0  # this instance's rank among all members, by id (the blind share's remainder)
         self._members = 0  # live and silent members at the last sync: the blind shares' N (0: none yet)
         self._silent: tuple[int, ...] = ()  # the silent members' ranks, whose blind shares are reserved
+        self._member_ids: tuple[str, ...] = ()  # every member at the last sync, by id (rank = index)
+        # after an outage, for heartbeat_ttl: the members, our rank and the ids
+        # we knew before it, and until when (see _reserve)
+        self._recovery: tuple[int, int, tuple[str, ...], float] | None = None
+        self._gaps: collections.deque[float] = collections.deque(maxlen=GAPS_KEPT)  # between our syncs
+        self._last_beat: float | None = None  # perf_counter when our last answered sync was sent
         self._blind = False
         self._blind_clock = FakeClock()
         self._blind_limiters: dict[tuple[LimiterConfig, int, int], Any] = {}
@@ -169,6 +181,7 @@ class TwoTierStorage(_FleetSync):
             "decisions": 0,
             "full_syncs": 0,
             "keys_synced_last": 0,
+            "heartbeat_ttl_last": 0.0,
         }
         self._thread: threading.Thread | None = None
         if start:
@@ -263,8 +276,10 @@ class TwoTierStorage(_FleetSync):
         self.refund_kernel(config, key, cost, at, now)
 
     def forget(self, config: LimiterConfig, key: str) -> None:
-        """Forget ``key`` here and delete its window hashes in Redis (the other
-        instances re-write their own counts at their next sync).
+        """Forget ``key`` here and delete its window hashes in Redis, the next
+        window's too, where the instances that admit the key claim their
+        default shares (the others re-write their own counts at their next
+        sync, and claim again).
 
         Waits for a sync in flight: that sync may carry this key's counts,
         and a delete sent before them would let them re-create the hash."""
@@ -278,10 +293,10 @@ class TwoTierStorage(_FleetSync):
                 if blind is not None:
                     blind.reset(key)  # the share it spent while Redis was unreachable
             if track is not None:
-                names = [self._hash_key(track, k) for k in (*track.own, *track.seen_total)]
-                if names:
-                    with contextlib.suppress(*self._errors):  # unreachable: the keys expire
-                        self.client.delete(*set(names))
+                k = math.floor(track.last_now / track.window)
+                windows = {*track.own, *track.seen_total, *track.claimed, k + 1}
+                with contextlib.suppress(*self._errors):  # unreachable: the keys expire
+                    self.client.delete(*[self._hash_key(track, w) for w in windows])
 
     def snapshot(self, config: LimiterConfig, key: str, now: float | None) -> LimiterState | None:
         """The fleet view of ``key``: window index, fleet count, previous window count."""
@@ -349,6 +364,7 @@ class TwoTierStorage(_FleetSync):
                     track.last_now = max(now, earlier.last_now)
                     for name in ("own", "pushed", "acked", "seen_total", "seen_own", "lease", "settled"):
                         setattr(track, name, dict(getattr(earlier, name)))
+                    track.claimed = dict(earlier.claimed)
             book = self._books.get(config)
             if book is not None:
                 track.book, track.slot = book, book.attach(key, track)
@@ -380,16 +396,20 @@ class TwoTierStorage(_FleetSync):
         weight = 1.0 - (now - start) / window
         estimate = previous * weight + current
         # Our units since our last sync of this window, against the lease that
-        # sync granted (before any: an even share of the whole limit).
+        # sync granted (before any: our share of the limit, see _share).
         since = track.own.get(k, 0) - track.pushed.get(k, 0)
         share = track.lease.get(k)
         if share is None:
-            share = self._first_share(limit)
+            share = self._share(limit)
         fits = estimate + cost <= limit
         degraded = False
         if self._blind:
             degraded = True
-            ok = fits and self._blind_allow(track, cost, now, commit)
+            cap = track.blind_cap.get(k)
+            if cap is not None:  # a window Redis holds a ceiling for us in: that ceiling
+                ok = fits and track.own.get(k, 0) + cost <= cap
+            else:
+                ok = fits and self._blind_allow(track, cost, now, commit)
         else:
             ok = fits and since + cost <= share
             if fits and not ok:

@@ -10,6 +10,7 @@ class the storage builds on.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
@@ -18,7 +19,16 @@ from typing import Any
 
 from ..._limiter_config import LimiterConfig
 from ..redis import is_noscript
-from ._records import FULL_SYNC_EVERY, RECONCILE_CHUNK, SETTLE_READS, SYNC_CHUNK, _Guard, _Track, _Work
+from ._records import (
+    FULL_SYNC_EVERY,
+    HEARTBEAT_GAPS,
+    RECONCILE_CHUNK,
+    SETTLE_READS,
+    SYNC_CHUNK,
+    _Guard,
+    _Track,
+    _Work,
+)
 from ._scripts import HEARTBEAT, RECONCILE
 
 _log = logging.getLogger("nanolimit.two_tier")
@@ -29,6 +39,7 @@ class _FleetSync:
     the storage's ``__init__`` sets every attribute declared here)."""
 
     sync_interval: float
+    timeout: float
     heartbeat_ttl: float
     partition_grace: float
     instance_id: str
@@ -55,6 +66,10 @@ class _FleetSync:
     _rank: int
     _members: int
     _silent: tuple[int, ...]
+    _member_ids: tuple[str, ...]
+    _recovery: tuple[int, int, tuple[str, ...], float] | None
+    _gaps: collections.deque[float]
+    _last_beat: float | None
     _blind: bool
     _blind_keys: dict[tuple[LimiterConfig, str], Any]
     _blind_units: int
@@ -92,7 +107,7 @@ class _FleetSync:
         if track.book is None:
             return
         k = math.floor(track.last_now / track.window)
-        default = self._first_share(track.limit)
+        default = self._share(track.limit)
         share = track.lease.get(k)
         if share is None:
             share = default
@@ -107,15 +122,28 @@ class _FleetSync:
             default,  # a later window's ceiling, when C rolls the key over before a sync
         )
 
-    def _reserved(self, limit: int) -> int:
-        """The silent members' blind shares of ``limit`` (as lua/reconcile.lua reserves them)."""
-        members = max(1, self._members)
-        return sum(limit // members + (1 if rank < limit % members else 0) for rank in self._silent)
+    def _share(self, limit: int) -> int:
+        """Our share of ``limit``: ``L // M`` plus one of the remainder's
+        units for the ``L mod M`` lowest ranks by id, ``M`` every member the
+        last heartbeat saw (silent ones too), so the shares add up to ``L``.
+        It is what we admit in a window before its first lease there (the
+        default share, which the others keep out of their leases once we
+        claimed it) and, while Redis is unreachable, in a window we hold no
+        ceiling for (the blind share, which the others reserve for us once
+        we are silent)."""
+        members = max(1, self._members or self._instances)
+        return limit // members + (1 if self._rank < limit % members else 0)
 
-    def _first_share(self, limit: int) -> int:
-        """What we may admit in a window before its first lease: an even
-        share of what the silent members' blind shares leave."""
-        return math.ceil(max(0, limit - self._reserved(limit)) / self._instances)
+    def _ceiling(self, track: _Track, k: int, share: int) -> int:
+        """The most our count in window ``k`` may reach before the reply of
+        a sync sent now lands (``share``: ours, see _share): Redis holds that
+        much for us meanwhile."""
+        if self._blind:
+            cap = track.blind_cap.get(k)
+            return max(track.own.get(k, 0), share) if cap is None else cap
+        # acked: pushed is cleared to re-write every count after a rejoin, and C may
+        # still hold the ceiling loaded before that
+        return track.acked.get(k, 0) + track.lease.get(k, share)
 
     def _fleet(self, track: _Track, k: int) -> int:
         """Fleet units in window ``k``: the others as last read, plus our own now."""
@@ -172,6 +200,36 @@ class _FleetSync:
                 picked[id(track)] = track
         return list(picked.values())
 
+    def _heartbeat_ttl(self) -> float:
+        """How long our heartbeat keeps us live: ``HEARTBEAT_GAPS`` of our own
+        longest recent gaps between syncs (before any, a sync interval plus
+        the timeout), within [2 * sync_interval, heartbeat_ttl]. So a cut
+        instance is silent to the others a few of its periods after its last
+        sync, and one that syncs slowly (many keys, a busy host) is not."""
+        gap = max(self._gaps) if self._gaps else self.sync_interval + self.timeout
+        return min(self.heartbeat_ttl, max(2 * self.sync_interval, HEARTBEAT_GAPS * gap))
+
+    def _reserve(self) -> list[str]:
+        """The members whose shares the reconcile keeps out of leases where
+        they have no field: "members rank rank ...", then their ids. Those
+        the last heartbeat saw silent; for ``heartbeat_ttl`` after an outage
+        (our partition, or a server that came back empty), every other
+        member we knew before it: each may have admitted its blind share in
+        this window, which a restarted server has not seen."""
+        recovery = self._recovery
+        if self._blind and self._member_ids:  # this sync may be the first one back
+            recovery = (self._members, self._rank, self._member_ids, math.inf)
+        if recovery is not None and time.monotonic() < recovery[3]:
+            members, _, ids, _ = recovery
+            ranks = [r for r, member in enumerate(ids) if member != self.instance_id]
+        elif self._silent:
+            members, ids, ranks = self._members, self._member_ids, list(self._silent)
+        else:
+            return []
+        if not ranks:
+            return []
+        return [" ".join(map(str, (members, *ranks))), *(ids[r] for r in ranks)]
+
     def _sync(self, full: bool) -> bool:
         with self._lock:
             # after a partition every count is re-written and every record reloaded
@@ -183,8 +241,7 @@ class _FleetSync:
                 self._need_full = False
             candidates = self._candidates(full)
             n = self._instances
-            # the silent members as the last heartbeat saw them, for the reconcile
-            reserve = " ".join(map(str, (self._members, *self._silent))) if self._silent else ""
+            reserve = self._reserve()
             load = not self._script_loaded
         # Built in chunks, the lock (and the gate) released in between: native
         # decisions wait at most one chunk, not a whole sync of many keys.
@@ -195,8 +252,9 @@ class _FleetSync:
                 for track in candidates[c : c + SYNC_CHUNK]:
                     if track.alive:
                         self._plan(track, full, wall, work)
-        ttl_ms = max(1, math.ceil(self.heartbeat_ttl * 1000))
-        grace_ms = max(ttl_ms, math.ceil(self.partition_grace * 1000))
+        ttl = self._heartbeat_ttl()
+        ttl_ms = max(1, math.ceil(ttl * 1000))
+        grace_ms = max(1, math.ceil(self.partition_grace * 1000))
         began = time.perf_counter()
         try:
             try:
@@ -209,40 +267,57 @@ class _FleetSync:
                 replies = self._exchange(work, n, ttl_ms, grace_ms, reserve, True)
         except self._errors:
             self._script_loaded = False
+            self._last_beat = None  # the gap across an outage is no sync period
             self._failed()
             return False
         latency = time.perf_counter() - began
+        if self._last_beat is not None:
+            self._gaps.append(began - self._last_beat)
+        # a sync that loaded the script (the first, or one after the server lost
+        # it) also set up a connection: the gap to the next one is no period
+        self._last_beat = None if load else began
         pushed_units = 0
         with self._lock:
             beat = replies[0]
             live = max(1, int(beat[0]))
-            self._rank = int(beat[2])
+            rank = int(beat[2])
             members = max(live, int(beat[3]))
             words = beat[4].decode() if isinstance(beat[4], bytes) else str(beat[4])
             silent = tuple(int(r) for r in words.split())
+            ids = tuple(i.decode() if isinstance(i, bytes) else str(i) for i in beat[5])
             rejoined = bool(int(replies[0][1])) and self._joined and not self._blind
             self._joined = True
             if rejoined:
                 # the server lost our membership between two syncs (a restart or a
                 # flush redis-py reconnected through): re-write every count we hold
-                # at the next sync, as after a partition; the counts of this sync
-                # were just written whole
+                # at the next sync, as after a partition, and claim again; the
+                # counts of this sync were just written whole
                 self._stats["rejoins"] += 1
                 self._need_full = True
                 for track in self._tracks.values():
                     track.pushed.clear()
+                    track.claimed.clear()
+            now = time.monotonic()
             if self._blind or rejoined:
                 # a restarted server knows only the instances that synced since: keep
-                # the N we knew until every live instance has had time to heartbeat
-                self._n_floor = (self._instances, time.monotonic() + self.heartbeat_ttl)
+                # the N we knew until every live instance has had time to heartbeat,
+                # and the members and our rank (so our shares are the ones the
+                # others compute for us), reserving each member's share (_reserve)
+                self._n_floor = (self._instances, now + self.heartbeat_ttl)
+                if self._member_ids and (self._recovery is None or self._recovery[3] <= now):
+                    self._recovery = (self._members, self._rank, self._member_ids, now + self.heartbeat_ttl)
             floor, until = self._n_floor
-            instances = max(live, floor) if time.monotonic() < until else live
+            instances = max(live, floor) if now < until else live
+            if self._recovery is not None and self._recovery[3] <= now:
+                self._recovery = None
+            if self._recovery is not None and self._recovery[0] >= members:
+                members, rank = self._recovery[0], self._recovery[1]
             self._script_loaded = True
         answered = list(zip(work, replies[1:]))
         for c in range(0, len(answered), SYNC_CHUNK):
             with self._lock:
                 touched: dict[int, _Track] = {}
-                for item, (total, lease) in answered[c : c + SYNC_CHUNK]:
+                for item, (total, lease, claimed) in answered[c : c + SYNC_CHUNK]:
                     track, w, value = item.track, item.window, item.value
                     if not track.alive:
                         continue  # forgotten or evicted during the round trip: its slot may be another key's
@@ -253,8 +328,13 @@ class _FleetSync:
                     track.seen_total[w] = int(total)
                     track.seen_own[w] = value
                     if item.current:
-                        track.lease[w] = int(lease)
+                        # a server that lost our membership granted this lease without
+                        # reserving the others' shares (we did not know to send them):
+                        # none is used, and the next sync, which sends them, grants it
+                        track.lease[w] = 0 if rejoined else int(lease)
                         track.want.pop(w, None)  # asked for with this sync
+                        if item.claim_key is not None and int(claimed):
+                            track.claimed[w + 1] = item.claim
                     else:
                         track.settled[w] = track.settled.get(w, 0) + 1
                     touched[id(track)] = track
@@ -262,13 +342,13 @@ class _FleetSync:
                     self._pull(track)  # what native decisions admitted during the round trip
                     self._load(track)  # its new lease and totals
         with self._lock:
-            # N and the silent members change here, with every record reloaded
-            # in the same hold, so the C path and the Python path never divide
-            # by different Ns or reserve different shares
-            self._members = members
-            if instances != self._instances or silent != self._silent:
-                self._instances = instances
-                self._silent = silent
+            # N, the members and our rank change here, with every record
+            # reloaded in the same hold, so the C path and the Python path never
+            # divide by different Ns or use different shares
+            self._silent, self._member_ids = silent, ids
+            shape = (instances, members, rank)
+            if shape != (self._instances, self._members, self._rank):
+                self._instances, self._members, self._rank = shape
                 for track in self._tracks.values():
                     self._pull(track)
                     self._load(track)
@@ -277,6 +357,8 @@ class _FleetSync:
                 for (_, key), limiter in self._blind_keys.items():
                     limiter.reset(key)  # the local share state is not needed until the next partition
                 self._blind_keys.clear()
+                for track in self._tracks.values():
+                    track.blind_cap.clear()
                 # every unit admitted blind: those admitted during this round trip
                 # are in our counts and go with the next sync
                 self._stats["units_reconciled"] += self._blind_units
@@ -289,6 +371,7 @@ class _FleetSync:
             stats["sync_latency_last"] = latency
             stats["sync_latency_max"] = max(stats["sync_latency_max"], latency)
             stats["sync_latency_total"] += latency
+            stats["heartbeat_ttl_last"] = ttl
         return True
 
     def _plan(self, track: _Track, full: bool, wall: float, work: list[_Work]) -> None:
@@ -319,6 +402,7 @@ class _FleetSync:
                     track.seen_own,
                     track.lease,
                     track.settled,
+                    track.claimed,
                 ):
                     table.pop(old, None)
         if not own or (len(own) == 1 and k in own):
@@ -342,23 +426,36 @@ class _FleetSync:
                 ms = max(3_600_000, math.ceil(2 * window * 1000) + 1000)
             current = w == k
             value = own.get(w, 0)
-            weight = 0.0
             if current and not self._leaving:
                 previous = repr(self._previous_weighted(track, w)) if track.sliding else "0.0"
                 spec = f"{value} {track.limit} {previous} {ms} 1 {track.want.get(w, 0)}"
+                weight = 0.0
                 if track.sliding:
                     weight = min(1.0, max(0.0, 1.0 - (track.last_now - w * window) / window))
+                share = self._share(track.limit)
+                if self._blind:
+                    held = self._ceiling(track, w, share)
+                else:  # _ceiling, inline: once per key and sync
+                    held = track.acked.get(w, 0) + track.lease.get(w, share)
+                item = _Work(track, w, value, True, self._hash_key(track, w), spec, weight, held)
+                if value and track.claimed.get(w + 1) != share and share and not self._blind:
+                    # we admit this key now: reserve our default share of the next
+                    # window, so what we admit there before our first sync of it is
+                    # never unseen by the others' leases
+                    item.claim_key, item.claim = self._hash_key(track, w + 1), share
             else:
                 spec = f"{value} {track.limit} 0.0 {ms} 0 0"
-            work.append(_Work(track, w, value, current, self._hash_key(track, w), spec, weight))
+                item = _Work(track, w, value, current, self._hash_key(track, w), spec)
+            work.append(item)
 
     def _exchange(
-        self, work: list[_Work], n: int, ttl_ms: int, grace_ms: int, reserve: str, load: bool
+        self, work: list[_Work], n: int, ttl_ms: int, grace_ms: int, reserve: list[str], load: bool
     ) -> list[Any]:
         """The sync's round trip: the heartbeat and the reconcile script over
         chunks of (key, window) — per slot on a cluster — in one pipeline.
         ``reserve`` is the silent members as the last heartbeat saw them.
-        Returns the heartbeat's reply, then ``(total, lease)`` per work item."""
+        Returns the heartbeat's reply, then ``(total, lease, claimed)`` per
+        work item."""
         if load:  # first sync, or a server lost it; SCRIPT LOAD reaches every primary of a cluster
             self.client.script_load(RECONCILE.source)
         pipe = self.client.pipeline(transaction=False)
@@ -374,33 +471,39 @@ class _FleetSync:
         for members in groups.values():
             for c in range(0, len(members), RECONCILE_CHUNK):
                 part = members[c : c + RECONCILE_CHUNK]
-                # two more words per key: where in this call the same key's
+                # five more words per key: where in this call the same key's
                 # previous window is (0: not here) and its weight, so the
-                # script weighs that window's fresh total, not our last read
+                # script weighs that window's fresh total, not our last read;
+                # the ceiling in use; where the next window's hash is among
+                # KEYS (0: no claim) and the share claimed there
                 at: dict[tuple[int, int], int] = {}
+                keys = [work[i].hash_key for i in part]
                 words = []
                 for pos, i in enumerate(part, 1):
                     item = work[i]
                     before = at.get((id(item.track), item.window - 1), 0) if item.weight > 0.0 else 0
                     at[(id(item.track), item.window)] = pos
-                    words.append(f"{item.spec} {before} {item.weight!r}")
-                spec = " ".join(words)
+                    claim_at = 0
+                    if item.claim_key is not None:
+                        keys.append(item.claim_key)
+                        claim_at = len(keys)
+                    words.append(f"{item.spec} {before} {item.weight!r} {item.held} {claim_at} {item.claim}")
                 pipe.execute_command(
                     "EVALSHA",
                     RECONCILE.sha,
-                    len(part),
-                    *[work[i].hash_key for i in part],
+                    len(keys),
+                    *keys,
                     self.instance_id,
                     n,
-                    spec,
-                    reserve,
+                    " ".join(words),
+                    *(reserve or [""]),
                 )
                 order += part
         raw = pipe.execute()
-        flat = [pair for reply in raw[1:] for pair in zip(reply[::2], reply[1::2])]
+        flat = [triple for reply in raw[1:] for triple in zip(reply[::3], reply[1::3], reply[2::3])]
         replies: list[Any] = [None] * len(work)
-        for i, pair in zip(order, flat):
-            replies[i] = pair
+        for i, triple in zip(order, flat):
+            replies[i] = triple
         return [raw[0], *replies]
 
     def _failed(self) -> None:
@@ -411,7 +514,15 @@ class _FleetSync:
             if not self._blind:
                 self._blind = True
                 self._stats["partitions"] += 1
-                # the server may come back empty: re-write every count we hold
                 for track in self._tracks.values():
+                    # what Redis holds for us per window (count + lease, or the
+                    # claim) is what we may admit there while blind: the others
+                    # keep exactly that out of their leases
+                    cap = {w: track.acked.get(w, 0) + lease for w, lease in track.lease.items()}
+                    for w, share in track.claimed.items():
+                        cap.setdefault(w, share)
+                    track.blind_cap = cap
+                    # the server may come back empty: re-write every count we hold
                     track.pushed.clear()
                     track.lease.clear()
+                    track.claimed.clear()
