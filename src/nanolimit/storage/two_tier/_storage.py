@@ -22,8 +22,20 @@ from ..._select import native_core, twin, twin_of
 from ..._validation import check_int_option, check_seconds_option
 from ...errors import ValidationError
 from ..redis import RedisStorage, client_package, derive_client
+from ..shared_memory import SharedMemoryStorage
 from ._records import _REFUSED, GAPS_KEPT, MAX_WINDOW_INDEX, SUPPORTED_ALGORITHMS, _Guard, _shape, _Track
 from ._sync import _FleetSync
+
+# Until a host-level member exists (one fleet member for every worker that
+# shares a zone), a zone as ``local`` only looks right: see docs/two_tier.md.
+_ZONE_REFUSED = (
+    "TwoTierStorage does not take a SharedMemoryStorage as local: every worker process that builds a "
+    "TwoTierStorage is a fleet member of its own (its own leases and heartbeat, counted in N), so the "
+    "zone would be shared only while Redis is unreachable, and then the host's workers would split one "
+    "member's blind share between them (L / N for the host instead of L / N per worker). Leave local "
+    "unset (each worker keeps its blind share in its own in-memory store), or share one limit across "
+    "a host's workers with SharedMemoryStorage alone"
+)
 
 
 class TwoTierStorage(_FleetSync):
@@ -70,7 +82,9 @@ class TwoTierStorage(_FleetSync):
     its blind share, so the others keep that share out of their leases. A
     partition of some instances then keeps the fleet within ``L`` for as
     long as the grace; a dead instance's share is idle for as long.
-    ``close()`` leaves at once. Its admitted units still count.
+    ``close()`` leaves at once. Its admitted units still count. A
+    ``SharedMemoryStorage`` as ``local`` is refused: every process is a
+    member of its own (docs/two_tier.md).
     ``instances`` is the ``N`` assumed until the first sync answers (an
     instance started while Redis is down has nothing better to divide by).
     """
@@ -107,6 +121,8 @@ class TwoTierStorage(_FleetSync):
         instances = check_int_option("instances", instances, 1, (1 << 31) - 1)
         if not isinstance(prefix, str) or "{" in prefix or "}" in prefix:
             raise ValidationError("prefix must be a str without '{' or '}'")
+        if isinstance(local, SharedMemoryStorage):
+            raise ValidationError(_ZONE_REFUSED)
         if local is None:
             local = twin.InMemoryStorage()
         self.local = local
