@@ -233,9 +233,12 @@ def test_a_fleet_at_full_speed_stays_within_the_limit_through_a_partial_partitio
     at most L, the steady ones before and after the cut too (each window
     admitted 378 of 300 when what the others had spent of their default
     shares before their first sync of a window was not reserved)."""
+    import nanolimit
+
     reports, first = run_cut_fleet(redis_server, pace=0.0)
     check_cut_fleet(redis_server, reports, first)
-    assert all(r["metrics"]["decisions_native"] > r["metrics"]["decisions"] // 2 for r in reports)
+    if nanolimit.IMPLEMENTATION == "native":  # the workers' twin is this process's
+        assert all(r["metrics"]["decisions_native"] > r["metrics"]["decisions"] // 2 for r in reports)
 
 
 @pytest.mark.parametrize("server_kind", ["redis"])
@@ -481,6 +484,8 @@ def test_leases_between_syncs_are_deterministic(backend: Any, redis_server: Any,
         # Redis holds 4 for it, the rest of its default share 5, its ceiling
         # while this sync was in flight
         b.sync_now()
+        [name] = redis_server.client().keys("*{k}*:5002")
+        assert int(redis_server.client().hget(name, "lease:b")) == 4
         assert admit(lim_a, 9) == 5 and admit(lim_b, 9) == 2  # 9 in all, 1 left
         a.sync_now()  # counts 6 + 1, b holds 4: lease 0
         b.sync_now()  # counts 6 + 3, b's ceiling now 3: lease ceil(1 / 2) = 1
@@ -613,7 +618,11 @@ def test_a_flushed_server_gets_every_count_back_at_the_next_sync(backend: Any, r
         assert limiter.allow("busy").allowed
         tier._sync(full=False)  # a background sync: only the key decided since
         assert tier.metrics()["rejoins"] == 1
+        # the lease that sync granted is not used: the server had no member list
+        # to reserve the others' shares from
+        assert not limiter.allow("busy").allowed
         tier._sync(full=False)
+        assert sum(limiter.allow("busy").allowed for _ in range(12)) == 9
         stored = {int(k.rsplit(b":", 1)[1]): client.hgetall(k) for k in client.scan_iter(match="*{idle}*")}
         # the count, and the claim on the next window made again
         assert stored == {1000: {b"flushed": b"10", b"lease:flushed": b"0"}, 1001: {b"lease:flushed": b"10"}}
@@ -621,12 +630,16 @@ def test_a_flushed_server_gets_every_count_back_at_the_next_sync(backend: Any, r
 
 
 def test_blind_shares_add_up_to_the_limit(backend: Any, own_server: Any) -> None:
-    """While Redis is unreachable each instance admits its share: L // N,
-    plus one unit of the remainder for the lowest ranks by id, so the fleet
-    admits at most L even when L < N (it admitted N with a floor of 1)."""
+    """Each instance's share is L // N, plus one unit of the remainder for
+    the lowest ranks by id, so the shares add up to L even when L < N (they
+    added up to N with a floor of 1, and to N * ceil(L / N) before a first
+    lease): what each admits in a window before its first sync there, and
+    while Redis is unreachable."""
     with synced(own_server, "share-a", "share-b", "share-c", "share-d") as tiers:
         assert [t.instances for t in tiers] == [4] * 4
         clock = backend.FakeClock(60_000.0)
+        fresh = [backend.FixedWindowCounter(2, 60.0, storage=t, clock=clock, rule="d2") for t in tiers]
+        assert [sum(lim.allow("k").allowed for _ in range(5)) for lim in fresh] == [1, 1, 0, 0]
         for limit in (2, 7):
             cls = backend.FixedWindowCounter
             limiters = [cls(limit, 60.0, storage=t, clock=clock, rule=f"s{limit}") for t in tiers]
@@ -873,9 +886,10 @@ def test_fleet_on_a_cluster(backend: Any, redis_cluster: Any) -> None:
 
 
 def test_closing_hands_back_the_lease(backend: Any, redis_server: Any) -> None:
-    """An instance that leaves (close) sets its leases to zero on the way out:
-    the others may spend the whole remainder at their next sync, instead of
-    waiting for the window's hash to expire."""
+    """An instance that leaves (close) sets its leases to zero on the way out,
+    and its claims on the next window: the others may spend the whole
+    remainder at their next sync, instead of waiting for the hashes to
+    expire."""
     clock = backend.FakeClock(6000.0)
     a = make_tier(redis_server, "a", start=False)
     b = make_tier(redis_server, "b", start=False)
@@ -893,6 +907,9 @@ def test_closing_hands_back_the_lease(backend: Any, redis_server: Any) -> None:
         b.sync_now()  # counts 2, no other lease (a's would be 50 unreturned): lease 98
         assert b.instances == 1
         assert sum(lim_b.allow("k").allowed for _ in range(120)) == 98
+        # a had claimed its share of the next window: handed back too
+        [name] = redis_server.client().keys("*{k}*:601")
+        assert redis_server.client().hget(name, "lease:a") == b"0"
     finally:
         a.close()
         b.close()

@@ -447,6 +447,15 @@ class _FleetSync:
                 spec = f"{value} {track.limit} 0.0 {ms} 0 0"
                 item = _Work(track, w, value, current, self._hash_key(track, w), spec)
             work.append(item)
+        if self._leaving:
+            # close(): the claims on later windows go back too (a count of 0, no lease)
+            for w in [w for w in track.claimed if w > k and w not in own]:
+                if wall_clock:
+                    ms = math.ceil(max((w + 2) * window - wall, 0.0) * 1000) + 1000
+                else:
+                    ms = max(3_600_000, math.ceil(2 * window * 1000) + 1000)
+                spec = f"0 {track.limit} 0.0 {ms} 0 0"
+                work.append(_Work(track, w, 0, False, self._hash_key(track, w), spec))
 
     def _exchange(
         self, work: list[_Work], n: int, ttl_ms: int, grace_ms: int, reserve: list[str], load: bool
