@@ -174,7 +174,7 @@ def run_cut_fleet(server: Any, *, pace: float) -> tuple[list[dict[str, Any]], in
         proxies[-1].restore()
 
     try:
-        reports = run_fleet(server.port, duration=4.0, schedule=schedule, pace=pace, proxies=proxies)
+        reports = run_fleet(server.port, duration=3.6, schedule=schedule, pace=pace, proxies=proxies)
     finally:
         for proxy in proxies:
             proxy.close()
