@@ -500,3 +500,21 @@ def test_a_reused_slot_is_not_synced_for_its_previous_key(native: Any, redis_ser
         assert tier.metrics()["keys_synced_last"] == 0
     finally:
         tier.close()
+
+
+def test_a_zone_is_refused_as_local(native: Any, redis_server: Any) -> None:
+    """Every worker that builds a TwoTierStorage is a fleet member of its
+    own, so a SharedMemoryStorage as ``local`` would be shared only while
+    Redis is unreachable, where the host's workers would split one member's
+    blind share between them: refused when the storage is made, before
+    anything reaches Redis, with what to do instead."""
+    import uuid
+
+    from nanolimit.storage.two_tier import TwoTierStorage
+
+    zone = native.SharedMemoryStorage(f"nltest-{uuid.uuid4().hex[:16]}", max_keys=1024)
+    zone.unlink()
+    client = redis_server.client()
+    with pytest.raises(ValidationError, match=r"SharedMemoryStorage as local.*Leave local unset"):
+        TwoTierStorage(zone, client, instance_id="zoned", prefix="zoned:")
+    assert not list(client.scan_iter(match="*zoned:*"))

@@ -108,7 +108,7 @@ class Family:
 
 # -- the storages' numbers ---------------------------------------------------------
 # What each storage's metrics()/stats() holds (storage/redis/_base.py,
-# storage/two_tier.py, the twins' InMemoryStorage.stats, the zone's
+# storage/two_tier/_storage.py, the twins' InMemoryStorage.stats, the zone's
 # stats/metrics): the fields that only ever grow are counters, the rest are
 # gauges. A field named in neither (a future storage's) is exported as a gauge.
 STORAGE_COUNTERS: dict[str, str] = {
@@ -155,6 +155,7 @@ STORAGE_GAUGES: dict[str, str] = {
     "partition": "1 while the shared store is unreachable.",
     "instances": "Live instances sharing the limits.",
     "silent_instances": "Instances whose heartbeat lapsed within the grace period.",
+    "heartbeat_ttl_last": "Seconds the latest heartbeat keeps this instance live.",
     "max_keys": "Keys the table holds at most.",
     "segment_bytes": "Bytes of the shared-memory segment.",
     "arena_bytes": "Bytes of the key arena.",

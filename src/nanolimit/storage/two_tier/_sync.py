@@ -1,0 +1,537 @@
+"""The sync: what the background thread does once per ``sync_interval``.
+
+Why a module of its own: the sync is the remote tier, the half of the
+storage that talks to Redis (heartbeat, what each sync sends, the replies
+applied back into the records), while ``_storage`` is the local tier that
+decides requests. Both work on the same per-key records, so the records'
+helpers (pull from C, load into C, the fleet view) live here, in the base
+class the storage builds on.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+from ..._limiter_config import LimiterConfig
+from ..redis import is_noscript
+from ._records import (
+    FULL_SYNC_EVERY,
+    HEARTBEAT_GAPS,
+    RECONCILE_CHUNK,
+    SETTLE_READS,
+    SYNC_CHUNK,
+    _Guard,
+    _Track,
+    _Work,
+)
+from ._scripts import HEARTBEAT, RECONCILE
+
+_log = logging.getLogger("nanolimit.two_tier")
+
+
+class _FleetSync:
+    """The records and the sync of a :class:`TwoTierStorage` (its base class;
+    the storage's ``__init__`` sets every attribute declared here)."""
+
+    sync_interval: float
+    timeout: float
+    heartbeat_ttl: float
+    partition_grace: float
+    instance_id: str
+    client: Any
+    _errors: tuple[type[BaseException], ...]
+    _members_key: str
+    _slot_of: Any
+    _lock: _Guard
+    _sync_lock: threading.RLock
+    _wake: threading.Event
+    _stop: threading.Event
+    _gate: Any
+    _books: dict[LimiterConfig, Any]
+    _tracks: dict[tuple[LimiterConfig, str], _Track]
+    _by_base: dict[str, _Track]
+    _dirty: dict[int, _Track]
+    _since_full: int
+    _need_full: bool
+    _leaving: bool
+    _script_loaded: bool
+    _joined: bool
+    _instances: int
+    _n_floor: tuple[int, float]
+    _rank: int
+    _members: int
+    _silent: tuple[int, ...]
+    _member_ids: tuple[str, ...]
+    _recovery: tuple[int, int, tuple[str, ...], float] | None
+    _gaps: collections.deque[float]
+    _last_beat: float | None
+    _blind: bool
+    _blind_keys: dict[tuple[LimiterConfig, str], Any]
+    _blind_units: int
+    _stats: dict[str, Any]
+
+    # -- the records ---------------------------------------------------------------
+    def _drop(self, ident: tuple[LimiterConfig, str]) -> None:
+        track = self._tracks.pop(ident)
+        track.alive = False
+        if self._by_base.get(track.base) is track:
+            del self._by_base[track.base]
+        if track.book is not None:
+            track.book.detach(track.key)
+
+    def _pull(self, track: _Track) -> None:
+        """Fold what native decisions did to the key's hot window into the track."""
+        if track.book is None:
+            return
+        k, own, last_now, decided, left, left_own, want = track.book.pull(track.slot)
+        if want and k is not None and want > track.want.get(k, 0):
+            track.want[k] = want
+        if left is not None and left_own != track.own.get(left, 0):
+            track.own[left] = left_own  # the window C rolled away from
+        if k is not None and own != track.own.get(k, 0):
+            track.own[k] = own
+        if last_now > track.last_now:
+            track.last_now = last_now
+        if decided:
+            track.touched = time.monotonic()
+            self._stats["decisions"] += decided
+
+    def _load(self, track: _Track) -> None:
+        """Hand the key's current window to native decisions: exactly what
+        ``_decide`` would read for a request in that window."""
+        if track.book is None:
+            return
+        k = math.floor(track.last_now / track.window)
+        default = self._share(track.limit)
+        share = track.lease.get(k)
+        if share is None:
+            share = default
+        track.book.load(
+            track.slot,
+            k,
+            track.own.get(k, 0),
+            track.pushed.get(k, 0) + share,
+            track.seen_total.get(k, 0) - track.seen_own.get(k, 0),
+            self._fleet(track, k - 1) if track.sliding else 0,
+            track.last_now,
+            default,  # a later window's ceiling, when C rolls the key over before a sync
+        )
+
+    def _share(self, limit: int) -> int:
+        """Our share of ``limit``: ``L // M`` plus one of the remainder's
+        units for the ``L mod M`` lowest ranks by id, ``M`` every member the
+        last heartbeat saw (silent ones too), so the shares add up to ``L``.
+        It is what we admit in a window before its first lease there (the
+        default share, which the others keep out of their leases once we
+        claimed it) and, while Redis is unreachable, in a window we hold no
+        ceiling for (the blind share, which the others reserve for us once
+        we are silent)."""
+        members = max(1, self._members or self._instances)
+        return limit // members + (1 if self._rank < limit % members else 0)
+
+    def _ceiling(self, track: _Track, k: int, share: int) -> int:
+        """The most our count in window ``k`` may reach before the reply of
+        a sync sent now lands (``share``: ours, see _share): Redis holds that
+        much for us meanwhile."""
+        if self._blind:
+            cap = track.blind_cap.get(k)
+            return max(track.own.get(k, 0), share) if cap is None else cap
+        # acked: pushed is cleared to re-write every count after a rejoin, and C may
+        # still hold the ceiling loaded before that
+        return track.acked.get(k, 0) + track.lease.get(k, share)
+
+    def _fleet(self, track: _Track, k: int) -> int:
+        """Fleet units in window ``k``: the others as last read, plus our own now."""
+        others = track.seen_total.get(k, 0) - track.seen_own.get(k, 0)
+        return others + track.own.get(k, 0)
+
+    def _previous_weighted(self, track: _Track, k: int) -> float:
+        """The sliding estimate's share of window ``k - 1``, at our key's time."""
+        if not track.sliding:
+            return 0.0
+        weight = 1.0 - (track.last_now - k * track.window) / track.window
+        return self._fleet(track, k - 1) * min(1.0, max(0.0, weight))
+
+    # -- the sync ------------------------------------------------------------------
+    def _hash_key(self, track: _Track, k: int) -> str:
+        return f"{track.base}{k}"
+
+    def _run(self) -> None:
+        gap = self.sync_interval / 4  # early syncs, at most this often
+        while not self._stop.is_set():
+            self._wake.wait(self.sync_interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            with self._sync_lock:
+                self._since_full += 1
+                try:
+                    self._sync(full=self._since_full >= FULL_SYNC_EVERY)
+                except Exception:  # noqa: BLE001 -- logged; a bug must not end the syncs for good
+                    self._stats["sync_errors"] += 1
+                    _log.exception("TwoTierStorage sync failed")
+            self._stop.wait(gap)
+
+    def sync_now(self) -> bool:
+        """One full sync: heartbeat, push our per-window counts of every key
+        and read the fleet totals back. True if Redis answered. (The
+        background thread syncs only the keys decided since its last sync,
+        and every key once per ``FULL_SYNC_EVERY`` syncs.)"""
+        with self._sync_lock:
+            return self._sync(full=True)
+
+    def _candidates(self, full: bool) -> list[_Track]:
+        """The tracks a sync covers: all of them, or those decided since the
+        last sync (Python path and C path alike)."""
+        if full:
+            self._dirty.clear()
+            for book in self._books.values():
+                book.take_dirty()
+            return list(self._tracks.values())
+        picked = dict(self._dirty)
+        self._dirty.clear()
+        for book in self._books.values():
+            for track in book.take_dirty():
+                picked[id(track)] = track
+        return list(picked.values())
+
+    def _heartbeat_ttl(self) -> float:
+        """How long our heartbeat keeps us live: ``HEARTBEAT_GAPS`` of our own
+        longest recent gaps between syncs (before any, a sync interval plus
+        the timeout), within [2 * sync_interval, heartbeat_ttl]. So a cut
+        instance is silent to the others a few of its periods after its last
+        sync, and one that syncs slowly (many keys, a busy host) is not."""
+        gap = max(self._gaps) if self._gaps else self.sync_interval + self.timeout
+        return min(self.heartbeat_ttl, max(2 * self.sync_interval, HEARTBEAT_GAPS * gap))
+
+    def _reserve(self) -> list[str]:
+        """The members whose shares the reconcile keeps out of leases where
+        they have no field: "members rank rank ...", then their ids. Those
+        the last heartbeat saw silent; for ``heartbeat_ttl`` after an outage
+        (our partition, or a server that came back empty), every other
+        member we knew before it: each may have admitted its blind share in
+        this window, which a restarted server has not seen."""
+        recovery = self._recovery
+        if self._blind and self._member_ids:  # this sync may be the first one back
+            recovery = (self._members, self._rank, self._member_ids, math.inf)
+        if recovery is not None and time.monotonic() < recovery[3]:
+            members, _, ids, _ = recovery
+            ranks = [r for r, member in enumerate(ids) if member != self.instance_id]
+        elif self._silent:
+            members, ids, ranks = self._members, self._member_ids, list(self._silent)
+        else:
+            return []
+        if not ranks:
+            return []
+        return [" ".join(map(str, (members, *ranks))), *(ids[r] for r in ranks)]
+
+    def _sync(self, full: bool) -> bool:
+        with self._lock:
+            # after a partition every count is re-written and every record reloaded
+            full = full or self._need_full or self._blind
+            if self._gate is not None:
+                self._gate.rearm()
+            if full:
+                self._since_full = 0
+                self._need_full = False
+            candidates = self._candidates(full)
+            n = self._instances
+            reserve = self._reserve()
+            load = not self._script_loaded
+        # Built in chunks, the lock (and the gate) released in between: native
+        # decisions wait at most one chunk, not a whole sync of many keys.
+        work: list[_Work] = []
+        wall = time.time()
+        for c in range(0, len(candidates), SYNC_CHUNK):
+            with self._lock:
+                for track in candidates[c : c + SYNC_CHUNK]:
+                    if track.alive:
+                        self._plan(track, full, wall, work)
+        ttl = self._heartbeat_ttl()
+        ttl_ms = max(1, math.ceil(ttl * 1000))
+        grace_ms = max(1, math.ceil(self.partition_grace * 1000))
+        began = time.perf_counter()
+        try:
+            try:
+                replies = self._exchange(work, n, ttl_ms, grace_ms, reserve, load)
+            except self._errors as exc:
+                # a node that restarted or failed over lost the script: the
+                # reconcile writes absolute values, so sending again is safe
+                if not is_noscript(exc):
+                    raise
+                replies = self._exchange(work, n, ttl_ms, grace_ms, reserve, True)
+        except self._errors:
+            self._script_loaded = False
+            self._last_beat = None  # the gap across an outage is no sync period
+            self._failed()
+            return False
+        latency = time.perf_counter() - began
+        if self._last_beat is not None:
+            self._gaps.append(began - self._last_beat)
+        # a sync that loaded the script (the first, or one after the server lost
+        # it) also set up a connection: the gap to the next one is no period
+        self._last_beat = None if load else began
+        pushed_units = 0
+        with self._lock:
+            beat = replies[0]
+            live = max(1, int(beat[0]))
+            rank = int(beat[2])
+            members = max(live, int(beat[3]))
+            words = beat[4].decode() if isinstance(beat[4], bytes) else str(beat[4])
+            silent = tuple(int(r) for r in words.split())
+            ids = tuple(i.decode() if isinstance(i, bytes) else str(i) for i in beat[5])
+            rejoined = bool(int(replies[0][1])) and self._joined and not self._blind
+            self._joined = True
+            if rejoined:
+                # the server lost our membership between two syncs (a restart or a
+                # flush redis-py reconnected through): re-write every count we hold
+                # at the next sync, as after a partition, and claim again; the
+                # counts of this sync were just written whole
+                self._stats["rejoins"] += 1
+                self._need_full = True
+                for track in self._tracks.values():
+                    track.pushed.clear()
+                    track.claimed.clear()
+            now = time.monotonic()
+            if self._blind or rejoined:
+                # a restarted server knows only the instances that synced since: keep
+                # the N we knew until every live instance has had time to heartbeat,
+                # and the members and our rank (so our shares are the ones the
+                # others compute for us), reserving each member's share (_reserve)
+                self._n_floor = (self._instances, now + self.heartbeat_ttl)
+                if self._member_ids and (self._recovery is None or self._recovery[3] <= now):
+                    self._recovery = (self._members, self._rank, self._member_ids, now + self.heartbeat_ttl)
+            floor, until = self._n_floor
+            instances = max(live, floor) if now < until else live
+            if self._recovery is not None and self._recovery[3] <= now:
+                self._recovery = None
+            if self._recovery is not None and self._recovery[0] >= members:
+                members, rank = self._recovery[0], self._recovery[1]
+            self._script_loaded = True
+        answered = list(zip(work, replies[1:]))
+        for c in range(0, len(answered), SYNC_CHUNK):
+            with self._lock:
+                touched: dict[int, _Track] = {}
+                for item, (total, lease, claimed) in answered[c : c + SYNC_CHUNK]:
+                    track, w, value = item.track, item.window, item.value
+                    if not track.alive:
+                        continue  # forgotten or evicted during the round trip: its slot may be another key's
+                    # pushed is cleared by a partition (every count is re-written),
+                    # acked is not: a re-write is not a unit pushed again
+                    pushed_units += max(0, value - track.acked.get(w, 0))
+                    track.pushed[w] = track.acked[w] = value
+                    track.seen_total[w] = int(total)
+                    track.seen_own[w] = value
+                    if item.current:
+                        # a server that lost our membership granted this lease without
+                        # reserving the others' shares (we did not know to send them):
+                        # none is used, and the next sync, which sends them, grants it
+                        track.lease[w] = 0 if rejoined else int(lease)
+                        track.want.pop(w, None)  # asked for with this sync
+                        if item.claim_key is not None and int(claimed):
+                            track.claimed[w + 1] = item.claim
+                    else:
+                        track.settled[w] = track.settled.get(w, 0) + 1
+                    touched[id(track)] = track
+                for track in touched.values():
+                    self._pull(track)  # what native decisions admitted during the round trip
+                    self._load(track)  # its new lease and totals
+        with self._lock:
+            # N, the members and our rank change here, with every record
+            # reloaded in the same hold, so the C path and the Python path never
+            # divide by different Ns or use different shares
+            self._silent, self._member_ids = silent, ids
+            shape = (instances, members, rank)
+            if shape != (self._instances, self._members, self._rank):
+                self._instances, self._members, self._rank = shape
+                for track in self._tracks.values():
+                    self._pull(track)
+                    self._load(track)
+            if self._blind:
+                self._blind = False
+                for (_, key), limiter in self._blind_keys.items():
+                    limiter.reset(key)  # the local share state is not needed until the next partition
+                self._blind_keys.clear()
+                for track in self._tracks.values():
+                    track.blind_cap.clear()
+                # every unit admitted blind: those admitted during this round trip
+                # are in our counts and go with the next sync
+                self._stats["units_reconciled"] += self._blind_units
+                self._blind_units = 0
+            stats = self._stats
+            stats["syncs"] += 1
+            stats["full_syncs"] += full
+            stats["keys_synced_last"] = len({id(item.track) for item in work})
+            stats["units_pushed"] += pushed_units
+            stats["sync_latency_last"] = latency
+            stats["sync_latency_max"] = max(stats["sync_latency_max"], latency)
+            stats["sync_latency_total"] += latency
+            stats["heartbeat_ttl_last"] = ttl
+        return True
+
+    def _plan(self, track: _Track, full: bool, wall: float, work: list[_Work]) -> None:
+        """Add ``track``'s windows to a sync (or drop it when idle and pushed)."""
+        self._pull(track)
+        own, pushed = track.own, track.pushed
+        if (
+            full
+            and time.monotonic() - track.touched > max(3 * track.window, 10.0)
+            and all(pushed.get(w) == v for w, v in own.items())
+        ):
+            self._drop((track.config, track.key))  # idle and fully pushed: nothing left to reconcile
+            return
+        window = track.window
+        k = math.floor(track.last_now / window)
+        # the limiter reads the wall clock (SystemClock) when its time is the
+        # wall's; a day's slack covers a client clock that is off
+        wall_clock = abs(track.last_now - wall) < 86_400.0
+        if len(own) > 1:
+            # keep the previous window for the sliding estimate; drop older ones once pushed
+            for old in [w for w in own if w < k - 1 and pushed.get(w) == own[w]]:
+                for table in (
+                    own,
+                    pushed,
+                    track.acked,
+                    track.want,
+                    track.seen_total,
+                    track.seen_own,
+                    track.lease,
+                    track.settled,
+                    track.claimed,
+                ):
+                    table.pop(old, None)
+        if not own or (len(own) == 1 and k in own):
+            windows: Any = (k - 1, k) if track.sliding else (k,)
+        else:
+            windows = sorted({k, k - 1} | own.keys() if track.sliding else {k} | own.keys())
+        for w in windows:
+            if (
+                not full
+                and w != k
+                and own.get(w, 0) == pushed.get(w, 0)
+                and track.settled.get(w, 0) >= SETTLE_READS
+            ):
+                continue  # a past window, pushed, its total read often enough for late pushes to land
+            # alive until the window can no longer matter, by the wall clock; a window
+            # of an injected clock cannot be placed on it, so it lives two windows
+            # with an hour's floor, as RedisStorage does
+            if wall_clock:
+                ms = math.ceil(max((w + 2) * window - wall, 0.0) * 1000) + 1000
+            else:
+                ms = max(3_600_000, math.ceil(2 * window * 1000) + 1000)
+            current = w == k
+            value = own.get(w, 0)
+            if current and not self._leaving:
+                previous = repr(self._previous_weighted(track, w)) if track.sliding else "0.0"
+                spec = f"{value} {track.limit} {previous} {ms} 1 {track.want.get(w, 0)}"
+                weight = 0.0
+                if track.sliding:
+                    weight = min(1.0, max(0.0, 1.0 - (track.last_now - w * window) / window))
+                share = self._share(track.limit)
+                if self._blind:
+                    held = self._ceiling(track, w, share)
+                else:  # _ceiling, inline: once per key and sync
+                    held = track.acked.get(w, 0) + track.lease.get(w, share)
+                item = _Work(track, w, value, True, self._hash_key(track, w), spec, weight, held)
+                if value and track.claimed.get(w + 1) != share and share and not self._blind:
+                    # we admit this key now: reserve our default share of the next
+                    # window, so what we admit there before our first sync of it is
+                    # never unseen by the others' leases
+                    item.claim_key, item.claim = self._hash_key(track, w + 1), share
+            else:
+                spec = f"{value} {track.limit} 0.0 {ms} 0 0"
+                item = _Work(track, w, value, current, self._hash_key(track, w), spec)
+            work.append(item)
+        if self._leaving:
+            # close(): the claims on later windows go back too (a count of 0, no lease)
+            for w in [w for w in track.claimed if w > k and w not in own]:
+                if wall_clock:
+                    ms = math.ceil(max((w + 2) * window - wall, 0.0) * 1000) + 1000
+                else:
+                    ms = max(3_600_000, math.ceil(2 * window * 1000) + 1000)
+                spec = f"0 {track.limit} 0.0 {ms} 0 0"
+                work.append(_Work(track, w, 0, False, self._hash_key(track, w), spec))
+
+    def _exchange(
+        self, work: list[_Work], n: int, ttl_ms: int, grace_ms: int, reserve: list[str], load: bool
+    ) -> list[Any]:
+        """The sync's round trip: the heartbeat and the reconcile script over
+        chunks of (key, window) — per slot on a cluster — in one pipeline.
+        ``reserve`` is the silent members as the last heartbeat saw them.
+        Returns the heartbeat's reply, then ``(total, lease, claimed)`` per
+        work item."""
+        if load:  # first sync, or a server lost it; SCRIPT LOAD reaches every primary of a cluster
+            self.client.script_load(RECONCILE.source)
+        pipe = self.client.pipeline(transaction=False)
+        # execute_command: a cluster pipeline routes EVAL/EVALSHA by key but has no eval()
+        pipe.execute_command("EVAL", HEARTBEAT, 1, self._members_key, self.instance_id, ttl_ms, grace_ms)
+        groups: dict[int, list[int]] = {}
+        if self._slot_of is not None:
+            for i, item in enumerate(work):
+                groups.setdefault(self._slot_of(item.hash_key.encode()), []).append(i)
+        else:
+            groups[0] = list(range(len(work)))
+        order: list[int] = []
+        for members in groups.values():
+            for c in range(0, len(members), RECONCILE_CHUNK):
+                part = members[c : c + RECONCILE_CHUNK]
+                # five more words per key: where in this call the same key's
+                # previous window is (0: not here) and its weight, so the
+                # script weighs that window's fresh total, not our last read;
+                # the ceiling in use; where the next window's hash is among
+                # KEYS (0: no claim) and the share claimed there
+                at: dict[tuple[int, int], int] = {}
+                keys = [work[i].hash_key for i in part]
+                words = []
+                for pos, i in enumerate(part, 1):
+                    item = work[i]
+                    before = at.get((id(item.track), item.window - 1), 0) if item.weight > 0.0 else 0
+                    at[(id(item.track), item.window)] = pos
+                    claim_at = 0
+                    if item.claim_key is not None:
+                        keys.append(item.claim_key)
+                        claim_at = len(keys)
+                    words.append(f"{item.spec} {before} {item.weight!r} {item.held} {claim_at} {item.claim}")
+                pipe.execute_command(
+                    "EVALSHA",
+                    RECONCILE.sha,
+                    len(keys),
+                    *keys,
+                    self.instance_id,
+                    n,
+                    " ".join(words),
+                    *(reserve or [""]),
+                )
+                order += part
+        raw = pipe.execute()
+        flat = [triple for reply in raw[1:] for triple in zip(reply[::3], reply[1::3], reply[2::3])]
+        replies: list[Any] = [None] * len(work)
+        for i, triple in zip(order, flat):
+            replies[i] = triple
+        return [raw[0], *replies]
+
+    def _failed(self) -> None:
+        """Redis unreachable: enforce our share locally until it answers again."""
+        with self._lock:
+            self._stats["sync_failures"] += 1
+            self._need_full = True  # every count is re-written once Redis answers
+            if not self._blind:
+                self._blind = True
+                self._stats["partitions"] += 1
+                for track in self._tracks.values():
+                    # what Redis holds for us per window (count + lease, or the
+                    # claim) is what we may admit there while blind: the others
+                    # keep exactly that out of their leases
+                    cap = {w: track.acked.get(w, 0) + lease for w, lease in track.lease.items()}
+                    for w, share in track.claimed.items():
+                        cap.setdefault(w, share)
+                    track.blind_cap = cap
+                    # the server may come back empty: re-write every count we hold
+                    track.pushed.clear()
+                    track.lease.clear()
+                    track.claimed.clear()
