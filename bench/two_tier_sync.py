@@ -1,0 +1,133 @@
+"""Does the background sync keep its interval as the keys per interval grow,
+and does any decision wait on it?
+
+One ``TwoTierStorage`` (``sync_interval`` 0.05 unless told) against a
+loopback redis-server this script starts on 127.0.0.1, a native
+``FixedWindowCounter`` of a limit never reached; a decision thread decides
+N distinct keys every interval (paced: it sleeps the rest of each interval)
+for ``--seconds``. Reported per N: syncs per second achieved (asked:
+1 / interval), the sync's wall time (median, max), µs of sync per key
+synced, ``allow()`` p99.99 and max, and the calls over 1 ms.
+
+    PYTHONPATH=src python bench/two_tier_sync.py [--keys 1000,10000,50000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from redis_servers import Server, require_binary
+
+import nanolimit
+from nanolimit.storage.two_tier import TwoTierStorage
+
+
+def _decide(limiter: Any, keys: list[str], interval: float, until: float, out: list[int]) -> None:
+    clock = time.perf_counter_ns
+    allow = limiter.allow
+    nxt = time.monotonic()
+    while time.monotonic() < until:
+        for key in keys:
+            t0 = clock()
+            allow(key)
+            out.append(clock() - t0)
+        nxt += interval
+        pause = nxt - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        else:
+            nxt = time.monotonic()  # behind: decide the next round at once
+
+
+def run(server: Server, n: int, interval: float, seconds: float) -> dict[str, float]:
+    tier = TwoTierStorage(None, server.client(), sync_interval=interval, instance_id=f"bench-sync-{n}")
+    walls: list[tuple[float, int]] = []
+    sync = tier._sync
+
+    def timed(full: bool) -> bool:  # the bench's probe of each sync's wall time
+        t0 = time.perf_counter()
+        ok = sync(full)
+        walls.append((time.perf_counter() - t0, tier._stats["keys_synced_last"]))
+        return ok
+
+    tier._sync = timed  # type: ignore[method-assign]
+    try:
+        limiter = nanolimit.FixedWindowCounter(1 << 30, 60.0, tier)
+        keys = [f"k:{n}:{i}" for i in range(n)]
+        for key in keys:  # every key tracked and leased before the run
+            limiter.allow(key)
+        tier.sync_now()
+        time.sleep(2 * interval)
+        walls.clear()
+        before = tier.metrics()["syncs"]
+        lat: list[int] = []
+        start = time.monotonic()
+        worker = threading.Thread(target=_decide, args=(limiter, keys, interval, start + seconds, lat))
+        worker.start()
+        worker.join()
+        elapsed = time.monotonic() - start
+        syncs = tier.metrics()["syncs"] - before
+        metrics = tier.metrics()
+    finally:
+        tier.close()
+    lat.sort()
+    wall = [w for w, _ in walls] or [0.0]
+    per_key = [w / k for w, k in walls if k] or [0.0]
+    out = {
+        "keys": n,
+        "syncs_per_s": syncs / elapsed,
+        "asked_per_s": 1 / interval,
+        "sync_wall_ms_median": statistics.median(wall) * 1e3,
+        "sync_wall_ms_max": max(wall) * 1e3,
+        "us_per_key_synced": statistics.median(per_key) * 1e6,
+        "allow_p9999_us": lat[min(len(lat) - 1, int(len(lat) * 0.9999))] / 1e3,
+        "allow_max_ms": lat[-1] / 1e6,
+        "calls_over_1ms": sum(1 for v in lat if v > 1_000_000),
+        "calls": len(lat),
+    }
+    for name in ("sync_period_p50", "sync_behind", "sync_interval_effective"):
+        if name in metrics:
+            out[name + "_ms"] = metrics[name] * 1e3
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", default="1000,10000,50000")
+    parser.add_argument("--interval", type=float, default=0.05)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args()
+    server = Server(require_binary("redis"), "redis")
+    server.start()
+    try:
+        print(
+            "| keys | syncs/s (asked) | sync wall median / max | µs per key synced "
+            "| allow() p99.99 | allow() max | calls > 1 ms |"
+        )
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for n in (int(v) for v in args.keys.split(",")):
+            r = run(server, n, args.interval, args.seconds)
+            print(
+                f"| {n:,} | {r['syncs_per_s']:.1f} ({r['asked_per_s']:.0f}) "
+                f"| {r['sync_wall_ms_median']:.1f} / {r['sync_wall_ms_max']:.1f} ms "
+                f"| {r['us_per_key_synced']:.1f} | {r['allow_p9999_us']:.0f} µs "
+                f"| {r['allow_max_ms']:.2f} ms | {r['calls_over_1ms']} of {r['calls']:,} |",
+                flush=True,
+            )
+            extra = {k: round(v, 1) for k, v in r.items() if k.endswith("_ms") and k.startswith("sync_")}
+            if extra:
+                print(f"<!-- {extra} -->", flush=True)
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
