@@ -162,12 +162,19 @@ class _FleetSync:
         return f"{track.base}{k}"
 
     def _run(self) -> None:
-        gap = self.sync_interval / 4  # early syncs, at most this often
+        """Syncs start every ``sync_interval``, start to start: one that
+        overruns starts the next at once (the next is due one interval after
+        it started, never a backlog). A wake-up (a lease ran out) starts one
+        early, at most one per ``sync_interval / 4`` after the last start."""
+        interval = self.sync_interval
+        gap = interval / 4
+        due = time.monotonic() + interval
         while not self._stop.is_set():
-            self._wake.wait(self.sync_interval)
+            self._wake.wait(max(0.0, due - time.monotonic()))
             self._wake.clear()
             if self._stop.is_set():
                 break
+            start = time.monotonic()
             with self._sync_lock:
                 self._since_full += 1
                 try:
@@ -175,7 +182,10 @@ class _FleetSync:
                 except Exception:  # noqa: BLE001 -- logged; a bug must not end the syncs for good
                     self._stats["sync_errors"] += 1
                     _log.exception("TwoTierStorage sync failed")
-            self._stop.wait(gap)
+            due = start + interval
+            floor = start + gap - time.monotonic()
+            if floor > 0:
+                self._stop.wait(floor)
 
     def sync_now(self) -> bool:
         """One full sync: heartbeat, push our per-window counts of every key
