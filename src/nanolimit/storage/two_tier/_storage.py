@@ -165,6 +165,8 @@ class TwoTierStorage(_FleetSync):
         # we knew before it, and until when (see _reserve)
         self._recovery: tuple[int, int, tuple[str, ...], float] | None = None
         self._gaps: collections.deque[float] = collections.deque(maxlen=GAPS_KEPT)  # between our syncs
+        self._periods: collections.deque[float] = collections.deque(maxlen=GAPS_KEPT)  # background starts
+        self._keys_per_sync: collections.deque[int] = collections.deque(maxlen=GAPS_KEPT)
         self._last_beat: float | None = None  # perf_counter when our last answered sync was sent
         self._blind = False
         self._blind_clock = FakeClock()
@@ -198,6 +200,9 @@ class TwoTierStorage(_FleetSync):
             "full_syncs": 0,
             "keys_synced_last": 0,
             "heartbeat_ttl_last": 0.0,
+            "sync_period_last": 0.0,
+            "sync_duration_last": 0.0,
+            "sync_behind": 0.0,
         }
         self._thread: threading.Thread | None = None
         if start:
@@ -545,7 +550,12 @@ class TwoTierStorage(_FleetSync):
         mode, live instances, ``silent_instances`` (members whose heartbeat
         lapsed less than ``partition_grace`` ago: their blind shares are
         reserved), decisions (``decisions_native`` of them, peeks included,
-        answered in C on the lease)."""
+        answered in C on the lease). How far behind the background syncs
+        are, over the last 32: ``sync_period_last`` and
+        ``sync_period_p50`` (seconds start to start), ``sync_duration_last``,
+        ``sync_behind`` (how late the last one started), ``keys_per_sync``
+        (median) and ``sync_interval_effective``, the longest recent period
+        (at least ``sync_interval``): the ``I`` of the ``r · I`` bound term."""
         with self._lock:
             for track in self._tracks.values():
                 self._pull(track)
@@ -559,6 +569,11 @@ class TwoTierStorage(_FleetSync):
             out["instances"] = self._instances
             out["silent_instances"] = len(self._silent)
             out["sync_latency_avg"] = out["sync_latency_total"] / out["syncs"] if out["syncs"] else 0.0
+            periods = sorted(self._periods)
+            out["sync_period_p50"] = periods[len(periods) // 2] if periods else 0.0
+            out["sync_interval_effective"] = max(self.sync_interval, periods[-1] if periods else 0.0)
+            keys = sorted(self._keys_per_sync)
+            out["keys_per_sync"] = keys[len(keys) // 2] if keys else 0
         return out
 
     def close(self, *, deregister: bool = True) -> None:

@@ -69,6 +69,8 @@ class _FleetSync:
     _member_ids: tuple[str, ...]
     _recovery: tuple[int, int, tuple[str, ...], float] | None
     _gaps: collections.deque[float]
+    _periods: collections.deque[float]
+    _keys_per_sync: collections.deque[int]
     _last_beat: float | None
     _blind: bool
     _blind_keys: dict[tuple[LimiterConfig, str], Any]
@@ -169,6 +171,7 @@ class _FleetSync:
         interval = self.sync_interval
         gap = interval / 4
         due = time.monotonic() + interval
+        last: float | None = None
         while not self._stop.is_set():
             self._wake.wait(max(0.0, due - time.monotonic()))
             self._wake.clear()
@@ -182,6 +185,16 @@ class _FleetSync:
                 except Exception:  # noqa: BLE001 -- logged; a bug must not end the syncs for good
                     self._stats["sync_errors"] += 1
                     _log.exception("TwoTierStorage sync failed")
+            ended = time.monotonic()
+            with self._lock:  # metrics() reads these under it
+                stats = self._stats
+                stats["sync_behind"] = max(0.0, start - due)
+                stats["sync_duration_last"] = ended - start
+                if last is not None:
+                    stats["sync_period_last"] = start - last
+                    self._periods.append(start - last)
+                self._keys_per_sync.append(stats["keys_synced_last"])
+            last = start
             due = start + interval
             floor = start + gap - time.monotonic()
             if floor > 0:
