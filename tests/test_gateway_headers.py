@@ -15,6 +15,7 @@ from gateway_helpers import WALL, gateway, get, ok_handler, rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanolimit import FakeClock
 from nanolimit.errors import ValidationError
 from nanolimit.gateway.headers import (
     MAX_HEADER_SECONDS,
@@ -390,58 +391,98 @@ def test_the_native_refusal_and_the_python_fallback_write_the_same_429_headers(
     assert fast.allowed == 0 and metrics.snapshot() == {}  # a refusal counts nothing
 
 
-@pytest.mark.native
-def test_the_asgi_pairs_are_the_five_headers_as_asgi_writes_them(
-    backend: types.SimpleNamespace, native: types.ModuleType
-) -> None:
-    """``record_pairs`` (C) and its Python fallback: the five headers as
-    lower-case bytes, equal to what ``rate_headers`` writes, counted like
-    ``record``; refused inputs count nothing."""
-    pieces = rule_pieces("r", 10, 2.5)
-    limit_pair = (b"x-ratelimit-limit", pieces.limit_str.encode())
-    policy_pair = (b"ratelimit-policy", pieces.policy.encode())
-    prefix = pieces.r_prefix.encode()
-    metrics = Metrics()
-    fast = native.AdmittedRequests("r")
-    slow = _ShardedAdmitted(metrics, "r")
-    for remaining, reset, wall in CASES:
-        d = _decision(backend, remaining, reset)
-        got = fast.record_pairs(d, limit_pair, policy_pair, prefix, 2.0, wall)
-        want = slow.record_pairs(d, limit_pair, policy_pair, prefix, 2.0, wall)
-        expected = [
-            (k.lower().encode(), v.encode()) for k, v in rate_headers(*pieces, remaining, reset, wall).items()
-        ]
-        assert got == want == expected
-    assert fast.allowed == len(CASES) == metrics.snapshot()["r"]["allowed"]
-    for remaining, reset, wall in REFUSED:
-        for lane in (fast, slow):
-            with pytest.raises(ValidationError):
-                lane.record_pairs(
-                    _decision(backend, remaining, reset), limit_pair, policy_pair, prefix, 2.0, wall
-                )
-    assert fast.allowed == len(CASES)
+def _asgi(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode(), v.encode()) for k, v in headers.items()]
 
 
 @pytest.mark.native
-def test_the_asgi_refusal_pairs_are_the_six_429_headers(
-    backend: types.SimpleNamespace, native: types.ModuleType
+def test_the_rule_lane_writes_what_the_renderer_writes(native: types.ModuleType) -> None:
+    """``RuleLane.admit`` decides, counts and writes the headers in one call:
+    the five headers ``rate_headers`` writes (and ``Retry-After`` on a
+    denial) as a dict or as ASGI's lower-case bytes pairs, the 429 body
+    ``deny_body`` writes, the counts in ``AdmittedRequests``; a wall clock
+    no header holds is refused, as every writer refuses it."""
+    from nanolimit.gateway.middleware import Outcome
+
+    limiter = native.FixedWindowCounter(3, 2.5, clock=FakeClock(5.0), rule="r")
+    pieces = rule_pieces("r", 3, 2.5)
+    counts = native.AdmittedRequests("r")
+    walls = [WALL, WALL + 0.25, -12.5, 0.0, 123.75, math.nan]
+    read = iter(walls)
+    lane = native.RuleLane(limiter, counts, Outcome, *pieces, 2.0, lambda: next(read))
+    for i, wall in enumerate(walls[:-1]):  # three admitted, two denied
+        outcome = lane.admit("k", i % 2 == 1)
+        assert type(outcome) is Outcome and outcome.rule == "r" and outcome.delay == 0.0
+        d = outcome.decision
+        want = rate_headers(*pieces, d.remaining, d.reset_after, wall)
+        assert outcome.allowed is d.allowed is (i < 3) and outcome.charge is None
+        if not outcome.allowed:
+            want["Retry-After"] = str(retry_seconds(d.retry_after))
+            assert outcome.retry_after == retry_seconds(d.retry_after)
+            assert lane.body(outcome.retry_after) == deny_body("r", outcome.retry_after) == outcome.body()
+        assert outcome.headers == (_asgi(want) if i % 2 else want)
+    assert (counts.allowed, counts.near_limit, counts.denied) == (3, 2, 2)
+    with pytest.raises(ValidationError):
+        lane.admit("other", False)  # the wall clock read NaN
+    assert (counts.allowed, counts.denied) == (3, 2)  # refused: nothing counted
+    assert native.rule_lane(object(), counts, Outcome, *pieces, 2.0) is None  # a Python limiter: no lane
+    with pytest.raises(TypeError):
+        native.RuleLane(limiter, counts, tuple, *pieces, 2.0)
+
+
+@pytest.mark.native
+def test_a_rule_lane_on_the_system_clock_reads_it_once_for_decision_and_headers(
+    native: types.ModuleType,
 ) -> None:
-    """``refusal_pairs`` (C) and its Python fallback: the seconds and the six
-    headers of a 429 as ASGI's lower-case bytes, equal to ``refusal``'s."""
-    pieces = rule_pieces("r", 10, 2.5)
-    limit_pair = (b"x-ratelimit-limit", pieces.limit_str.encode())
-    policy_pair = (b"ratelimit-policy", pieces.policy.encode())
-    prefix = pieces.r_prefix.encode()
-    fast = native.AdmittedRequests("r")
-    slow = _ShardedAdmitted(Metrics(), "r")
-    for remaining, reset, wall in CASES:
-        d = _decision(backend, remaining, reset)
-        for retry_after in (0.0, 0.4, 7.5):
-            headers: dict[str, str] = {}
-            retry = fast.refusal(d, headers, *pieces, retry_after, wall)
-            expected = (retry, [(k.lower().encode(), v.encode()) for k, v in headers.items()])
-            assert fast.refusal_pairs(d, limit_pair, policy_pair, prefix, retry_after, wall) == expected
-            assert slow.refusal_pairs(d, limit_pair, policy_pair, prefix, retry_after, wall) == expected
-    for lane in (fast, slow):
-        with pytest.raises(ValidationError):
-            lane.refusal_pairs(_decision(backend, 0, 1.0), limit_pair, policy_pair, prefix, math.nan, 1e9)
+    """With the wall clock left to the lane (``time.time``) and a limiter on
+    ``SystemClock``, the Reset header is the decision's own clock reading
+    plus its reset, rounded up."""
+    import time
+
+    from nanolimit.gateway.middleware import Outcome
+
+    limiter = native.FixedWindowCounter(2, 3600.0, native.InMemoryStorage(), rule="r")
+    lane = native.RuleLane(limiter, native.AdmittedRequests("r"), Outcome, *rule_pieces("r", 2, 3600.0), 0.0)
+    before = time.time()
+    outcome = lane.admit("k", False)
+    after = time.time()
+    reset = outcome.decision.reset_after
+    assert math.ceil(before + reset) <= int(outcome.headers["X-RateLimit-Reset"]) <= math.ceil(after + reset)
+    assert outcome.decision.at == pytest.approx(before, abs=after - before + 1e-3)
+
+
+@pytest.mark.native
+def test_a_charge_is_one_refund_at_most(native: types.ModuleType) -> None:
+    """A ``count_when`` lane's Charge: a counted status keeps the charge, any
+    other gives the unit back, and either settles it for good."""
+    from nanolimit.gateway.middleware import Outcome
+
+    clock = FakeClock(0.0)
+    for storage in (native.InMemoryStorage(), None):
+        limiter = native.FixedWindowCounter(2, 60.0, storage, clock=clock, rule="r")
+        lane = native.RuleLane(
+            limiter,
+            native.AdmittedRequests("r"),
+            Outcome,
+            *rule_pieces("r", 2, 60.0),
+            0.0,
+            lambda: WALL,
+            frozenset({401}),
+        )
+        first = lane.admit("k", False)
+        assert first.charge.settle(401) == 0 and first.charge.settle(200) == 0  # counted, then settled
+        second = lane.admit("k", False)
+        assert second.headers["X-RateLimit-Remaining"] == "0"
+        assert second.charge.settle(200) == 1 and second.charge.settle(200) == 0  # refunded once
+        assert lane.admit("k", False).allowed and not lane.admit("k", False).allowed
+    when = []
+    lane = native.RuleLane(
+        native.FixedWindowCounter(5, 60.0, clock=clock, rule="r"),
+        native.AdmittedRequests("r"),
+        Outcome,
+        *rule_pieces("r", 5, 60.0),
+        0.0,
+        lambda: WALL,
+        lambda status: when.append(status),
+    )
+    assert lane.admit("k", False).charge.settle(418) == 1 and when == [418]

@@ -165,6 +165,8 @@ class AdmittedRequests:
     def allowed(self) -> int: ...
     @property
     def near_limit(self) -> int: ...
+    @property
+    def denied(self) -> int: ...
     def count(self, decision: Any, near: float) -> None: ...
     def record(
         self,
@@ -176,24 +178,6 @@ class AdmittedRequests:
         near: float,
         wall_now: float,
     ) -> None: ...
-    def record_pairs(
-        self,
-        decision: Any,
-        limit_pair: tuple[bytes, bytes],
-        policy_pair: tuple[bytes, bytes],
-        r_prefix_b: bytes,
-        near: float,
-        wall_now: float,
-    ) -> list[tuple[bytes, bytes]]: ...
-    def refusal_pairs(
-        self,
-        decision: Any,
-        limit_pair: tuple[bytes, bytes],
-        policy_pair: tuple[bytes, bytes],
-        r_prefix_b: bytes,
-        retry_after: float,
-        wall_now: float,
-    ) -> tuple[int, list[tuple[bytes, bytes]]]: ...
     def refusal(
         self,
         decision: Any,
@@ -204,6 +188,45 @@ class AdmittedRequests:
         retry_after: float,
         wall_now: float,
     ) -> int: ...
+
+@final
+class RuleLane:
+    """One bound rule's request path in C: decide, count, write the headers."""
+    def __init__(
+        self,
+        limiter: Any,
+        counts: AdmittedRequests,
+        outcome_type: type[tuple[Any, ...]],
+        limit_str: str,
+        policy: str,
+        r_prefix: str,
+        near: float,
+        wall: Callable[[], float] | None = None,
+        count_when: frozenset[int] | Callable[[int], bool] | None = None,
+    ) -> None: ...
+    @property
+    def count_when(self) -> frozenset[int] | Callable[[int], bool] | None: ...
+    def admit(self, key: str, asgi: bool) -> Any: ...
+    def body(self, retry: int) -> bytes: ...
+
+@final
+class Charge:
+    """What an admitted count_when request spent: refunded by settle, at most once."""
+    def __init__(self, lane: RuleLane, key: str, at: float) -> None: ...
+    def settle(self, status: object) -> int: ...
+    async def settle_async(self, status: object) -> int: ...
+
+def rule_lane(
+    limiter: Any,
+    counts: AdmittedRequests,
+    outcome_type: type[tuple[Any, ...]],
+    limit_str: str,
+    policy: str,
+    r_prefix: str,
+    near: float,
+    wall: Callable[[], float] | None = None,
+    count_when: frozenset[int] | Callable[[int], bool] | None = None,
+) -> RuleLane | None: ...
 
 @final
 class LeaseGate:

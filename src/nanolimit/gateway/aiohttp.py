@@ -46,6 +46,7 @@ __all__ = [
     "decide_mode",
     "rate_limit_middleware",
     "request_from_aiohttp",
+    "route_of",
     "routes_of",
     "setup",
 ]
@@ -96,17 +97,6 @@ def request_from_aiohttp(request: web.Request) -> Request:
     the matched resource's template, None when nothing matched (a 404),
     under its domain as ``//domain/path`` when a domain's sub-app
     (``app.add_domain``) matched it."""
-    info = request.match_info
-    resource = info.route.resource
-    route = None
-    if resource is not None:
-        route = _template(resource)
-        if _DOMAINS:
-            for app in reversed(info.apps):
-                domains = _DOMAINS.get(app)
-                if domains:
-                    route = _domain(domains, request) + route
-                    break
     return Request(
         request.method,
         request.path,
@@ -114,9 +104,24 @@ def request_from_aiohttp(request: web.Request) -> Request:
         request.remote or None,
         None,
         1,
-        route,
+        route_of(request),
         request,
     )
+
+
+def route_of(request: web.Request) -> str | None:
+    """The matched route of an aiohttp request, as :func:`request_from_aiohttp` names it."""
+    info = request.match_info
+    resource = info.route.resource
+    if resource is None:
+        return None
+    route = _template(resource)
+    if _DOMAINS:
+        for app in reversed(info.apps):
+            domains = _DOMAINS.get(app)
+            if domains:
+                return _domain(domains, request) + route
+    return route
 
 
 def _template(resource: Any) -> str:
@@ -226,6 +231,14 @@ class RateLimitMiddleware:
         self.decide = mode
         self.streams = False  # set by setup(): on_response_prepare writes headers of streamed responses
         self._unbound = limits is not None
+        # the pipeline's decide() on the request's fields: in process, the
+        # stock request view, the pipeline's own check() and decide()
+        self._lane = (
+            mode is INLINE
+            and request_factory is request_from_aiohttp
+            and type(core).check is Core.check
+            and type(core).decide is Core.decide
+        )
 
     def bind(self, app: web.Application) -> None:
         """Read ``app``'s router into the declared rules (once); a rule
@@ -265,8 +278,8 @@ class RateLimitMiddleware:
         else:
             await asyncio.to_thread(self.core.settle, outcome, status)
 
-    async def _denied(self, request: Request, outcome: Outcome) -> web.StreamResponse:
-        if self.deny is not None:
+    async def _denied(self, request: Request | None, outcome: Outcome) -> web.StreamResponse:
+        if self.deny is not None and request is not None:
             custom: Any = self.deny(request, outcome)
             if inspect.isawaitable(custom):
                 custom = await custom
@@ -286,11 +299,26 @@ class RateLimitMiddleware:
     async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self._unbound:
             self.bind(request.app)
-        gateway_request = self.request_factory(request)
-        outcome = await self._check(gateway_request)
+        gateway_request: Request | None = None
+        core = self.core
+        if self._lane:
+            # the pipeline's decide(): no Request built unless a rule needs one
+            outcome = core.decide(
+                request,
+                request.method,
+                request.path,
+                request.remote or None,
+                route_of(request) if core.registry.ruleset.routed else None,
+                request_from_aiohttp,
+            )
+        else:
+            gateway_request = self.request_factory(request)
+            outcome = await self._check(gateway_request)
         if outcome is None:
             return await handler(request)
         if not outcome.allowed:
+            if gateway_request is None and self.deny is not None:
+                gateway_request = self.request_factory(request)
             return await self._denied(gateway_request, outcome)
         if outcome.delay > 0.0:
             await self.sleep(outcome.delay)

@@ -33,10 +33,10 @@ from typing import Any
 from urllib.parse import unquote
 
 from .factory import LimiterFactory
-from .headers import RATE_HEADERS, deny_body
+from .headers import RATE_HEADERS
 from .keys import KeyExtractor
 from .metrics import Metrics
-from .middleware import AWAIT, INLINE, MISSING, Outcome, decide_mode
+from .middleware import AWAIT, INLINE, Outcome, decide_mode
 from .middleware import RateLimitMiddleware as Core
 from .registry import RuleRegistry
 from .request import Request
@@ -147,13 +147,27 @@ def _encode(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     return [(names.get(k) or k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
+def _pairs(headers: Any) -> list[tuple[bytes, bytes]]:
+    """An outcome's headers as ASGI pairs: the native lane wrote them so
+    (a list, fresh per request), anything else wrote a dict."""
+    return headers if type(headers) is list else _encode(headers)
+
+
 _JSON = (b"content-type", b"application/json")
+
+
+# Content-Length by body size: 429 bodies come in a few sizes
+_LENGTHS: dict[int, tuple[bytes, bytes]] = {}
 
 
 async def _send_429(send: Send, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
     """A 429 with its JSON ``body``, after ``headers`` (the rate-limit ones)."""
-    headers.append(_JSON)
-    headers.append((b"content-length", b"%d" % len(body)))
+    length = _LENGTHS.get(len(body))
+    if length is None:
+        length = (b"content-length", b"%d" % len(body))
+        if len(_LENGTHS) < 1024:
+            _LENGTHS[len(body)] = length
+    headers += (_JSON, length)
     await send({"type": "http.response.start", "status": 429, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -217,13 +231,13 @@ class RateLimitMiddleware:
         self._unbound = limits is not None  # bound from scope["app"] at startup or first request
         self._http_context: str | None = None
         self.decide = decide_mode(core.factory.storage, decide)
-        # the inline lane: in process, the stock request view, the pipeline's
-        # own check() and headers
+        # the pipeline's decide() on the scope's fields: in process, the
+        # stock request view, the pipeline's own check() and decide()
         self._lane = (
             self.decide is INLINE
             and request_factory is request_from_scope
             and type(core).check is Core.check
-            and core._inline
+            and type(core).decide is Core.decide
         )
 
     def _bind(self, app: Any) -> None:
@@ -265,62 +279,6 @@ class RateLimitMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        if kind == "http" and self._lane:
-            # The common case inlined (one enforced rule, admitted, decided
-            # in process, found in the route cache): the pipeline's check()
-            # without its Outcome, and the five headers formatted in C
-            # straight into ASGI's bytes pairs. Everything else takes check().
-            core = self.core
-            ruleset = core.registry.ruleset
-            routes = core._routes
-            if routes[0] is ruleset and not ruleset.has_tiers:
-                request = request_from_scope(scope)
-                if not ruleset.routed:
-                    where: tuple[Any, ...] = (request.method, request.path, None)
-                elif (
-                    self._http_context is not None
-                    and not scope.get("root_path")
-                    and scope.get("path_template") is None
-                ):
-                    where = (request.method, request.path, None, self._http_context)
-                else:
-                    where = core._routed_key(request, None)
-                b: Any = routes[1].get(where, MISSING)
-                if b.simple and request.cost == 1:
-                    d = b.allow(core._key(request, b.scope))
-                    if self.limits is not None:
-                        scope["nanolimit"] = d  # what the limit dependencies check
-                    if d.allowed:
-                        extra = b.admitted.record_pairs(
-                            d, b.limit_pair, b.policy_pair, b.r_prefix_b, b.near, core.wall_clock()
-                        )
-
-                        async def send_pairs(message: Message) -> None:
-                            if message["type"] == "http.response.start":
-                                message["headers"] = [*message.get("headers", ()), *extra]
-                            await send(message)
-
-                        await self.app(scope, receive, send_pairs)
-                        return
-                    if self.deny is None and core.on_breach is None:
-                        # the 429 as the admitted lane writes a 200: its six
-                        # headers in C, no Outcome
-                        retry, pairs = b.admitted.refusal_pairs(
-                            d, b.limit_pair, b.policy_pair, b.r_prefix_b, d.retry_after, core.wall_clock()
-                        )
-                        core._count_denied(b)
-                        if core._log is not None:
-                            core._log.note(request, b.name, retry)
-                        await _send_429(send, pairs, deny_body(b.name, retry))
-                        return
-                    denial = core._denied(request, b, d)
-                    if self.deny is not None:
-                        custom = self.deny(request, denial)
-                        if custom is not None:
-                            await custom(scope, receive, send)
-                            return
-                    await self._deny_http(send, denial)
-                    return
         if kind != "http" and (kind != "websocket" or self.websocket == "pass"):
             if kind == "lifespan" and self._unbound:
                 await self._lifespan(scope, receive, send)
@@ -329,41 +287,65 @@ class RateLimitMiddleware:
             return
         if self._unbound:
             self._bind(scope.get("app") or self.app)
-        request = self.request_factory(scope)
-        mode = self.decide
+        core = self.core
+        request: Request | None = None
         outcome: Outcome | None
-        if mode is INLINE:
-            outcome = self.core.check(request)
-        elif mode is AWAIT:
-            outcome = await self.core.check_async(request)
+        if (
+            self._lane
+            and kind == "http"
+            and not scope.get("root_path")
+            and scope.get("path_template") is None
+        ):
+            # The pipeline's decide(): a plain rule on a cached route is
+            # decided from the scope's method, path and peer in one native
+            # call, its headers written as ASGI's bytes pairs (a dict where
+            # a hook reads them), and no Request is built.
+            client = scope.get("client")
+            outcome = core.decide(
+                scope,
+                scope.get("method", "GET"),
+                scope.get("path", "/") or "/",
+                client[0] if client else None,
+                self._http_context,
+                request_from_scope,
+                self.deny is None and core.on_breach is None,
+            )
         else:
-            outcome = await asyncio.to_thread(self.core.check, request)
+            request = self.request_factory(scope)
+            mode = self.decide
+            if mode is INLINE:
+                outcome = core.check(request)
+            elif mode is AWAIT:
+                outcome = await core.check_async(request)
+            else:
+                outcome = await asyncio.to_thread(core.check, request)
         if self.limits is not None:
             scope["nanolimit"] = outcome  # what the limit dependencies check
         if outcome is None:
             await self.app(scope, receive, send)
             return
-        if not outcome.allowed:
+        headers: Any  # the lane's ASGI pairs, or check()'s dict
+        allowed, headers, delay, _, _, _, charge = outcome  # one unpacking, not four lookups
+        if not allowed:
             if self.deny is not None:
-                custom = self.deny(request, outcome)
+                custom = self.deny(request if request is not None else self.request_factory(scope), outcome)
                 if custom is not None:
                     await custom(scope, receive, send)
                     return
             if kind == "http":
-                await self._deny_http(send, outcome)
+                await _send_429(send, headers if type(headers) is list else _encode(headers), outcome.body())
             else:
                 await self._deny_websocket(scope, receive, send, outcome)
             return
-        if outcome.delay > 0.0:
-            await self.sleep(outcome.delay)
-        headers = outcome.headers
-        if outcome.charge is not None:
+        if delay > 0.0:
+            await self.sleep(delay)
+        if charge is not None:
             await self._counted(scope, receive, send, outcome)
             return
         if not headers or kind != "http":
             await self.app(scope, receive, send)
             return
-        extra = _encode(headers)
+        extra = headers if type(headers) is list else _encode(headers)
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -376,7 +358,7 @@ class RateLimitMiddleware:
         """An admitted request under ``count_when`` rules: settled by the
         status the app sends (500 if it raises before sending one; a
         websocket counts as accepted)."""
-        extra = _encode(outcome.headers) if scope["type"] == "http" else []
+        extra = _pairs(outcome.headers) if scope["type"] == "http" else []
         settled = False
 
         async def send_settling(message: Message) -> None:
@@ -410,16 +392,13 @@ class RateLimitMiddleware:
         else:
             await asyncio.to_thread(self.core.settle, outcome, status)
 
-    async def _deny_http(self, send: Send, outcome: Outcome) -> None:
-        await _send_429(send, _encode(outcome.headers), outcome.body())
-
     async def _deny_websocket(self, scope: Scope, receive: Receive, send: Send, outcome: Outcome) -> None:
         message = await receive()  # websocket.connect
         if message.get("type") != "websocket.connect":
             return
         if "websocket.http.response" in (scope.get("extensions") or {}):
             body = outcome.body()
-            out = _encode(outcome.headers)
+            out = _pairs(outcome.headers)
             out.append((b"content-type", b"application/json"))
             out.append((b"content-length", str(len(body)).encode()))
             await send({"type": "websocket.http.response.start", "status": 429, "headers": out})

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 from flask import Flask, current_app, g, has_app_context, request_started
 from flask import request as flask_request
 from flask.wrappers import Response as FlaskResponse
+from werkzeug.datastructures import Headers
 from werkzeug.exceptions import TooManyRequests
 
 from .._limiter_config import Algorithm
@@ -208,6 +209,36 @@ class _AppState:
     ready: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     user_for: tuple[RuleSet | None, bool] = (None, False)  # (ruleset, whether it needs a user id)
+    handlers: dict[str | None, Any] = field(default_factory=dict)  # blueprint -> its 429 handler
+
+    def handler(self, app: Flask, native: Any) -> Any:
+        """The app's own handler of a ``RateLimitExceeded`` raised in the
+        request ``native`` (``errorhandler(429)``, or of a class above it):
+        ``_UNHANDLED`` when it has none, None when Flask must raise it to
+        decide (``TRAP_HTTP_EXCEPTIONS``, an app class handling HTTP errors
+        its own way). Handlers are fixed once an app serves (Flask refuses
+        new ones then), so each blueprint's is looked up once."""
+        if app.config.get("TRAP_HTTP_EXCEPTIONS"):
+            return None
+        blueprint = native.blueprint
+        found = self.handlers.get(blueprint, _UNSEEN)
+        if found is _UNSEEN:
+            cls = type(app)
+            if not all(getattr(cls, name) is getattr(Flask, name) for name in _ERROR_HOOKS):
+                found = None
+            else:  # Flask's own look-up (by code, then the class's MRO, blueprints first)
+                probe = RateLimitExceeded.__new__(RateLimitExceeded)
+                found = app._find_error_handler(probe, native.blueprints) or _UNHANDLED
+            if len(self.handlers) < 4096:
+                self.handlers[blueprint] = found
+        return found
+
+
+# a RateLimitExceeded no handler of the app's own answers (see _AppState.handler)
+_UNHANDLED: Any = object()
+_UNSEEN: Any = object()  # a blueprint whose handler is not looked up yet
+# the Flask methods that decide how an HTTP error is answered
+_ERROR_HOOKS = ("handle_http_exception", "handle_user_exception", "trap_http_exception")
 
 
 class Limiter:
@@ -558,29 +589,53 @@ class Limiter:
                 if not state.ready:
                     state.routes.bind(self._route_infos(app), known=_templates(app))
                     state.ready = True
-        pipeline = state.pipeline
         native = flask_request._get_current_object()  # type: ignore[attr-defined]
         url_rule = native.url_rule
-        request = Request(
+        # the pipeline's decide(): the Request is built only if a rule needs it
+        outcome = state.pipeline.decide(
+            native,
             native.method,
             (native.root_path + native.path) or "/",
-            _Headers(native.headers),
             native.remote_addr or None,
-            self._user(app, state, native) if _needs_user(state, pipeline.registry.ruleset) else None,
-            route=_template(url_rule) if url_rule is not None else None,
-            native=native,
+            _template(url_rule) if url_rule is not None else None,
+            self._request_of,
         )
-        outcome = pipeline.check(request)
         if outcome is None:
             return None
-        setattr(g, _OUTCOME, outcome)
         if outcome.allowed:
+            setattr(g._get_current_object(), _OUTCOME, outcome)
             if outcome.delay > 0.0:
                 time.sleep(outcome.delay)  # a shaping leaky bucket: this worker waits its turn
             return None
         if state.deny is not None:
-            return state.deny(request, outcome)
-        raise RateLimitExceeded(outcome)
+            setattr(g._get_current_object(), _OUTCOME, outcome)
+            return state.deny(self._request_of(native), outcome)
+        handler = state.handler(app, native)
+        if handler is _UNHANDLED:
+            # no handler of the app's own: the 429 as RateLimitExceeded
+            # answers it, without raising through Flask's error handling
+            return app.response_class(outcome.body(), 429, outcome.headers, mimetype="application/json")
+        setattr(g._get_current_object(), _OUTCOME, outcome)
+        exc = RateLimitExceeded(outcome)
+        if handler is None:
+            raise exc  # trapped, or an app that handles HTTP errors its own way: as Flask raises them
+        return app.ensure_sync(handler)(exc)  # the app's errorhandler, as Flask would call it
+
+    def _request_of(self, native: Any) -> Request:
+        """The gateway's view of Flask's request (its user read only when a
+        rule asks for one)."""
+        app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+        state: _AppState = app.extensions[EXTENSION]
+        url_rule = native.url_rule
+        return Request(
+            native.method,
+            (native.root_path + native.path) or "/",
+            _Headers(native.headers),
+            native.remote_addr or None,
+            self._user(app, state, native) if _needs_user(state, state.pipeline.registry.ruleset) else None,
+            route=_template(url_rule) if url_rule is not None else None,
+            native=native,
+        )
 
     @staticmethod
     def _user(app: Flask, state: _AppState, native: Any) -> str | None:
@@ -596,30 +651,59 @@ class Limiter:
         return remote
 
     def _after_request(self, response: FlaskResponse) -> FlaskResponse:
-        outcome: Outcome | None = g.pop(_OUTCOME, None)
+        held = g._get_current_object()
+        outcome: Outcome | None = held.__dict__.pop(_OUTCOME, None)
         if outcome is None:
             return response
         if outcome.allowed and outcome.charge is not None:
             _settle(self._state().pipeline, outcome, response.status_code)
         # the outcome's headers on whatever answered, a 429 built by the
         # app's own handler or deny included, unless it wrote them itself
-        headers = outcome.headers
-        if headers:
-            out = response.headers
-            present = {name.lower() for name, _ in out.items()}  # one pass, not one per header
-            for name, value in headers.items():
-                if name.lower() not in present:
-                    out.add(name, value)
+        if outcome.headers:
+            _add_missing(response.headers, outcome.headers)
         return response
 
     def _teardown_request(self, exc: BaseException | None) -> None:
-        outcome: Outcome | None = g.pop(_OUTCOME, None)
+        outcome: Outcome | None = g._get_current_object().__dict__.pop(_OUTCOME, None)
         if outcome is not None and outcome.allowed and outcome.charge is not None:
             # after_request never ran: the view raised past every handler
             _settle(self._state().pipeline, outcome, 500)
 
     def __repr__(self) -> str:
         return f"<nanolimit.flask.Limiter rules={self._rules!r}>"
+
+
+def _pairs_list() -> bool:
+    """Whether Werkzeug's ``Headers`` keep their pairs in the ``_list`` it
+    reads: then the limiter's headers (checked when they were rendered) go
+    straight into it, not through ``add``'s regex per value."""
+    try:
+        headers = Headers([("A", "1")])
+        headers._list.append(("B", "2"))
+        return headers.get("b") == "2" and headers.to_wsgi_list() == [("A", "1"), ("B", "2")]
+    except Exception:  # noqa: BLE001 - another Werkzeug: its public API, then
+        return False
+
+
+_PAIRS_LIST = _pairs_list()
+
+
+def _add_missing(out: Headers, headers: Mapping[str, str]) -> None:
+    """``headers`` added to a response's, but those it set itself."""
+    pairs = out._list if _PAIRS_LIST else None
+    if type(pairs) is not list:
+        present = {name.lower() for name, _ in out.items()}
+        for name, value in headers.items():
+            if name.lower() not in present:
+                out.add(name, value)
+        return
+    if not pairs:
+        pairs.extend(headers.items())
+        return
+    present = {name.lower() for name, _ in pairs}  # one pass, not one per header
+    for name, value in headers.items():
+        if name.lower() not in present:
+            pairs.append((name, value))
 
 
 def _settle(pipeline: RateLimitMiddleware, outcome: Outcome, status: int) -> None:

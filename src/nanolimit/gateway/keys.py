@@ -25,7 +25,7 @@ import ipaddress
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Generic, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from ..errors import ValidationError
@@ -501,6 +501,13 @@ class DefaultKeyExtractor:
             if key:
                 return ClientKey(KeyScope.API_KEY, self._secret_value(key))
         return ClientKey(KeyScope.IP, self.ip_value(self.client_ip(request)))
+
+    def peer_keys(self) -> Mapping[str, str] | None:
+        """The IP scope's storage keys of the connection peers seen so far, by
+        peer address: a live view, read by the pipeline so that a cached peer
+        is keyed with no :class:`Request` built. None with trusted proxies
+        (the key then depends on a header)."""
+        return None if self.trusted_proxies else self._ip_keys
 
     def storage_key_for(self, request: Request, scope: KeyScope) -> str:
         """``key_for(request, scope).storage_key()`` without the ClientKey

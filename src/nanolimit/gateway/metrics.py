@@ -299,11 +299,12 @@ class Metrics:
                 for name, value in zip(OUTCOMES, list(counts)):
                     total[name] += value
         for lane in lanes:
-            allowed, near = lane.allowed, lane.near_limit
-            if allowed or lane.rule in out:
+            allowed, near, denied = lane.allowed, lane.near_limit, lane.denied
+            if allowed or denied or lane.rule in out:
                 total = out.setdefault(lane.rule, dict.fromkeys(OUTCOMES, 0))
                 total["allowed"] += allowed
                 total["near_limit"] += near
+                total["denied"] += denied
         return dict(sorted(out.items()))
 
     # -- storages ---------------------------------------------------------------
@@ -477,6 +478,7 @@ class _ShardedAdmitted:
 
     allowed = 0  # counted in the shards
     near_limit = 0
+    denied = 0
 
     def __init__(self, metrics: Metrics, rule: str) -> None:
         self.metrics = metrics
@@ -502,49 +504,6 @@ class _ShardedAdmitted:
             rate_headers(limit_str, policy, r_prefix, decision.remaining, decision.reset_after, wall_now)
         )
         self.count(decision, near)  # counted once the headers are written
-
-    def record_pairs(
-        self,
-        decision: Any,
-        limit_pair: tuple[bytes, bytes],
-        policy_pair: tuple[bytes, bytes],
-        r_prefix_b: bytes,
-        near: float,
-        wall_now: float,
-    ) -> list[tuple[bytes, bytes]]:
-        """``record`` for ASGI: the five headers as lower-case bytes pairs."""
-        headers = rate_headers(
-            limit_pair[1].decode("latin-1"),
-            policy_pair[1].decode("latin-1"),
-            r_prefix_b.decode("latin-1"),
-            decision.remaining,
-            decision.reset_after,
-            wall_now,
-        )
-        self.count(decision, near)
-        return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-
-    def refusal_pairs(
-        self,
-        decision: Any,
-        limit_pair: tuple[bytes, bytes],
-        policy_pair: tuple[bytes, bytes],
-        r_prefix_b: bytes,
-        retry_after: float,
-        wall_now: float,
-    ) -> tuple[int, list[tuple[bytes, bytes]]]:
-        """``refusal`` for ASGI: the seconds and the six headers as bytes pairs."""
-        headers: dict[str, str] = {}
-        retry = self.refusal(
-            decision,
-            headers,
-            limit_pair[1].decode("latin-1"),
-            policy_pair[1].decode("latin-1"),
-            r_prefix_b.decode("latin-1"),
-            retry_after,
-            wall_now,
-        )
-        return retry, [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
     def refusal(
         self,

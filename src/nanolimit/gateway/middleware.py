@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .._limiter_config import Algorithm
+from .._select import native_core
 from ..errors import ValidationError
 from .factory import LimiterFactory
 from .headers import RATE_HEADERS, deny_body, rate_headers, retry_seconds, rule_pieces
@@ -38,7 +39,7 @@ from .keys import DefaultKeyExtractor, KeyExtractor
 from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics
 from .registry import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RuleRegistry, RuleSet, key_bytes
 from .request import Request
-from .rules import RateLimitRule
+from .rules import KeyScope, RateLimitRule
 
 __all__ = ["CostTooHigh", "Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
 
@@ -202,16 +203,17 @@ class _Binding:
         "counted",
         "counted_lane",
         "dry_run",
+        "fixed_key",
         "key_fn",
+        "lane",
         "limit_pair",
         "limit_str",
         "limiter",
         "name",
         "near",
+        "peer",
         "policy",
-        "policy_pair",
         "r_prefix",
-        "r_prefix_b",
         "rule",
         "scope",
         "shape",
@@ -237,10 +239,11 @@ class _Binding:
         capacity = self.capacity = limiter.capacity
         self.near = capacity * near_ratio
         self.limit_str, self.policy, self.r_prefix = rule_pieces(rule.name, capacity, limiter.window_seconds)
-        # the same, as the bytes ASGI writes (rule names are ASCII)
-        self.limit_pair = (b"x-ratelimit-limit", self.limit_str.encode("ascii"))
-        self.policy_pair = (b"ratelimit-policy", self.policy.encode("ascii"))
-        self.r_prefix_b = self.r_prefix.encode("ascii")
+        # set by the pipeline: the native lane (RuleLane) of a simple or
+        # counted-lane rule, and how decide() keys it without a Request
+        self.lane: Any = None
+        self.peer = False  # an IP scope: keyed by the connection peer
+        self.fixed_key: str | None = None  # a global scope's one key
 
 
 class _Stack:
@@ -251,6 +254,7 @@ class _Stack:
     __slots__ = ("bindings",)
     simple = False
     counted_lane = False
+    lane = None
 
     def __init__(self, bindings: tuple[_Binding, ...]) -> None:
         self.bindings = bindings
@@ -263,6 +267,7 @@ class _NoRoute:
     __slots__ = ()
     simple = False
     counted_lane = False
+    lane = None
 
 
 MISSING = _MISSING = _NoRoute()  # not in the route cache (MISSING: for the adapters' inline lanes)
@@ -293,12 +298,22 @@ class _DenialLog:
 
     def note(self, request: Request, rule: str, retry_after: object) -> None:
         """A denial by ``rule``: a record, unless one was written within the interval."""
-        now = time.monotonic()
-        if now < self._next.get(rule, 0.0):
+        if not self.skip(rule):
+            self.write(request, rule, retry_after)
+
+    def skip(self, rule: str) -> bool:
+        """Whether a denial by ``rule`` falls within the interval of its last
+        record: then it is only counted, for the next record to say."""
+        if time.monotonic() < self._next.get(rule, 0.0):
             # the flood's common case, without the lock: a count a racing
             # thread may miss is a number in a log line, never a decision
             self._suppressed[rule] = self._suppressed.get(rule, 0) + 1
-            return
+            return True
+        return False
+
+    def write(self, request: Request, rule: str, retry_after: object) -> None:
+        """The record of a denial that :meth:`skip` let through."""
+        now = time.monotonic()
         with self._lock:
             if now < self._next.get(rule, 0.0):
                 self._suppressed[rule] = self._suppressed.get(rule, 0) + 1
@@ -478,6 +493,14 @@ class RateLimitMiddleware:
         # headers take check().
         self._inline = type(self).check is RateLimitMiddleware.check and headers and not renames
         self._plain = headers and not renames
+        # the native lanes (RuleLane, one per simple binding), and what keys
+        # them with no Request: the stock extractor's cache of peer keys
+        core = native_core()
+        self._lanes: Any = None if core is None else core.rule_lane
+        self._wall: Any = None if wall_clock is time.time else wall_clock  # None: read in C
+        stock = type(self.extractor) is DefaultKeyExtractor
+        self._peer_keys: Any = self.extractor.peer_keys() if stock else None  # type: ignore[attr-defined]
+        self._global_key = "global:*" if stock else None
 
     # -- routes -----------------------------------------------------------------
     def _binding(self, rule: RateLimitRule, ruleset: RuleSet) -> _Binding:
@@ -490,6 +513,20 @@ class RateLimitMiddleware:
             binding = _Binding(rule, self.factory.for_rule(rule), self.metrics)
             if not self._plain:
                 binding.simple = binding.counted_lane = False  # headers off or renamed: check() shapes them
+            elif self._lanes is not None and (binding.simple or binding.counted_lane):
+                binding.lane = self._lanes(
+                    binding.limiter,
+                    binding.admitted,
+                    Outcome,
+                    binding.limit_str,
+                    binding.policy,
+                    binding.r_prefix,
+                    binding.near,
+                    self._wall,
+                    rule.count_when,
+                )
+                binding.peer = binding.scope is KeyScope.IP and self._peer_keys is not None
+                binding.fixed_key = self._global_key if binding.scope is KeyScope.GLOBAL else None
             # keyed by identity: the binding holds the rule, so the id stays unique
             state[1][id(rule)] = binding
         return binding
@@ -629,6 +666,13 @@ class RateLimitMiddleware:
         b: Any = routes[1].get(where, _MISSING) if routes[0] is ruleset else _MISSING
         if b is _MISSING:
             b = self._route(request, ruleset, tier, where)
+        lane = b.lane
+        if lane is not None and request.cost is _ONE:
+            # decided, counted and its headers written in one native call
+            outcome: Outcome = lane.admit(self._key(request, b.scope), False)
+            if not outcome.allowed and (self._log is not None or self.on_breach is not None):
+                self._breached(request, outcome)
+            return outcome
         if b.simple and request.cost is _ONE:
             d = b.allow(self._key(request, b.scope))
             if d.allowed:
@@ -650,6 +694,75 @@ class RateLimitMiddleware:
         if type(b) is _Stack:
             return self._check_stacked(request, b.bindings)
         return self._check_one(request, b)
+
+    def decide(
+        self,
+        native: Any,
+        method: str,
+        path: str,
+        client: str | None,
+        route: Any,
+        request_factory: Callable[[Any], Request],
+        asgi: bool = False,
+    ) -> Outcome | None:
+        """:meth:`check` for a front end that has not built its
+        :class:`Request`: what every adapter calls.
+
+        ``native`` is the framework's request (the ASGI scope, the WSGI
+        environ, Flask's or Django's request); ``method``, ``path`` and
+        ``client`` are what its Request would carry; ``route`` is what
+        decides its matched route (the framework's template, or the ASGI
+        adapter's scope context; None: not known here); the request costs 1.
+        ``request_factory(native)`` builds the Request, only when a rule or
+        a hook needs more than these (a user or API-key scope, trusted
+        proxies, tiers, a route-cache miss, a denial to log): a plain rule
+        on a cached route is decided from these alone, in one native call.
+        ``asgi``: the headers as ASGI's lower-case bytes pairs, not a dict
+        (where the native lane answers; a dict otherwise)."""
+        ruleset = self.registry.ruleset
+        routes = self._routes
+        if routes[0] is ruleset and not ruleset.has_tiers:
+            if not ruleset.routed:
+                b: Any = routes[1].get((method, path, None), _MISSING)
+            elif route is not None:
+                b = routes[1].get((method, path, None, route), _MISSING)
+            else:
+                b = _MISSING
+            lane = b.lane
+            if lane is not None:
+                request = None
+                key = self._peer_keys.get(client) if b.peer else b.fixed_key
+                if key is None:
+                    request = request_factory(native)
+                    key = self._key(request, b.scope)
+                outcome: Outcome = lane.admit(key, asgi)
+                if not outcome.allowed and (self._log is not None or self.on_breach is not None):
+                    self._lane_breached(request, native, request_factory, outcome)
+                return outcome
+            if b is _UNLIMITED:
+                return None
+        return self.check(request_factory(native))
+
+    def _lane_breached(
+        self,
+        request: Request | None,
+        native: Any,
+        request_factory: Callable[[Any], Request],
+        outcome: Outcome,
+    ) -> None:
+        """A lane's denial: logged (its Request built only for a record the
+        interval lets through) and handed to ``on_breach``."""
+        log = self._log
+        if log is not None and log.skip(outcome.rule):
+            log = None
+        if log is None and self.on_breach is None:
+            return
+        if request is None:
+            request = request_factory(native)
+        if log is not None:
+            log.write(request, outcome.rule, outcome.retry_after)
+        if self.on_breach is not None:
+            self.on_breach(request, outcome)
 
     def _check_one(self, request: Request, b: _Binding) -> Outcome:
         """One rule that costs more than 1, shadows (dry run), shapes (a

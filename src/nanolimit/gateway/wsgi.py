@@ -20,7 +20,7 @@ from .middleware import RateLimitMiddleware as Core
 from .registry import RuleRegistry
 from .request import Request
 
-__all__ = ["RateLimitMiddleware", "WSGIApp", "request_from_environ"]
+__all__ = ["RateLimitMiddleware", "WSGIApp", "environ_path", "request_from_environ"]
 
 Environ = dict[str, Any]
 StartResponse = Callable[..., Any]
@@ -64,6 +64,19 @@ class _EnvironHeaders(Mapping[str, str]):
         return sum(1 for _ in self)
 
 
+def environ_path(environ: Environ) -> str:
+    """The request's path as :func:`request_from_environ` gives it."""
+    info = environ.get("PATH_INFO") or ""
+    if info[:1] != "/" and info:
+        info = "/" + info
+    path = (environ.get("SCRIPT_NAME") or "") + info
+    if not path.isascii():
+        # PEP 3333 hands the path over as latin-1-decoded bytes: rules are
+        # written (and ASGI gives paths) in UTF-8
+        path = path.encode("latin-1", "replace").decode("utf-8", "replace")
+    return path or "/"
+
+
 def request_from_environ(environ: Environ) -> Request:
     """The gateway's view of a WSGI request: the client is ``REMOTE_ADDR``
     (the connection), the user ``REMOTE_USER``; the path includes
@@ -75,17 +88,9 @@ def request_from_environ(environ: Environ) -> Request:
     the framework-free pipeline share. Only the join is done here: a
     ``PATH_INFO`` without its leading ``/`` is still below ``SCRIPT_NAME``
     (Werkzeug routes ``login`` as ``/login``)."""
-    info = environ.get("PATH_INFO") or ""
-    if info[:1] != "/" and info:
-        info = "/" + info
-    path = (environ.get("SCRIPT_NAME") or "") + info
-    if not path.isascii():
-        # PEP 3333 hands the path over as latin-1-decoded bytes: rules are
-        # written (and ASGI gives paths) in UTF-8
-        path = path.encode("latin-1", "replace").decode("utf-8", "replace")
     return Request(
         environ.get("REQUEST_METHOD", "GET"),
-        path or "/",
+        environ_path(environ),
         _EnvironHeaders(environ),
         environ.get("REMOTE_ADDR") or None,
         environ.get("REMOTE_USER") or None,
@@ -93,6 +98,11 @@ def request_from_environ(environ: Environ) -> Request:
         None,
         environ,
     )
+
+
+_JSON = ("Content-Type", "application/json")
+# Content-Length by body size: 429 bodies come in a few sizes
+_LENGTHS: dict[int, tuple[str, str]] = {}
 
 
 class RateLimitMiddleware:
@@ -134,27 +144,48 @@ class RateLimitMiddleware:
         self.metrics = core.metrics
         self.request_factory = request_factory
         self.sleep = sleep
+        # the pipeline's decide() on the environ's fields: the stock request
+        # view, the pipeline's own check() and decide()
+        self._lane = (
+            request_factory is request_from_environ
+            and type(core).check is Core.check
+            and type(core).decide is Core.decide
+        )
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
-        request = self.request_factory(environ)
-        outcome = self.core.check(request)
+        request: Request | None = None
+        if self._lane:
+            # the pipeline's decide(): no Request built unless a rule needs one
+            outcome = self.core.decide(
+                environ,
+                environ.get("REQUEST_METHOD", "GET"),
+                environ_path(environ),
+                environ.get("REMOTE_ADDR") or None,
+                None,
+                request_from_environ,
+            )
+        else:
+            request = self.request_factory(environ)
+            outcome = self.core.check(request)
         if outcome is None:
             return self.app(environ, start_response)
-        headers = outcome.headers
-        if not outcome.allowed:
+        allowed, headers, delay, _, _, _, charge = outcome  # one unpacking, not four lookups
+        if not allowed:
             if self.deny is not None:
-                custom = self.deny(request, outcome)
+                custom = self.deny(request if request is not None else self.request_factory(environ), outcome)
                 if custom is not None:
                     return custom(environ, start_response)
             body = outcome.body()
-            out = list(headers.items())
-            out.append(("Content-Type", "application/json"))
-            out.append(("Content-Length", str(len(body))))
-            start_response("429 Too Many Requests", out)
+            length = _LENGTHS.get(len(body))
+            if length is None:
+                length = ("Content-Length", str(len(body)))
+                if len(_LENGTHS) < 1024:
+                    _LENGTHS[len(body)] = length
+            start_response("429 Too Many Requests", [*headers.items(), _JSON, length])
             return [body]
-        if outcome.delay > 0.0:
-            self.sleep(outcome.delay)
-        if outcome.charge is not None:
+        if delay > 0.0:
+            self.sleep(delay)
+        if charge is not None:
             return self._counted(environ, start_response, outcome)
         if not headers:
             return self.app(environ, start_response)
