@@ -252,13 +252,14 @@ def werkzeug_server(app: Any) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def uvicorn_server(app: Any) -> Iterator[int]:
-    """uvicorn in a thread (its h11 protocol unless httptools is installed)."""
+def uvicorn_server(app: Any, lifespan: str = "off") -> Iterator[int]:
+    """uvicorn in a thread (its h11 protocol unless httptools is installed);
+    ``lifespan="on"``: a startup failure stops it, as it stops a real server."""
     import uvicorn
 
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off")
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan=lifespan)
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -10,14 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
-import threading
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from adversarial_servers import free_port
+from adversarial_servers import uvicorn_server
 from fastapi import FastAPI
 from flask import Blueprint, Flask
 from flask.views import MethodView
@@ -270,28 +268,6 @@ def test_a_reload_of_the_registry_keeps_route_limits_adding_to_it() -> None:
     assert [a.status_code for a in answers] == [200, 429] and answers[1].json()["rule"] == "global-2"
 
 
-@contextlib.contextmanager
-def uvicorn_lifespan_on(app: Any) -> Iterator[int]:
-    """uvicorn with its lifespan protocol on: a startup failure stops it."""
-    import uvicorn
-
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20.0
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10.0)
-
-
 def get(port: int, path: str) -> int:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
@@ -304,6 +280,6 @@ def get(port: int, path: str) -> int:
 
 
 def test_registry_and_limits_under_real_uvicorn_start_and_limit() -> None:
-    with uvicorn_lifespan_on(composed_app(stacked=False)) as port:
+    with uvicorn_server(composed_app(stacked=False), lifespan="on") as port:
         assert [get(port, "/login") for _ in range(3)] == [200, 200, 429]
         assert [get(port, "/other") for _ in range(2)] == [200, 429]
