@@ -36,7 +36,7 @@ from .factory import LimiterFactory
 from .headers import RATE_HEADERS
 from .keys import KeyExtractor
 from .metrics import Metrics
-from .middleware import AWAIT, INLINE, Outcome, decide_mode
+from .middleware import ASGI_PAIRS, AWAIT, DICT, INLINE, CostTooHigh, Outcome, decide_mode, render_body
 from .middleware import RateLimitMiddleware as Core
 from .registry import RuleRegistry
 from .request import Request
@@ -162,11 +162,12 @@ _LENGTHS: dict[int, tuple[bytes, bytes]] = {}
 
 async def _send_429(send: Send, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
     """A 429 with its JSON ``body``, after ``headers`` (the rate-limit ones)."""
-    length = _LENGTHS.get(len(body))
+    size = len(body)
+    length = _LENGTHS.get(size)
     if length is None:
-        length = (b"content-length", b"%d" % len(body))
+        length = (b"content-length", b"%d" % size)
         if len(_LENGTHS) < 1024:
-            _LENGTHS[len(body)] = length
+            _LENGTHS[size] = length
     headers += (_JSON, length)
     await send({"type": "http.response.start", "status": 429, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -308,7 +309,7 @@ class RateLimitMiddleware:
                 client[0] if client else None,
                 self._http_context,
                 request_from_scope,
-                self.deny is None and core.on_breach is None,
+                ASGI_PAIRS if self.deny is None else DICT,
             )
         else:
             request = self.request_factory(scope)
@@ -325,7 +326,7 @@ class RateLimitMiddleware:
             await self.app(scope, receive, send)
             return
         headers: Any  # the lane's ASGI pairs, or check()'s dict
-        allowed, headers, delay, _, _, _, charge = outcome  # one unpacking, not four lookups
+        allowed, headers, delay, rule, retry_after, decision, charge = outcome  # one unpacking
         if not allowed:
             if self.deny is not None:
                 custom = self.deny(request if request is not None else self.request_factory(scope), outcome)
@@ -333,7 +334,9 @@ class RateLimitMiddleware:
                     await custom(scope, receive, send)
                     return
             if kind == "http":
-                await _send_429(send, headers if type(headers) is list else _encode(headers), outcome.body())
+                # outcome.body(), without its call and lookups
+                body = outcome.body() if type(decision) is CostTooHigh else render_body(rule, retry_after)
+                await _send_429(send, headers if type(headers) is list else _encode(headers), body)
             else:
                 await self._deny_websocket(scope, receive, send, outcome)
             return
@@ -359,6 +362,26 @@ class RateLimitMiddleware:
         status the app sends (500 if it raises before sending one; a
         websocket counts as accepted)."""
         extra = _pairs(outcome.headers) if scope["type"] == "http" else []
+        if self.decide is INLINE and type(self.core).settle is Core.settle:
+            # in process: the charge settled in place, once (a charge
+            # settled again gives nothing back, so no flag is kept)
+            charge = outcome.charge
+
+            async def send_settled(message: Message) -> None:
+                kind = message["type"]
+                if kind == "http.response.start":
+                    charge.settle(int(message.get("status", 200)))
+                    if extra:
+                        message["headers"] = [*message.get("headers", ()), *extra]
+                elif kind == "websocket.accept":
+                    charge.settle(101)
+                await send(message)
+
+            try:
+                await self.app(scope, receive, send_settled)
+            finally:
+                charge.settle(500)  # no status sent (it raised, or sent nothing): the client saw an error
+            return
         settled = False
 
         async def send_settling(message: Message) -> None:

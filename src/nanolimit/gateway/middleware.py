@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._limiter_config import Algorithm
 from .._select import native_core
@@ -40,7 +40,7 @@ from .registry import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RuleRegistry, RuleS
 from .request import Request
 from .rules import KeyScope, RateLimitRule
 
-__all__ = ["CostTooHigh", "Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
+__all__ = ["CostTooHigh", "Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body", "render_body"]
 
 # One record per denial, itself limited: a flood of 429s must not flood the log.
 denial_log = logging.getLogger("nanolimit.denials")
@@ -86,13 +86,20 @@ class Outcome(NamedTuple):
 
     def body(self) -> bytes:
         """The 429 body (meaningful when not allowed)."""
-        if type(self.decision) is CostTooHigh:
-            return self.decision.body(self.rule)
-        return deny_body(self.rule, self.retry_after)
+        decision = self.decision
+        if type(decision) is CostTooHigh:
+            return decision.body(self.rule)
+        return render_body(self.rule, self.retry_after)
 
     def __repr__(self) -> str:
         return f"<Outcome allowed={self.allowed} rule={self.rule!r} delay={self.delay!r}>"
 
+
+# deny_body, formatted in C when the native core is built (the same bytes):
+# what Outcome.body() and the adapters' 429s write
+render_body: Callable[[str, int], bytes] = getattr(native_core(), "deny_body", deny_body)
+
+_SETTLE = getattr(native_core(), "settle_outcome", None)
 
 # Outcome(...) without NamedTuple's generated Python __new__: about 40 % cheaper
 # per request, the same object.
@@ -307,17 +314,18 @@ class _DenialLog:
             return True
         return False
 
-    def write(self, request: Request, rule: str, retry_after: object) -> None:
-        """The record of a denial that :meth:`skip` let through."""
+    def write(self, request: Request, rule: str, retry_after: object, more: int = 0) -> None:
+        """The record of a denial that :meth:`skip` (or a native lane's own
+        interval, which counted ``more`` since) let through."""
         now = time.monotonic()
         with self._lock:
             if now < self._next.get(rule, 0.0):
-                self._suppressed[rule] = self._suppressed.get(rule, 0) + 1
+                self._suppressed[rule] = self._suppressed.get(rule, 0) + 1 + more
                 return
             if len(self._next) > 4096:  # bounded: rule names are few, but be sure
                 self._next.clear()
             self._next[rule] = now + self.interval
-            more = self._suppressed.pop(rule, 0)
+            more += self._suppressed.pop(rule, 0)
         path = request.path if len(request.path) <= 200 else request.path[:200] + "..."
         denial_log.warning(
             "rate limit exceeded: rule=%s method=%r path=%r retry_after=%s%s",
@@ -335,6 +343,10 @@ _HOOK_NAMES = ("on_breach", "route_resolver", "route_context")
 # CPython, and anything else (True included, refused there) takes check().
 _ONE = 1
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")  # an RFC 9110 header name
+
+
+# The forms of an Outcome's headers decide() writes (RuleLane.admit's).
+DICT, ASGI_PAIRS, WSGI_PAIRS = 0, 1, 2
 
 
 # How a front end on an event loop decides on a store (ASGI, aiohttp).
@@ -447,7 +459,7 @@ class RateLimitMiddleware:
         self.sleep = sleep
         self.headers = headers
         self.header_names = renames
-        self.on_breach = on_breach
+        self._on_breach = on_breach
         self.route_resolver = route_resolver
         self.route_context = route_context
         self._log = None if log_denials is None else _DenialLog(float(log_denials))
@@ -498,6 +510,19 @@ class RateLimitMiddleware:
         self._peer_keys: Any = self.extractor.peer_keys() if stock else None  # type: ignore[attr-defined]
         self._global_key = "global:*" if stock else None
 
+    @property
+    def on_breach(self) -> Callable[[Request, Outcome], Any] | None:
+        """Called with ``(request, outcome)`` on every denial."""
+        return self._on_breach
+
+    @on_breach.setter
+    def on_breach(self, hook: Callable[[Request, Outcome], Any] | None) -> None:
+        if hook is not None and not callable(hook):
+            raise ValidationError(f"on_breach must be callable, got {hook!r}")
+        self._on_breach = hook
+        self._state = (None, {}, {})  # rebound: each binding's lane holds the hook
+        self._routes = (None, {})
+
     # -- routes -----------------------------------------------------------------
     def _binding(self, rule: RateLimitRule, ruleset: RuleSet) -> _Binding:
         state = self._state
@@ -510,6 +535,7 @@ class RateLimitMiddleware:
             if not self._plain:
                 binding.simple = binding.counted_lane = False  # headers off or renamed: check() shapes them
             elif self._lanes is not None and (binding.simple or binding.counted_lane):
+                log, hook = self._log, self._on_breach
                 binding.lane = self._lanes(
                     binding.limiter,
                     binding.admitted,
@@ -520,6 +546,9 @@ class RateLimitMiddleware:
                     binding.near,
                     self._wall,
                     rule.count_when,
+                    self._lane_breach if log is not None or hook is not None else None,
+                    hook is not None,
+                    log.interval if log is not None else -1.0,
                 )
                 binding.peer = binding.scope is KeyScope.IP and self._peer_keys is not None
                 binding.fixed_key = self._global_key if binding.scope is KeyScope.GLOBAL else None
@@ -665,10 +694,7 @@ class RateLimitMiddleware:
         lane = b.lane
         if lane is not None and request.cost is _ONE:
             # decided, counted and its headers written in one native call
-            outcome: Outcome = lane.admit(self._key(request, b.scope), False)
-            if not outcome.allowed and (self._log is not None or self.on_breach is not None):
-                self._breached(request, outcome)
-            return outcome
+            return lane.admit(self._key(request, b.scope), DICT, request, None)  # type: ignore[no-any-return]
         if b.simple and request.cost is _ONE:
             d = b.allow(self._key(request, b.scope))
             if d.allowed:
@@ -699,7 +725,7 @@ class RateLimitMiddleware:
         client: str | None,
         route: Any,
         request_factory: Callable[[Any], Request],
-        asgi: bool = False,
+        form: int = 0,
     ) -> Outcome | None:
         """:meth:`check` for a front end that has not built its
         :class:`Request`: what every adapter calls.
@@ -713,8 +739,10 @@ class RateLimitMiddleware:
         a hook needs more than these (a user or API-key scope, trusted
         proxies, tiers, a route-cache miss, a denial to log): a plain rule
         on a cached route is decided from these alone, in one native call.
-        ``asgi``: the headers as ASGI's lower-case bytes pairs, not a dict
-        (where the native lane answers; a dict otherwise)."""
+        ``form``: the headers as a dict (``DICT``), or, where the native
+        lane answers and no ``on_breach`` reads them, as a fresh list of
+        ASGI's lower-case bytes pairs (``ASGI_PAIRS``) or of WSGI's str
+        pairs (``WSGI_PAIRS``), for the front end to write out as it is."""
         ruleset = self.registry.ruleset
         routes = self._routes
         if routes[0] is ruleset and not ruleset.has_tiers:
@@ -726,39 +754,31 @@ class RateLimitMiddleware:
                 b = _MISSING
             lane = b.lane
             if lane is not None:
-                request = None
                 key = self._peer_keys.get(client) if b.peer else b.fixed_key
-                if key is None:
-                    request = request_factory(native)
-                    key = self._key(request, b.scope)
-                outcome: Outcome = lane.admit(key, asgi)
-                if not outcome.allowed and (self._log is not None or self.on_breach is not None):
-                    self._lane_breached(request, native, request_factory, outcome)
-                return outcome
+                if key is not None:
+                    return lane.admit(key, form, native, request_factory)  # type: ignore[no-any-return]
+                request = request_factory(native)
+                return lane.admit(self._key(request, b.scope), form, request, None)  # type: ignore[no-any-return]
             if b is _UNLIMITED:
                 return None
         return self.check(request_factory(native))
 
-    def _lane_breached(
+    def _lane_breach(
         self,
-        request: Request | None,
-        native: Any,
-        request_factory: Callable[[Any], Request],
         outcome: Outcome,
+        native: Any,
+        factory: Callable[[Any], Request] | None,
+        log_due: bool,
+        more: int,
     ) -> None:
-        """A lane's denial: logged (its Request built only for a record the
-        interval lets through) and handed to ``on_breach``."""
-        log = self._log
-        if log is not None and log.skip(outcome.rule):
-            log = None
-        if log is None and self.on_breach is None:
-            return
-        if request is None:
-            request = request_factory(native)
-        if log is not None:
-            log.write(request, outcome.rule, outcome.retry_after)
-        if self.on_breach is not None:
-            self.on_breach(request, outcome)
+        """A lane's denial to log (``log_due``, with ``more`` since the last
+        record) or to hand to ``on_breach``: its Request built now, from
+        ``native`` (a Request already when ``factory`` is None)."""
+        request = native if factory is None else factory(native)
+        if log_due and self._log is not None:
+            self._log.write(request, outcome.rule, outcome.retry_after, more)
+        if self._on_breach is not None:
+            self._on_breach(request, outcome)
 
     def _check_one(self, request: Request, b: _Binding) -> Outcome:
         """One rule that costs more than 1, shadows (dry run), shapes (a
@@ -844,15 +864,15 @@ class RateLimitMiddleware:
         """Count and answer a denial by one enforced rule."""
         self._count_denied(b)
         outcome = self._refusal(b, d, d.retry_after, d)
-        if self._log is not None or self.on_breach is not None:
+        if self._log is not None or self._on_breach is not None:
             self._breached(request, outcome)
         return outcome
 
     def _breached(self, request: Request, outcome: Outcome) -> None:
         if self._log is not None:
             self._log(request, outcome)
-        if self.on_breach is not None:
-            self.on_breach(request, outcome)
+        if self._on_breach is not None:
+            self._on_breach(request, outcome)
 
     def _refusal(self, b: _Binding, d: Any, retry_after: float, answer: Any) -> Outcome:
         """A 429 by ``b`` (whose decision is ``d``): its headers, and the one
@@ -971,6 +991,9 @@ class RateLimitMiddleware:
         if charge is None:
             return 0
         return charge.settle(status)  # type: ignore[no-any-return]
+
+    if not TYPE_CHECKING and _SETTLE is not None:
+        settle = staticmethod(_SETTLE)  # the same in C: a refund costs one call from the front end
 
     # -- the pipeline stage -------------------------------------------------------
     def __call__(self, request: Request, next_handler: Callable[[Request], Response]) -> Response:

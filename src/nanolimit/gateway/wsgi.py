@@ -16,6 +16,7 @@ from typing import Any
 from .factory import LimiterFactory
 from .keys import KeyExtractor
 from .metrics import Metrics
+from .middleware import DICT, WSGI_PAIRS, CostTooHigh, render_body
 from .middleware import RateLimitMiddleware as Core
 from .registry import RuleRegistry
 from .request import Request
@@ -150,6 +151,7 @@ class RateLimitMiddleware:
             request_factory is request_from_environ
             and type(core).check is Core.check
             and type(core).decide is Core.decide
+            and type(core).settle is Core.settle
         )
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
@@ -163,25 +165,32 @@ class RateLimitMiddleware:
                 environ.get("REMOTE_ADDR") or None,
                 None,
                 request_from_environ,
+                WSGI_PAIRS if self.deny is None else DICT,
             )
         else:
             request = self.request_factory(environ)
             outcome = self.core.check(request)
         if outcome is None:
             return self.app(environ, start_response)
-        allowed, headers, delay, _, _, _, charge = outcome  # one unpacking, not four lookups
+        headers: Any  # the lane's WSGI pairs (a fresh list), or a dict
+        allowed, headers, delay, rule, retry_after, decision, charge = outcome  # one unpacking
+        if type(headers) is not list:
+            headers = list(headers.items())
         if not allowed:
             if self.deny is not None:
                 custom = self.deny(request if request is not None else self.request_factory(environ), outcome)
                 if custom is not None:
                     return custom(environ, start_response)
-            body = outcome.body()
-            length = _LENGTHS.get(len(body))
+            # outcome.body(), without its call and lookups
+            body = outcome.body() if type(decision) is CostTooHigh else render_body(rule, retry_after)
+            size = len(body)
+            length = _LENGTHS.get(size)
             if length is None:
-                length = ("Content-Length", str(len(body)))
+                length = ("Content-Length", str(size))
                 if len(_LENGTHS) < 1024:
-                    _LENGTHS[len(body)] = length
-            start_response("429 Too Many Requests", [*headers.items(), _JSON, length])
+                    _LENGTHS[size] = length
+            headers += (_JSON, length)
+            start_response("429 Too Many Requests", headers)
             return [body]
         if delay > 0.0:
             self.sleep(delay)
@@ -193,7 +202,7 @@ class RateLimitMiddleware:
         def start_with_headers(
             status: str, response_headers: list[tuple[str, str]], exc_info: Any = None
         ) -> Any:
-            response_headers = [*response_headers, *headers.items()]  # the outcome's headers, copied once
+            response_headers = [*response_headers, *headers]  # the outcome's headers, once
             if exc_info is not None:
                 return start_response(status, response_headers, exc_info)
             return start_response(status, response_headers)
@@ -204,15 +213,23 @@ class RateLimitMiddleware:
         """An admitted request under ``count_when`` rules: settled by the
         status it starts its response with (500 if the app raises first)."""
         core = self.core
-        extra = list(outcome.headers.items())
+        headers = outcome.headers
+        if type(headers) is not list:
+            headers = list(headers.items())
+        # the pipeline's own settle() is the charge's: called in place
+        settle = outcome.charge.settle if self._lane else None
 
         def start_settling(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
             try:
-                code = int(status.split(None, 1)[0])
-            except (ValueError, IndexError):
+                code = int(status[:3])  # PEP 3333: "200 OK"
+            except ValueError:
                 code = 500
-            core.settle(outcome, code)  # at most once: a restart after an error refunds nothing more
-            response_headers = [*response_headers, *extra]
+            # at most once: a restart after an error refunds nothing more
+            if settle is not None:
+                settle(code)
+            else:
+                core.settle(outcome, code)
+            response_headers = [*response_headers, *headers]
             if exc_info is not None:
                 return start_response(status, response_headers, exc_info)
             return start_response(status, response_headers)
