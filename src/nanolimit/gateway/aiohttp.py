@@ -46,7 +46,6 @@ __all__ = [
     "decide_mode",
     "rate_limit_middleware",
     "request_from_aiohttp",
-    "route_of",
     "routes_of",
     "setup",
 ]

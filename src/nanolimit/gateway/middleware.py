@@ -33,6 +33,7 @@ from .._limiter_config import Algorithm
 from .._select import native_core
 from ..errors import ValidationError
 from .factory import LimiterFactory
+from .charges import Charges, Counted
 from .headers import RATE_HEADERS, deny_body, rate_headers, retry_seconds, rule_pieces
 from .keys import DefaultKeyExtractor, KeyExtractor
 from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics
@@ -130,71 +131,6 @@ class CostTooHigh(NamedTuple):
         ).encode()
 
 
-class _Counted(list[Any]):
-    """What one ``count_when`` rule's admitted request spent, ``[binding,
-    key, cost, decision]``, given back by :meth:`settle` when its response
-    does not count: the common case of counting by response, built by
-    ``list``'s own constructor in C (no Python ``__init__`` per request)."""
-
-    __slots__ = ()
-
-    def _take(self, status: int) -> tuple[Any, str, int, Any] | None:
-        if not self:
-            return None  # settled already: once only
-        b, key, cost, d = self
-        self.clear()
-        if b.rule.counts(status):
-            return None
-        return b, key, cost, d
-
-    def settle(self, status: int) -> int:
-        due = self._take(status)
-        if due is None:
-            return 0
-        b, key, cost, d = due
-        b.limiter.refund(key, cost, at=d.at)
-        return cost
-
-    async def settle_async(self, status: int) -> int:
-        due = self._take(status)
-        if due is None:
-            return 0
-        b, key, cost, d = due
-        await b.limiter.refund_async(key, cost, at=d.at)
-        return cost
-
-
-class _Charge:
-    """What a request under several ``count_when`` rules spent (a stack):
-    each admitted (binding, key, cost, decision), given back by
-    :meth:`settle` when the response does not count for that rule."""
-
-    __slots__ = ("items",)
-
-    def __init__(self, items: list[tuple[_Binding, str, int, Any]]) -> None:
-        self.items = items
-
-    def _due(self, status: int) -> list[tuple[_Binding, str, int, Any]]:
-        items, self.items = self.items, []  # once: a second settle refunds nothing
-        return [item for item in items if not item[0].rule.counts(status)]
-
-    def settle(self, status: int) -> int:
-        """Refund what ``status`` does not count; returns the units given back."""
-        back = 0
-        for b, key, cost, d in self._due(status):
-            b.limiter.refund(key, cost, at=d.at)
-            back += cost
-        return back
-
-    async def settle_async(self, status: int) -> int:
-        """:meth:`settle` awaiting the store (``AsyncRedisStorage``)."""
-        back = 0
-        for b, key, cost, d in self._due(status):
-            await b.limiter.refund_async(key, cost, at=d.at)
-            back += cost
-        return back
-
-
 class _Binding:
     """A rule bound to its limiter, with its constant header text rendered once.
 
@@ -273,7 +209,7 @@ class _NoRoute:
     lane = None
 
 
-MISSING = _MISSING = _NoRoute()  # not in the route cache (MISSING: for the adapters' inline lanes)
+_MISSING = _NoRoute()  # not in the route cache
 _UNLIMITED = _NoRoute()  # cached: no rule applies
 _Route = _Binding | _Stack | _NoRoute
 
@@ -293,16 +229,14 @@ class _DenialLog:
         self._lock = threading.Lock()
 
     def __call__(self, request: Request, outcome: Outcome) -> None:
-        self.note(
-            request,
-            outcome.rule,
-            "never (cost over the limit)" if type(outcome.decision) is CostTooHigh else outcome.retry_after,
-        )
-
-    def note(self, request: Request, rule: str, retry_after: object) -> None:
-        """A denial by ``rule``: a record, unless one was written within the interval."""
-        if not self.skip(rule):
-            self.write(request, rule, retry_after)
+        """A denial: a record, unless one was written within the interval."""
+        if not self.skip(outcome.rule):
+            retry = (
+                "never (cost over the limit)"
+                if type(outcome.decision) is CostTooHigh
+                else outcome.retry_after
+            )
+            self.write(request, outcome.rule, retry)
 
     def skip(self, rule: str) -> bool:
         """Whether a denial by ``rule`` falls within the interval of its last
@@ -711,7 +645,7 @@ class RateLimitMiddleware:
             if d.allowed:
                 headers = {}
                 b.admitted.record(d, headers, b.limit_str, b.policy, b.r_prefix, b.near, self.wall_clock())
-                return _outcome(Outcome, (True, headers, 0.0, b.name, 0, d, _Counted((b, key, 1, d))))
+                return _outcome(Outcome, (True, headers, 0.0, b.name, 0, d, Counted((b, key, 1, d))))
             return self._denied(request, b, d)
         if type(b) is _Stack:
             return self._check_stacked(request, b.bindings)
@@ -821,7 +755,7 @@ class RateLimitMiddleware:
         """The outcome of one rule's decision ``d``: counted, its headers
         written, its charge kept for :meth:`settle`."""
         if d.allowed:
-            charge = _Counted((b, key, cost, d)) if b.counted else None
+            charge = Counted((b, key, cost, d)) if b.counted else None
             if b.dry_run:
                 b.admitted.count(d, b.near)
                 return _outcome(Outcome, (True, {}, 0.0, b.name, 0, d, charge))
@@ -920,7 +854,7 @@ class RateLimitMiddleware:
             else:
                 counts[SHADOW_DENIED] += 1
         if not enforced:
-            charge = _Charge(charged) if charged else None
+            charge = Charges(charged) if charged else None
             return _outcome(Outcome, (True, {}, 0.0, bindings[0].name, 0, None, charge))
         if len(enforced) == 1:
             b, key, cost = enforced[0]
@@ -974,10 +908,10 @@ class RateLimitMiddleware:
             )
             if self.header_names:
                 headers = self._renamed(headers)
-            charge = _Charge(charged) if charged else None
+            charge = Charges(charged) if charged else None
             return _outcome(Outcome, (True, headers, delay, binding.name, 0, summary, charge))
         if charged:
-            _Charge(charged).settle(-1)  # the shadow rules' charges: the request never ran
+            Charges(charged).settle(-1)  # the shadow rules' charges: the request never ran
         outcome = self._refusal(binding, decision, summary.retry_after, summary)
         self._breached(request, outcome)
         return outcome

@@ -21,7 +21,7 @@ from .middleware import RateLimitMiddleware as Core
 from .registry import RuleRegistry
 from .request import Request
 
-__all__ = ["RateLimitMiddleware", "WSGIApp", "environ_path", "request_from_environ"]
+__all__ = ["RateLimitMiddleware", "WSGIApp", "request_from_environ"]
 
 Environ = dict[str, Any]
 StartResponse = Callable[..., Any]
