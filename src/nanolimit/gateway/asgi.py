@@ -255,9 +255,9 @@ class RateLimitMiddleware:
         limits.bind(routes_of(app))
         self.core.route_resolver = resolver_for(app)
         context = self.core.route_context = context_for(app)
-        # what that context is for a plain HTTP scope (no root_path, not
-        # routed by Litestar) of an app that routes by no Host: the scope's
-        # type, "http", so the inline lane keys by it without a call
+        # what that context is for an HTTP scope not routed by Litestar, of
+        # an app that routes by no Host: the scope's type, "http" (and its
+        # root_path), so decide() keys by it without a call
         self._http_context = "http" if context is not None and not routes_by_host(app) else None
         self._unbound = False
 
@@ -291,23 +291,26 @@ class RateLimitMiddleware:
         core = self.core
         request: Request | None = None
         outcome: Outcome | None
-        if (
-            self._lane
-            and kind == "http"
-            and not scope.get("root_path")
-            and scope.get("path_template") is None
-        ):
+        if self._lane and kind == "http" and scope.get("path_template") is None:
             # The pipeline's decide(): a plain rule on a cached route is
             # decided from the scope's method, path and peer in one native
             # call, its headers written as ASGI's bytes pairs (a dict where
             # a hook reads them), and no Request is built.
+            path = scope.get("path", "/") or "/"
+            context = self._http_context
+            root = scope.get("root_path")
+            if root:  # as request_from_scope and the route context write it
+                if not path.startswith(root):
+                    path = root + path if path[:1] == "/" else f"{root}/{path}"
+                if context is not None:
+                    context = f"{context}\x00{root}"
             client = scope.get("client")
             outcome = core.decide(
                 scope,
                 scope.get("method", "GET"),
-                scope.get("path", "/") or "/",
+                path,
                 client[0] if client else None,
-                self._http_context,
+                context,
                 request_from_scope,
                 ASGI_PAIRS if self.deny is None else DICT,
             )

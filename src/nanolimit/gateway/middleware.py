@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from .._limiter_config import Algorithm
 from .._select import native_core
 from ..errors import ValidationError
-from .factory import LimiterFactory
 from .charges import Charges, Counted
+from .factory import LimiterFactory
 from .headers import RATE_HEADERS, deny_body, rate_headers, retry_seconds, rule_pieces
 from .keys import DefaultKeyExtractor, KeyExtractor
 from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics
