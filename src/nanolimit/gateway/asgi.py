@@ -153,6 +153,21 @@ def _pairs(headers: Any) -> list[tuple[bytes, bytes]]:
     return headers if type(headers) is list else _encode(headers)
 
 
+def _settling(send: Send, charge: Any, pairs: list[tuple[bytes, bytes]]) -> Send:
+    """``send`` settling ``charge`` by the status the app sends and adding
+    ``pairs`` to its headers (made apart: a closure in ``__call__`` would
+    make its names cells on every request)."""
+
+    async def send_settled(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            charge.settle(int(message.get("status", 200)))
+            if pairs:
+                message["headers"] = [*message.get("headers", ()), *pairs]
+        await send(message)
+
+    return send_settled
+
+
 _JSON = (b"content-type", b"application/json")
 
 
@@ -229,9 +244,12 @@ class RateLimitMiddleware:
         self.sleep = sleep
         self.limits = limits
         self.deny = deny
+        self._form = ASGI_PAIRS if deny is None else DICT  # a deny hook reads a dict
         self._unbound = limits is not None  # bound from scope["app"] at startup or first request
         self._http_context: str | None = None
         self.decide = decide_mode(core.factory.storage, decide)
+        # in process, through the pipeline's own settle(): a charge is settled in place
+        self._settle_inline = self.decide is INLINE and type(core).settle is Core.settle
         # the pipeline's decide() on the scope's fields: in process, the
         # stock request view, the pipeline's own check() and decide()
         self._lane = (
@@ -291,7 +309,7 @@ class RateLimitMiddleware:
         core = self.core
         request: Request | None = None
         outcome: Outcome | None
-        if self._lane and kind == "http" and scope.get("path_template") is None:
+        if self._lane and kind == "http" and "path_template" not in scope:
             # The pipeline's decide(): a plain rule on a cached route is
             # decided from the scope's method, path and peer in one native
             # call, its headers written as ASGI's bytes pairs (a dict where
@@ -312,7 +330,7 @@ class RateLimitMiddleware:
                 client[0] if client else None,
                 context,
                 request_from_scope,
-                ASGI_PAIRS if self.deny is None else DICT,
+                self._form,
             )
         else:
             request = self.request_factory(scope)
@@ -346,7 +364,16 @@ class RateLimitMiddleware:
         if delay > 0.0:
             await self.sleep(delay)
         if charge is not None:
-            await self._counted(scope, receive, send, outcome)
+            if kind != "http" or not self._settle_inline:
+                await self._counted(scope, receive, send, outcome)
+                return
+            # in process: the charge settled in place, once, by the status
+            # the app sends (a charge settled again gives nothing back)
+            pairs = headers if type(headers) is list else _encode(headers)
+            try:
+                await self.app(scope, receive, _settling(send, charge, pairs))
+            finally:
+                charge.settle(500)  # no status sent (it raised, or sent nothing): the client saw an error
             return
         if not headers or kind != "http":
             await self.app(scope, receive, send)
@@ -365,26 +392,6 @@ class RateLimitMiddleware:
         status the app sends (500 if it raises before sending one; a
         websocket counts as accepted)."""
         extra = _pairs(outcome.headers) if scope["type"] == "http" else []
-        if self.decide is INLINE and type(self.core).settle is Core.settle:
-            # in process: the charge settled in place, once (a charge
-            # settled again gives nothing back, so no flag is kept)
-            charge = outcome.charge
-
-            async def send_settled(message: Message) -> None:
-                kind = message["type"]
-                if kind == "http.response.start":
-                    charge.settle(int(message.get("status", 200)))
-                    if extra:
-                        message["headers"] = [*message.get("headers", ()), *extra]
-                elif kind == "websocket.accept":
-                    charge.settle(101)
-                await send(message)
-
-            try:
-                await self.app(scope, receive, send_settled)
-            finally:
-                charge.settle(500)  # no status sent (it raised, or sent nothing): the client saw an error
-            return
         settled = False
 
         async def send_settling(message: Message) -> None:

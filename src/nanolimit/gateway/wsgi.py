@@ -195,7 +195,17 @@ class RateLimitMiddleware:
         if delay > 0.0:
             self.sleep(delay)
         if charge is not None:
-            return self._counted(environ, start_response, outcome)
+            if not self._lane:
+                return self._counted(environ, start_response, outcome)
+            # the pipeline's own settle() is the charge's, called in place:
+            # by the status the response starts with (500 if the app raises
+            # first); a restart after an error refunds nothing more
+
+            try:
+                return self.app(environ, _settling(start_response, charge, headers))
+            except BaseException:
+                charge.settle(500)
+                raise
         if not headers:
             return self.app(environ, start_response)
 
@@ -210,25 +220,16 @@ class RateLimitMiddleware:
         return self.app(environ, start_with_headers)
 
     def _counted(self, environ: Environ, start_response: StartResponse, outcome: Any) -> Iterable[bytes]:
-        """An admitted request under ``count_when`` rules: settled by the
-        status it starts its response with (500 if the app raises first)."""
+        """An admitted request under ``count_when`` rules, settled through
+        a pipeline whose ``settle`` is its own: by the status it starts its
+        response with (500 if the app raises first)."""
         core = self.core
         headers = outcome.headers
         if type(headers) is not list:
             headers = list(headers.items())
-        # the pipeline's own settle() is the charge's: called in place
-        settle = outcome.charge.settle if self._lane else None
 
         def start_settling(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-            try:
-                code = int(status[:3])  # PEP 3333: "200 OK"
-            except ValueError:
-                code = 500
-            # at most once: a restart after an error refunds nothing more
-            if settle is not None:
-                settle(code)
-            else:
-                core.settle(outcome, code)
+            core.settle(outcome, _status_code(status))  # at most once: a restart refunds nothing more
             response_headers = [*response_headers, *headers]
             if exc_info is not None:
                 return start_response(status, response_headers, exc_info)
@@ -239,3 +240,36 @@ class RateLimitMiddleware:
         except BaseException:
             core.settle(outcome, 500)
             raise
+
+
+def _settling(start_response: StartResponse, charge: Any, headers: list[tuple[str, str]]) -> StartResponse:
+    """``start_response`` settling ``charge`` by the status and adding
+    ``headers`` (made apart: a closure in ``__call__`` would make its names
+    cells on every request)."""
+
+    def start_settled(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        charge.settle(_status_code(status))
+        response_headers = [*response_headers, *headers]
+        if exc_info is not None:
+            return start_response(status, response_headers, exc_info)
+        return start_response(status, response_headers)
+
+    return start_settled
+
+
+# status line -> code: apps start their responses with a few constant lines
+_CODES: dict[str, int] = {}
+
+
+def _status_code(status: str) -> int:
+    """The code of a WSGI status line (PEP 3333: ``"200 OK"``); 500 for
+    one that has none."""
+    code = _CODES.get(status)
+    if code is None:
+        try:
+            code = int(status[:3])
+        except (TypeError, ValueError):
+            code = 500
+        if len(_CODES) < 1024 and type(status) is str and len(status) <= 64:
+            _CODES[status] = code
+    return code
