@@ -422,3 +422,17 @@ def test_a_flood_of_denials_is_one_record_saying_how_many_it_stands_for(
     records = [r.getMessage() for r in caplog.records]
     assert len(records) == 2
     assert "more since" not in records[0] and "(+19 more since the last record)" in records[1]
+
+
+def test_an_on_breach_hook_set_later_hears_every_denial_after(backend) -> None:
+    mw = gateway(backend, [rule("api", 1, 3600.0)], log_denials=None)
+    factory = _counting_factory([])
+    env = {"path": "/", "client": "c"}
+    assert [mw.decide(env, "GET", "/", "c", None, factory).allowed for _ in range(2)] == [True, False]
+    seen: list[str] = []
+    mw.on_breach = lambda request, outcome: seen.append(request.path)
+    assert not mw.decide(env, "GET", "/", "c", None, factory).allowed
+    assert mw.check(Request("GET", "/", client="c")).allowed is False  # type: ignore[union-attr]
+    assert seen == ["/", "/"]
+    with pytest.raises(ValidationError):
+        mw.on_breach = "not callable"  # type: ignore[assignment]

@@ -5,15 +5,18 @@ rule(s), builds the key, decides, counts, and answers 429 (docs/spec.md §2
 body and headers) or the handler's response with the headers added. No rule:
 the request passes unlimited, by choice.
 
-:meth:`RateLimitMiddleware.check` is the pipeline's one public decision:
-the ASGI and WSGI adapters (:mod:`nanolimit.asgi`, :mod:`nanolimit.wsgi`)
-call it and do their own I/O, so every front end shares one decision path.
-A request takes one ruleset snapshot, one route-cache look-up (the only
-cache of its route: misses walk the ruleset uncached), one entry into the
-core (``limiter.allow``, or ``storage.allow_all`` for stacked rules) and at
-most one read of the wall clock. The core's Decision becomes an
-:class:`Outcome`, with the headers rendered into it once, which the front
-end writes out: two reshapes from the core's answer to the wire.
+:meth:`RateLimitMiddleware.check` decides a :class:`Request`;
+:meth:`RateLimitMiddleware.decide` is what every adapter (ASGI, WSGI,
+Flask, Django, aiohttp) calls: the same decision from the request's method,
+path, peer and route, its Request built only when a rule or a hook needs
+one. Both do their own I/O nowhere, so every front end shares one decision
+path. A request takes one ruleset snapshot, one route-cache look-up (the
+only cache of its route: misses walk the ruleset uncached) and one entry
+into the core: for a plain rule its native lane (``RuleLane``: decide,
+count and write the headers in one C call, one clock read), else
+``limiter.allow`` (or ``storage.allow_all`` for stacked rules) and the
+headers rendered in Python. The :class:`Outcome` carries the headers in
+the form the front end writes (a dict, ASGI's or WSGI's pairs).
 ``__call__`` inlines the common case (one enforced rule, admitted) and
 writes the headers straight into the handler's response.
 """
