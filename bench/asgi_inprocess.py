@@ -4,6 +4,7 @@ a bare app, next to a middleware that only appends five fixed headers.
     python bench/asgi_inprocess.py              # 201 rounds of 2,000 calls per variant
     python bench/asgi_inprocess.py --quick      # a smoke run
     python bench/asgi_inprocess.py --json       # the figures as JSON
+    python bench/asgi_inprocess.py --frameworks # Flask (extension, WSGI middleware), Django, aiohttp
 
 Each variant is called directly with one prebuilt scope (environ) and no-op
 ``receive`` / ``send`` (``start_response``). An ASGI call is driven by hand
@@ -333,6 +334,214 @@ def measure(rounds: int = ROUNDS, calls: int = CALLS) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------------
+# Frameworks: Flask, Django and aiohttp apps in process (``--frameworks``)
+
+FRAMEWORK_ROWS = ("bare", "nanolimit", "nanolimit_denied")
+
+
+def _flask_call(app: Any) -> Callable[[], Any]:
+    from werkzeug.test import EnvironBuilder
+
+    environ = EnvironBuilder(path="/", environ_base={"REMOTE_ADDR": "127.0.0.1"}).get_environ()
+    wsgi = app.wsgi_app if hasattr(app, "wsgi_app") else app
+
+    def call() -> Any:
+        seen: list[int] = []
+        body = wsgi(dict(environ), lambda status, headers, exc_info=None: seen.append(int(status[:3])))
+        b"".join(body)
+        getattr(body, "close", lambda: None)()
+        return seen[-1]
+
+    return call
+
+
+def _django_calls() -> dict[str, Callable[[], Any]]:
+    """One process, one Django: a bare handler and one through nanolimit's
+    middleware, ``/`` under a default limit no run spends, ``/denied``
+    declared at 1 an hour."""
+    import django
+    from django.conf import settings
+
+    if not settings.configured:
+        settings.configure(
+            SECRET_KEY="bench",
+            ALLOWED_HOSTS=["*"],
+            ROOT_URLCONF=__name__,
+            INSTALLED_APPS=[],
+            MIDDLEWARE=[],
+            NANOLIMIT={"DEFAULT": peer_rate(HUGE), "ALGORITHM": "fixed_window", "LOG_DENIALS": None},
+            USE_TZ=True,
+            LOGGING_CONFIG=None,
+        )
+        django.setup()
+    from django.core.handlers.wsgi import WSGIHandler
+    from django.test import RequestFactory, override_settings
+
+    bare = WSGIHandler()
+    with override_settings(MIDDLEWARE=["nanolimit.django.RateLimitMiddleware"]):
+        limited = WSGIHandler()
+    factory = RequestFactory()
+
+    def caller(handler: Any, path: str) -> Callable[[], Any]:
+        environ = factory._base_environ(PATH_INFO=path, REQUEST_METHOD="GET", REMOTE_ADDR="127.0.0.1")
+
+        def call() -> Any:
+            seen: list[int] = []
+            body = handler(dict(environ), lambda status, headers, exc_info=None: seen.append(int(status[:3])))
+            b"".join(body)
+            body.close()
+            return seen[-1]
+
+        return call
+
+    return {
+        "bare": caller(bare, "/"),
+        "nanolimit": caller(limited, "/"),
+        "nanolimit_denied": caller(limited, "/denied"),
+    }
+
+
+def _django_urls() -> list[Any]:
+    from django.http import HttpResponse
+    from django.urls import path
+
+    from nanolimit.django import limit
+
+    def index(request: Any) -> Any:
+        return HttpResponse("ok", content_type="text/plain")
+
+    @limit(peer_rate(1), algorithm="fixed_window")
+    def denied(request: Any) -> Any:
+        return HttpResponse("ok", content_type="text/plain")
+
+    return [path("", index), path("denied", denied)]
+
+
+def __getattr__(name: str) -> Any:  # Django's URLconf: this module, its patterns made when first asked
+    if name == "urlpatterns":
+        return _django_urls()
+    raise AttributeError(name)
+
+
+def _aiohttp_calls() -> dict[str, Callable[[], Any]]:
+    """aiohttp's middleware called by hand on one mocked, routed request (no
+    event loop runs: nothing here suspends)."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from nanolimit.aiohttp import rate_limit_middleware
+    from nanolimit.gateway.factory import LimiterFactory
+
+    async def index(request: Any) -> Any:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/", index)
+    request = make_mocked_request("GET", "/", app=app)
+    loop = asyncio.new_event_loop()
+    try:
+        info = loop.run_until_complete(app.router.resolve(request))
+    finally:
+        loop.close()
+    info.add_app(app)
+    request._match_info = info
+    request._transport_peername = ("127.0.0.1", 50000)
+
+    def caller(middleware: Any) -> Callable[[], Any]:
+        def call() -> Any:
+            coro = index(request) if middleware is None else middleware(request, index)
+            try:
+                coro.send(None)
+            except StopIteration as done:
+                return done.value.status
+            raise RuntimeError("the app suspended: it needs an event loop")
+
+        return call
+
+    def limited(limit: int) -> Any:
+        return rate_limit_middleware(nanolimit_registry(limit), LimiterFactory(), log_denials=None)
+
+    return {"bare": caller(None), "nanolimit": caller(limited(HUGE)), "nanolimit_denied": caller(limited(1))}
+
+
+def framework_variants() -> dict[str, dict[str, Callable[[], Any]]]:
+    """``{framework: {row: call}}``, each call one request answering its
+    status. Flask's rows: ``nanolimit`` is the extension, ``nanolimit_wsgi``
+    the WSGI middleware around the app."""
+    from http_apps import wsgi_bare, wsgi_nanolimit, wsgi_nanolimit_flask
+
+    flask = {
+        "bare": _flask_call(wsgi_bare("flask", HUGE)),
+        "nanolimit": _flask_call(wsgi_nanolimit_flask("flask", HUGE)),
+        "nanolimit_denied": _flask_call(wsgi_nanolimit_flask("flask", 1)),
+        "nanolimit_wsgi": _flask_call(wsgi_nanolimit("flask", HUGE)),
+        "nanolimit_wsgi_denied": _flask_call(wsgi_nanolimit("flask", 1)),
+    }
+    return {"flask": flask, "django": _django_calls(), "aiohttp": _aiohttp_calls()}
+
+
+def check_framework(name: str, call: Callable[[], Any]) -> None:
+    """The row answers what it is timed for (a denied row: 200, then 429s)."""
+    got = [call() for _ in range(3)]
+    want = [200, 429, 429] if name.endswith("_denied") else [200] * 3
+    if got != want:
+        raise RuntimeError(f"{name}: statuses {got}, expected {want}")
+
+
+def measure_frameworks(rounds: int, calls: int) -> dict[str, Any]:
+    """Medians of interleaved rounds per framework row, ``added``: each
+    round's difference from the framework's ``bare``, and ``denied / admitted``:
+    what a 429 costs against a 200 of the same middleware."""
+    variants = framework_variants()
+    for framework, rows in variants.items():
+        for name, call in rows.items():
+            check_framework(f"{framework}/{name}", call)
+    per_round: dict[str, dict[str, list[float]]] = {f: {n: [] for n in rows} for f, rows in variants.items()}
+    for n in range(rounds):
+        for framework, rows in variants.items():
+            names = list(rows) if n % 2 == 0 else list(rows)[::-1]
+            for name in names:
+                call = rows[name]
+                t0 = time.perf_counter_ns()
+                for _ in range(calls):
+                    call()
+                per_round[framework][name].append((time.perf_counter_ns() - t0) / calls)
+        if n % 16 == 15:
+            gc.collect()
+    out: dict[str, Any] = {}
+    for framework, rows in per_round.items():
+        bare = rows["bare"]
+        out[framework] = {}
+        for name, ns in rows.items():
+            row = {"ns_median": round(statistics.median(ns), 1)}
+            if name != "bare":
+                row["added_ns"] = round(statistics.median(a - b for a, b in zip(ns, bare)), 1)
+            if name.endswith("_denied"):
+                admitted = rows[name.removesuffix("_denied")]
+                row["over_admitted_ratio"] = round(statistics.median(a / b for a, b in zip(ns, admitted)), 3)
+            out[framework][name] = row
+    return {"implementation": __import__("nanolimit").IMPLEMENTATION, "rounds": rounds, "calls": calls, **out}
+
+
+def frameworks_markdown(figures: dict[str, Any]) -> str:
+    lines = [
+        f"Frameworks in process ({figures['implementation']} twin, {figures['rounds']} rounds of "
+        f"{figures['calls']:,} calls, medians):",
+        "",
+        "| framework | variant | µs/request | µs added over bare | denied / admitted |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for framework in ("flask", "django", "aiohttp"):
+        for name, r in figures[framework].items():
+            added = f"{r['added_ns'] / 1000:+.2f}" if "added_ns" in r else ""
+            ratio = f"{r['over_admitted_ratio']:.2f}x" if "over_admitted_ratio" in r else ""
+            lines.append(f"| {framework} | {name} | {r['ns_median'] / 1000:.2f} | {added} | {ratio} |")
+    return "\n".join(lines)
+
+
 def sizes(quick: bool) -> tuple[int, int]:
     return (QUICK_ROUNDS, QUICK_CALLS) if quick else (ROUNDS, CALLS)
 
@@ -364,7 +573,17 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--calls", type=int)
     parser.add_argument("--json", action="store_true", help="print JSON, not the table")
+    parser.add_argument(
+        "--frameworks",
+        action="store_true",
+        help="Flask, Django and aiohttp apps instead (41 rounds of 500 calls)",
+    )
     args = parser.parse_args(None if argv is None else list(argv))
+    if args.frameworks:
+        rounds, calls = (QUICK_ROUNDS, 50) if args.quick else (41, 500)
+        figures = measure_frameworks(args.rounds or rounds, args.calls or calls)
+        print(json.dumps(figures, indent=1) if args.json else frameworks_markdown(figures))
+        return 0
     rounds, calls = sizes(args.quick)
     figures = measure(args.rounds or rounds, args.calls or calls)
     print(json.dumps(figures, indent=1) if args.json else markdown(figures))

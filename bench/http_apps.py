@@ -358,6 +358,18 @@ def wsgi_nanolimit(framework: str, limit: int) -> Any:
     return app
 
 
+def wsgi_nanolimit_flask(framework: str, limit: int) -> Any:
+    """nanolimit's Flask extension (``nanolimit.flask.Limiter``), the same
+    rule as a default limit: decided in ``before_request``, its headers
+    written in ``after_request``, a 429 answered without Flask's error
+    handling (the app has no handler of its own)."""
+    from nanolimit.flask import Limiter
+
+    app = _flask()
+    Limiter(app, default_limits=peer_rate(limit), algorithm="fixed_window", log_denials=None)
+    return app
+
+
 def wsgi_flask_limiter(framework: str, limit: int) -> Any:
     """flask-limiter's documented set-up: in-memory storage, a default limit,
     headers on."""

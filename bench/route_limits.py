@@ -11,10 +11,10 @@ Variants, interleaved round by round, medians of the rounds' ns per call:
 - ``counted_refund``: the same, settled with 200 (the charge is refunded:
   the dearest case of counting by response);
 - ``denied``: ``check`` of an exhausted key (a 429);
-- ``asgi_prefix`` / ``asgi_route``: the ASGI middleware in front of one
-  Starlette app, a prefix rule against the same limit declared on the
-  route with ``RouteLimits`` (the route cache answers both; the Starlette
-  app's own routing is the same in both).
+- ``asgi_bare`` / ``asgi_prefix`` / ``asgi_route``: one Starlette app
+  alone (the floor), and behind the ASGI middleware with a prefix rule or
+  the same limit declared on the route with ``RouteLimits`` (the route
+  cache answers both; the app's own routing is the same in all three).
 
 The targets: counting by response within 1.2x plain counting;
 a 429 at least as fast as an admitted request; a route-level declaration
@@ -77,9 +77,12 @@ def variants() -> dict[str, Callable[[], Any]]:
     async def send(message: Any) -> None:
         pass
 
-    def asgi(limits: RouteLimits | None) -> Callable[[], None]:
+    def asgi(limits: RouteLimits | None, bare: bool = False) -> Callable[[], None]:
         app = Starlette(routes=[Route("/items/{id}", page)])
-        if limits is None:
+        mw: Any
+        if bare:
+            mw = app
+        elif limits is None:
             registry = RuleRegistry([RateLimitRule("api", "*", "/items", "ip", "fixed_window", HUGE, 3600.0)])
             mw = ASGIMiddleware(app, registry, LimiterFactory(InMemoryStorage()))
         else:
@@ -107,6 +110,7 @@ def variants() -> dict[str, Callable[[], Any]]:
         "counted": counted_call,
         "counted_refund": refund_call,
         "denied": lambda: denied.check(request),
+        "asgi_bare": asgi(None, bare=True),
         "asgi_prefix": asgi(None),
         "asgi_route": asgi(limits),
     }
@@ -142,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, ns in m.items():
         base = m["asgi_prefix"] if name.startswith("asgi") else m["plain"]
         print(f"| {name} | {ns:,.0f} | {ns / base:.2f} |")
+    floor = m["asgi_bare"]
+    prefix, route = m["asgi_prefix"] - floor, m["asgi_route"] - floor
+    print(f"\nover the bare app: prefix {prefix:+,.0f} ns, route {route:+,.0f} ns")
     return 0
 
 

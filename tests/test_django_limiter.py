@@ -295,6 +295,22 @@ def test_breach_hook_and_denial_log(nano: Any, caplog: pytest.LogCaptureFixture)
     assert "path='/hello'" in records[0].getMessage()
 
 
+def test_django_request_does_not_log_each_429_of_a_flood_again(
+    nano: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nanolimit's denial log has the flood (one record per rule per
+    interval); django.request still logs the 4xx answers that are not ours."""
+    nano(LOG_DENIALS=3600.0)
+    client = Client()
+    with caplog.at_level(logging.WARNING):
+        assert statuses(client, "/hello", 6) == [200] * 3 + [429] * 3
+        assert get(client, "/no-such-page").status_code == 404
+    ours = [r for r in caplog.records if r.name == "nanolimit.denials"]
+    django_request = [r.getMessage() for r in caplog.records if r.name == "django.request"]
+    assert len(ours) == 1
+    assert django_request == ["Not Found: /no-such-page"]
+
+
 def test_log_denials_none_writes_no_records(nano: Any, caplog: pytest.LogCaptureFixture) -> None:
     nano(LOG_DENIALS=None)
     with caplog.at_level(logging.WARNING, logger="nanolimit.denials"):

@@ -613,6 +613,77 @@ def test_the_apps_errorhandlers_answer_the_denial(backend: types.SimpleNamespace
         assert int(denied.headers["Retry-After"]) >= 1 and denied.headers["X-RateLimit-Remaining"] == "0"
 
 
+def test_a_denial_is_answered_as_the_app_answers_http_errors(backend: types.SimpleNamespace) -> None:
+    """No handler of the app's own: the limiter's 429 (JSON body, headers),
+    with no exception raised through Flask. A blueprint's handler, a
+    handler of a class above RateLimitExceeded, an app class that handles
+    HTTP errors its own way and TRAP_HTTP_EXCEPTIONS all see it as before."""
+    from werkzeug.exceptions import HTTPException
+
+    seen: list[str] = []
+
+    class OwnErrors(Flask):
+        def handle_http_exception(self, e: Any) -> Any:
+            seen.append(f"app class {e.code}")
+            return super().handle_http_exception(e)
+
+    def app_with(cls: type[Flask] = Flask, **config: Any) -> Flask:
+        limiter = _limiter(backend)
+        app = cls(f"errors-{len(seen)}-{sorted(config)}")
+        app.config.update(config)
+        bp = Blueprint("bp", __name__)
+
+        @bp.errorhandler(429)
+        def bp_handler(exc: Any) -> Any:
+            seen.append("blueprint")
+            return "bp says slow down", 429
+
+        @bp.get("/b")
+        @limiter.limit("1/minute")
+        def b() -> str:
+            return "b"
+
+        @app.get("/a")
+        @limiter.limit("1/minute")
+        def a() -> str:
+            return "a"
+
+        app.register_blueprint(bp)
+        limiter.init_app(app)
+        return app
+
+    client = app_with().test_client()
+    assert client.get("/a").status_code == 200
+    denied = client.get("/a")
+    assert denied.status_code == 429 and denied.get_json()["rule"].endswith(".a")
+    assert denied.headers["Content-Type"] == "application/json"
+    assert int(denied.headers["Retry-After"]) >= 1 and denied.headers["X-RateLimit-Remaining"] == "0"
+    assert denied.headers["Content-Length"] == str(len(denied.data))
+    assert seen == []
+    assert client.get("/b").status_code == 200
+    assert client.get("/b").data == b"bp says slow down" and seen == ["blueprint"]
+
+    app = app_with()
+
+    @app.errorhandler(HTTPException)
+    def any_http(exc: Any) -> Any:
+        seen.append(f"HTTPException {type(exc).__name__}")
+        return "http error", exc.code
+
+    client = app.test_client()
+    client.get("/a")
+    assert client.get("/a").data == b"http error" and seen[-1] == "HTTPException RateLimitExceeded"
+
+    client = app_with(OwnErrors).test_client()
+    client.get("/a")
+    assert client.get("/a").status_code == 429 and seen[-1] == "app class 429"
+
+    client = app_with(TRAP_HTTP_EXCEPTIONS=True, TESTING=True).test_client()
+    client.get("/a")
+    with pytest.raises(RateLimitExceeded):
+        client.get("/a")
+
+
 def test_custom_deny_builds_the_response(backend: types.SimpleNamespace) -> None:
     calls: list[Any] = []
 

@@ -4,7 +4,9 @@ shaping, metrics and compound (stacked) limits, for both twins."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
+import time
 import types
 
 import pytest
@@ -368,3 +370,69 @@ def test_counts_of_ended_threads_are_kept_and_their_shards_dropped() -> None:
     assert snap["allowed"] == 200 and snap["denied"] == 100
     metrics.record("r", allowed=True, remaining=50, limit=100)  # this thread keeps its own
     assert metrics.snapshot()["r"]["allowed"] == 201
+
+
+def _counting_factory(built: list[str]) -> object:
+    def factory(native: dict[str, str]) -> Request:
+        built.append(native["path"])
+        return Request("GET", native["path"], client=native["client"], user=native.get("user"))
+
+    return factory
+
+
+def test_decide_builds_a_request_only_when_a_rule_or_a_hook_needs_one(
+    backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``decide()`` answers what ``check()`` answers; on the native lane a
+    plain IP rule on a cached route is keyed from the peer alone, and a user
+    rule, a cache miss or a denial record still gets its Request."""
+    from nanolimit.gateway.rules import RateLimitRule
+
+    user_rule = RateLimitRule("me", "*", "/me", "user", "fixed_window", 1, 60.0)
+    mw = gateway(backend, [rule("ip", 2, 60.0), user_rule], log_denials=3600.0)
+    built: list[str] = []
+    factory = _counting_factory(built)
+    ip, me = {"path": "/", "client": "192.0.2.9"}, {"path": "/me", "client": "192.0.2.9", "user": "u1"}
+    with caplog.at_level(logging.WARNING, logger="nanolimit.denials"):
+        answers = [mw.decide(ip, "GET", "/", "192.0.2.9", None, factory) for _ in range(5)]
+        mine = [mw.decide(me, "GET", "/me", "192.0.2.9", None, factory) for _ in range(2)]
+    assert [o.allowed for o in answers] == [True, True, False, False, False]
+    assert [o.allowed for o in mine] == [True, False]
+    assert answers[2].headers["Retry-After"] == str(answers[2].retry_after)
+    assert len(caplog.records) == 2  # one per rule within the interval
+    lane = mw._state[1][id(mw.registry.ruleset.rules[0])].lane
+    if lane is None:  # the Python path: check() on the Request every time
+        assert built == ["/"] * 5 + ["/me"] * 2
+    else:  # the miss and the denial record of "/"; every request of the user rule
+        assert built == ["/", "/", "/me", "/me"]
+    assert mw.metrics.snapshot()["ip"] == {"allowed": 2, "denied": 3, "shadow_denied": 0, "near_limit": 1}
+
+
+def test_a_flood_of_denials_is_one_record_saying_how_many_it_stands_for(
+    backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    mw = gateway(backend, [rule("api", 1, 3600.0)], log_denials=0.2)
+    env = {"path": "/", "client": "c"}
+    factory = _counting_factory([])
+    with caplog.at_level(logging.WARNING, logger="nanolimit.denials"):
+        for _ in range(21):
+            mw.decide(env, "GET", "/", "c", None, factory)
+        time.sleep(0.25)
+        mw.decide(env, "GET", "/", "c", None, factory)
+    records = [r.getMessage() for r in caplog.records]
+    assert len(records) == 2
+    assert "more since" not in records[0] and "(+19 more since the last record)" in records[1]
+
+
+def test_an_on_breach_hook_set_later_hears_every_denial_after(backend) -> None:
+    mw = gateway(backend, [rule("api", 1, 3600.0)], log_denials=None)
+    factory = _counting_factory([])
+    env = {"path": "/", "client": "c"}
+    assert [mw.decide(env, "GET", "/", "c", None, factory).allowed for _ in range(2)] == [True, False]
+    seen: list[str] = []
+    mw.on_breach = lambda request, outcome: seen.append(request.path)
+    assert not mw.decide(env, "GET", "/", "c", None, factory).allowed
+    assert mw.check(Request("GET", "/", client="c")).allowed is False  # type: ignore[union-attr]
+    assert seen == ["/", "/"]
+    with pytest.raises(ValidationError):
+        mw.on_breach = "not callable"  # type: ignore[assignment]

@@ -458,6 +458,30 @@ def test_starlette_routes_mounts_and_router_level_limits() -> None:
     }
 
 
+def test_behind_a_root_path_rules_match_the_public_path_and_routes_keep_their_budget() -> None:
+    """An app served under a ``root_path``: a prefix rule is written
+    against the public URL, a route's declaration is its own budget."""
+    limits = RouteLimits(algorithm="fixed_window")
+
+    @limits.limit("2/minute")
+    async def item(request: Any) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    async def other(request: Any) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    routes = [Route("/items/{id:int}", item), Route("/other", other)]
+    app = Starlette(routes=routes, middleware=[Middleware(ASGIMiddleware, limits=limits)])
+    with TestClient(app, root_path="/api") as client:
+        assert [client.get(f"/items/{i}").status_code for i in (1, 2, 3)] == [200, 200, 429]
+        assert [client.get("/other").status_code for _ in range(3)] == [200, 200, 200]
+    registry = RuleRegistry([rule("api", 2, path_prefix="/api/items")])
+    app = Starlette(routes=routes, middleware=[Middleware(ASGIMiddleware, registry=registry)])
+    with TestClient(app, root_path="/api") as client:
+        assert [client.get(f"/items/{i}").status_code for i in (1, 2, 3)] == [200, 200, 429]
+        assert client.get("/other").status_code == 200
+
+
 def test_a_custom_denial_response_and_the_apps_own_json() -> None:
     limits = RouteLimits(algorithm="fixed_window")
 

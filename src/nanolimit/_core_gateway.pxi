@@ -4,6 +4,11 @@
 # The gateway's hot-path counters: lock-free atomic counts, and one
 # rule's admitted requests counted and given their headers in one C call.
 
+from cpython.dict cimport PyDict_Copy
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+
+import json as json_module
+
 cdef str H_LIMIT = "X-RateLimit-Limit"
 cdef str H_REMAINING = "X-RateLimit-Remaining"
 cdef str H_RESET = "X-RateLimit-Reset"
@@ -125,16 +130,40 @@ cdef inline list five_pairs(tuple limit_pair, tuple policy_pair, bytes prefix, i
                                                   left, reset, True))]
 
 
-cdef inline dict five_dict(str limit_str, str policy, bytes prefix, int64_t left, double reset, double wall_now):
-    """The five headers as the str dict every other front end writes."""
+cdef inline list lane_pairs(tuple limit_pair, tuple policy_pair, bytes prefix, int64_t left, double reset,
+                            double wall_now, int64_t retry, bint as_bytes):
+    """The headers as a list of ``(name, value)`` pairs: ASGI's lower-case
+    bytes, or WSGI's str; ``Retry-After`` too when ``retry`` >= 1."""
     cdef char buf[24]
-    return {
-        H_LIMIT: limit_str,
-        H_REMAINING: ascii_text(buf, put_i64(buf, left), False),
-        H_RESET: ascii_text(buf, put_i64(buf, <int64_t>ceil(wall_now + reset)), False),
-        H_POLICY: policy,
-        H_RATELIMIT: rate_value(PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix), left, reset, False),
-    }
+    cdef list pairs = [
+        limit_pair,
+        (B_REMAINING if as_bytes else H_REMAINING, ascii_text(buf, put_i64(buf, left), as_bytes)),
+        (B_RESET if as_bytes else H_RESET, ascii_text(buf, put_i64(buf, <int64_t>ceil(wall_now + reset)), as_bytes)),
+        policy_pair,
+        (B_RATELIMIT if as_bytes else H_RATELIMIT,
+         rate_value(PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix), left, reset, as_bytes)),
+    ]
+    if retry >= 1:
+        pairs.append((B_RETRY if as_bytes else H_RETRY, ascii_text(buf, put_i64(buf, retry), as_bytes)))
+    return pairs
+
+
+cdef inline dict lane_dict(dict template, bytes prefix, int64_t left, double reset, double wall_now,
+                           int64_t retry):
+    """The headers as the str dict every other front end writes: a copy of
+    the lane's template (its constant values set, in wire order; a clean
+    dict copies in one block, with no inserts or resize) with the
+    remaining count, the reset time, ``RateLimit`` and (``retry`` >= 1)
+    ``Retry-After`` filled in."""
+    cdef char buf[24]
+    cdef dict headers = PyDict_Copy(template)
+    PyDict_SetItem(headers, H_REMAINING, ascii_text(buf, put_i64(buf, left), False))
+    PyDict_SetItem(headers, H_RESET, ascii_text(buf, put_i64(buf, <int64_t>ceil(wall_now + reset)), False))
+    PyDict_SetItem(headers, H_RATELIMIT,
+                   rate_value(PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix), left, reset, False))
+    if retry >= 1:
+        PyDict_SetItem(headers, H_RETRY, ascii_text(buf, put_i64(buf, retry), False))
+    return headers
 
 
 @cython.final
@@ -301,18 +330,29 @@ cdef class RuleLane:
     cdef PyTypeObject* outcome_type
     cdef object outcome_ref             # holds the type alive
     cdef str rule
-    cdef str limit_str
-    cdef str policy
-    cdef tuple limit_pair
+    cdef tuple limit_pair               # ASGI's constant pairs
     cdef tuple policy_pair
+    cdef tuple limit_item               # WSGI's
+    cdef tuple policy_item
+    cdef dict admitted_headers          # the dict headers' templates: constants set, in wire order
+    cdef dict denied_headers
     cdef bytes prefix                   # '"name";r=' (ASCII, at most 256 bytes)
     cdef bytes body_head                # the 429 body up to its retry seconds
     cdef double near
     cdef object wall
     cdef readonly object count_when     # None, a frozenset of statuses, or a callable
+    # denials the pipeline hears of: breach(outcome, native, factory, log_due, more) for
+    # each (breach_always: an on_breach hook) or for those a log record is due for, at
+    # most one per log_interval seconds (< 0: no log); the others are counted for it
+    cdef object breach
+    cdef bint breach_always
+    cdef double log_interval
+    cdef double quiet_until             # a monotonic time
+    cdef uint64_t quieted
 
     def __cinit__(self, limiter, AdmittedRequests counts not None, outcome_type, str limit_str not None,
-                  str policy not None, str r_prefix not None, double near, wall=None, count_when=None):
+                  str policy not None, str r_prefix not None, double near, wall=None, count_when=None,
+                  breach=None, bint breach_always=False, double log_interval=-1.0):
         if not isinstance(limiter, _Limiter):
             raise TypeError(f"a RuleLane decides on a native limiter, got {type(limiter).__name__}")
         if not (isinstance(outcome_type, type) and issubclass(outcome_type, tuple)
@@ -320,6 +360,8 @@ cdef class RuleLane:
             raise TypeError("outcome_type must be the pipeline's 7-field Outcome")
         if wall is not None and not callable(wall):
             raise TypeError(f"wall must be callable or None, got {wall!r}")
+        if breach is not None and not callable(breach):
+            raise TypeError(f"breach must be callable or None, got {breach!r}")
         if count_when is not None and type(count_when) is not frozenset and not callable(count_when):
             raise TypeError(f"count_when must be a frozenset of statuses, a callable or None, got {count_when!r}")
         prefix = r_prefix.encode("ascii")
@@ -330,15 +372,20 @@ cdef class RuleLane:
         self.outcome_ref = outcome_type
         self.outcome_type = <PyTypeObject*>outcome_type
         self.rule = counts.rule
-        self.limit_str = limit_str
-        self.policy = policy
         self.limit_pair = (b"x-ratelimit-limit", limit_str.encode("ascii"))
         self.policy_pair = (b"ratelimit-policy", policy.encode("ascii"))
+        self.limit_item = (H_LIMIT, limit_str)
+        self.policy_item = (H_POLICY, policy)
+        self.admitted_headers = {H_LIMIT: limit_str, H_REMAINING: "", H_RESET: "", H_POLICY: policy, H_RATELIMIT: ""}
+        self.denied_headers = {**self.admitted_headers, H_RETRY: ""}
         self.prefix = prefix
         self.body_head = deny_body_head(counts.rule)
         self.near = near
         self.wall = wall
         self.count_when = count_when
+        self.breach = breach
+        self.breach_always = breach_always and breach is not None
+        self.log_interval = log_interval if log_interval == log_interval else -1.0
 
     cdef Decision decide(self, object key, double* wall_now):
         """The limiter's ``allow(key)``; ``wall_now``: the wall clock the
@@ -366,11 +413,14 @@ cdef class RuleLane:
         wall_now[0] = nl_wall_now() if self.wall is None else clock_value(self.wall())
         return d
 
-    def admit(self, key, bint asgi):
-        """Decide ``key`` at cost 1 and answer the pipeline's Outcome: its
-        headers as a str dict, or (``asgi``) as ASGI's lower-case bytes
-        pairs; admitted, counted (with a :class:`Charge` under
-        ``count_when``); denied, counted as a denial, with ``Retry-After``."""
+    def admit(self, key, int form, native=None, factory=None):
+        """Decide ``key`` at cost 1 and answer the pipeline's Outcome, its
+        headers in ``form``: 0 a str dict, 1 ASGI's lower-case bytes pairs,
+        2 WSGI's str pairs (a list, fresh for the caller to extend).
+        Admitted: counted (with a :class:`Charge` under ``count_when``).
+        Denied: counted as a denial, with ``Retry-After``, and told to
+        ``breach`` with ``native`` and ``factory`` (what builds its Request)
+        when a hook or a log record is due (its headers a dict for a hook)."""
         cdef double wall_now
         cdef Decision d = self.decide(key, &wall_now)
         cdef int64_t left = d.remaining
@@ -378,24 +428,53 @@ cdef class RuleLane:
         cdef int64_t retry
         if d.allowed:
             check_header_times(wall_now, reset)
-            if asgi:
-                headers = five_pairs(self.limit_pair, self.policy_pair, self.prefix, left, reset, wall_now)
+            if form == 1:
+                headers = lane_pairs(self.limit_pair, self.policy_pair, self.prefix, left, reset, wall_now, 0, True)
+            elif form == 2:
+                headers = lane_pairs(self.limit_item, self.policy_item, self.prefix, left, reset, wall_now, 0, False)
             else:
-                headers = five_dict(self.limit_str, self.policy, self.prefix, left, reset, wall_now)
+                headers = lane_dict(self.admitted_headers, self.prefix, left, reset, wall_now, 0)
             nl_add_u64_relaxed(&self.counts.allowed_count, 1)
             if left < self.near:
                 nl_add_u64_relaxed(&self.counts.near_count, 1)
-            charge = None if self.count_when is None else Charge.__new__(Charge, self, key, d.at)
+            charge = None if self.count_when is None else new_charge(self, key, d.at)
             return new_outcome(self.outcome_type, True, headers, self.rule, INT_ZERO, d, charge)
         retry = retry_value(wall_now, reset, d.retry_after)
-        if asgi:
-            headers = five_pairs(self.limit_pair, self.policy_pair, self.prefix, left, reset, wall_now)
-            headers.append((B_RETRY, int_bytes(retry)))
+        if self.breach_always:
+            form = 0
+        if form == 1:
+            headers = lane_pairs(self.limit_pair, self.policy_pair, self.prefix, left, reset, wall_now, retry, True)
+        elif form == 2:
+            headers = lane_pairs(self.limit_item, self.policy_item, self.prefix, left, reset, wall_now, retry, False)
         else:
-            headers = five_dict(self.limit_str, self.policy, self.prefix, left, reset, wall_now)
-            PyDict_SetItem(headers, H_RETRY, f"{retry}")
+            headers = lane_dict(self.denied_headers, self.prefix, left, reset, wall_now, retry)
         nl_add_u64_relaxed(&self.counts.denied_count, 1)
-        return new_outcome(self.outcome_type, False, headers, self.rule, retry, d, None)
+        outcome = new_outcome(self.outcome_type, False, headers, self.rule, retry, d, None)
+        if self.breach is not None:
+            self.breached(outcome, native, factory)
+        return outcome
+
+    cdef int breached(self, outcome, native, factory) except -1:
+        """A denial: a log record is due if none was in the last
+        ``log_interval`` seconds (a flood's others only counted, for the next
+        record to say), and the pipeline hears of it if one is, or always
+        with an on_breach hook."""
+        cdef bint due = False
+        cdef double now
+        cdef uint64_t more = 0
+        if self.log_interval >= 0.0:
+            now = nlz_monotonic()
+            # a deadline further off than the interval: the clock stepped back
+            if now >= self.quiet_until or self.quiet_until - now > self.log_interval:
+                due = True
+                self.quiet_until = now + self.log_interval
+                more = self.quieted
+                self.quieted = 0
+            else:
+                nl_add_u64_relaxed(&self.quieted, 1)
+        if due or self.breach_always:
+            self.breach(outcome, native, factory, due, more)
+        return 0
 
     def body(self, int64_t retry):
         """The 429 body for ``retry`` seconds, as ``deny_body`` writes it."""
@@ -430,6 +509,49 @@ cdef class RuleLane:
         return f"<RuleLane {self.rule!r}>"
 
 
+cdef bytes BODY_HEAD = b'{"error": "rate_limit_exceeded", "rule": "'
+cdef bytes BODY_MID = b'", "retry_after": '
+
+
+cdef inline bint safe_name(const char* data, Py_ssize_t n) noexcept:
+    """``[A-Za-z0-9_.:@/+-]*``: a name JSON writes as it is."""
+    cdef Py_ssize_t i
+    cdef char c
+    for i in range(n):
+        c = data[i]
+        if not ((c >= 97 and c <= 122) or (c >= 65 and c <= 90) or (c >= 48 and c <= 58)
+                or c == 95 or c == 46 or c == 64 or c == 47 or c == 43 or c == 45):
+            return False
+    return True
+
+
+def deny_body(rule, retry_after):
+    """``nanolimit.gateway.headers.deny_body`` in C: the same bytes, with no
+    cache to look up (a 429's body is formatted in ~300 instructions)."""
+    cdef char buf[400]
+    cdef Py_ssize_t n, rlen
+    cdef const char* data
+    cdef int overflow = 0
+    cdef long long retry = 0
+    if (type(rule) is str and PyUnicode_IS_COMPACT_ASCII(rule) and type(retry_after) is int
+            and PyUnicode_GET_LENGTH(rule) <= 200):
+        data = <const char*>PyUnicode_DATA(rule)
+        rlen = PyUnicode_GET_LENGTH(rule)
+        retry = PyLong_AsLongLongAndOverflow(retry_after, &overflow)
+        if safe_name(data, rlen) and not overflow:
+            n = PyBytes_GET_SIZE(BODY_HEAD)
+            memcpy(buf, PyBytes_AS_STRING(BODY_HEAD), n)
+            memcpy(buf + n, data, rlen)
+            n += rlen
+            memcpy(buf + n, PyBytes_AS_STRING(BODY_MID), PyBytes_GET_SIZE(BODY_MID))
+            n += PyBytes_GET_SIZE(BODY_MID)
+            n += put_i64(buf + n, <int64_t>retry)
+            buf[n] = 125  # '}'
+            return PyBytes_FromStringAndSize(buf, n + 1)
+    # a name JSON must escape, or numbers no C integer holds: as json writes them
+    return json_module.dumps({"error": "rate_limit_exceeded", "rule": rule, "retry_after": retry_after}).encode()
+
+
 cdef bytes deny_body_head(str rule):
     """``{"error": "rate_limit_exceeded", "rule": "<rule>", "retry_after": ``:
     rule names need no JSON escaping (``RateLimitRule`` checks them), so
@@ -437,28 +559,36 @@ cdef bytes deny_body_head(str rule):
     return b'{"error": "rate_limit_exceeded", "rule": "' + rule.encode("ascii") + b'", "retry_after": '
 
 
+cdef inline Charge new_charge(RuleLane lane, object key, double at):
+    cdef Charge charge = Charge.__new__(Charge)
+    charge.lane = lane
+    charge.key = key
+    charge.at = at
+    charge.open = True
+    return charge
+
+
 @cython.final
+@cython.freelist(64)
 @cython.auto_pickle(False)
 cdef class Charge:
     """What an admitted request under a ``count_when`` rule spent: given
     back by :meth:`settle` when its response status does not count, at most
-    once, in one call (the refund runs in C on an in-memory store)."""
+    once, in one call (the refund runs in C on an in-memory store). Only a
+    RuleLane makes one that can refund: one made by hand is settled."""
 
     cdef RuleLane lane
     cdef object key
     cdef double at
     cdef bint open
 
-    def __cinit__(self, RuleLane lane not None, key, double at):
-        self.lane = lane
-        self.key = key
-        self.at = at
-        self.open = True
-
     def settle(self, status):
         """The response was ``status``: refund the request unless its rule
         counts it. Returns the units given back (0 or 1); a second call
         gives back nothing."""
+        return self.settle_c(status)
+
+    cdef int settle_c(self, status) except -1:
         if not self.open:
             return 0
         self.open = False
@@ -472,13 +602,31 @@ cdef class Charge:
         return self.settle(status)
 
     def __repr__(self):
-        return f"<Charge {self.lane.rule!r} {'open' if self.open else 'settled'}>"
+        return f"<Charge {'open' if self.open else 'settled'}>"
 
 
 def rule_lane(limiter, AdmittedRequests counts not None, outcome_type, str limit_str not None, str policy not None,
-              str r_prefix not None, double near, wall=None, count_when=None):
+              str r_prefix not None, double near, wall=None, count_when=None, breach=None,
+              bint breach_always=False, double log_interval=-1.0):
     """A :class:`RuleLane` for ``limiter``, or None when it is not a native
     limiter (a reference-twin one decides through the pipeline's Python path)."""
     if not isinstance(limiter, _Limiter):
         return None
-    return RuleLane(limiter, counts, outcome_type, limit_str, policy, r_prefix, near, wall, count_when)
+    return RuleLane(limiter, counts, outcome_type, limit_str, policy, r_prefix, near, wall, count_when, breach,
+                    breach_always, log_interval)
+
+
+def settle_outcome(outcome, status):
+    """``RateLimitMiddleware.settle`` in C: the outcome's charge (its last
+    field) settled by ``status``; 0 for None or an outcome without one."""
+    if outcome is None:
+        return 0
+    if not isinstance(outcome, tuple) or PyTuple_GET_SIZE(outcome) != 7:
+        charge = outcome.charge
+    else:
+        charge = <object>PyTuple_GET_ITEM(outcome, 6)
+    if charge is None:
+        return 0
+    if type(charge) is Charge:
+        return (<Charge>charge).settle_c(status)
+    return charge.settle(status)

@@ -36,7 +36,7 @@ from .factory import LimiterFactory
 from .headers import RATE_HEADERS
 from .keys import KeyExtractor
 from .metrics import Metrics
-from .middleware import AWAIT, INLINE, Outcome, decide_mode
+from .middleware import ASGI_PAIRS, AWAIT, DICT, INLINE, CostTooHigh, Outcome, decide_mode, render_body
 from .middleware import RateLimitMiddleware as Core
 from .registry import RuleRegistry
 from .request import Request
@@ -153,6 +153,21 @@ def _pairs(headers: Any) -> list[tuple[bytes, bytes]]:
     return headers if type(headers) is list else _encode(headers)
 
 
+def _settling(send: Send, charge: Any, pairs: list[tuple[bytes, bytes]]) -> Send:
+    """``send`` settling ``charge`` by the status the app sends and adding
+    ``pairs`` to its headers (made apart: a closure in ``__call__`` would
+    make its names cells on every request)."""
+
+    async def send_settled(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            charge.settle(int(message.get("status", 200)))
+            if pairs:
+                message["headers"] = [*message.get("headers", ()), *pairs]
+        await send(message)
+
+    return send_settled
+
+
 _JSON = (b"content-type", b"application/json")
 
 
@@ -162,11 +177,12 @@ _LENGTHS: dict[int, tuple[bytes, bytes]] = {}
 
 async def _send_429(send: Send, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
     """A 429 with its JSON ``body``, after ``headers`` (the rate-limit ones)."""
-    length = _LENGTHS.get(len(body))
+    size = len(body)
+    length = _LENGTHS.get(size)
     if length is None:
-        length = (b"content-length", b"%d" % len(body))
+        length = (b"content-length", b"%d" % size)
         if len(_LENGTHS) < 1024:
-            _LENGTHS[len(body)] = length
+            _LENGTHS[size] = length
     headers += (_JSON, length)
     await send({"type": "http.response.start", "status": 429, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -228,9 +244,12 @@ class RateLimitMiddleware:
         self.sleep = sleep
         self.limits = limits
         self.deny = deny
+        self._form = ASGI_PAIRS if deny is None else DICT  # a deny hook reads a dict
         self._unbound = limits is not None  # bound from scope["app"] at startup or first request
         self._http_context: str | None = None
         self.decide = decide_mode(core.factory.storage, decide)
+        # in process, through the pipeline's own settle(): a charge is settled in place
+        self._settle_inline = self.decide is INLINE and type(core).settle is Core.settle
         # the pipeline's decide() on the scope's fields: in process, the
         # stock request view, the pipeline's own check() and decide()
         self._lane = (
@@ -254,9 +273,9 @@ class RateLimitMiddleware:
         limits.bind(routes_of(app))
         self.core.route_resolver = resolver_for(app)
         context = self.core.route_context = context_for(app)
-        # what that context is for a plain HTTP scope (no root_path, not
-        # routed by Litestar) of an app that routes by no Host: the scope's
-        # type, "http", so the inline lane keys by it without a call
+        # what that context is for an HTTP scope not routed by Litestar, of
+        # an app that routes by no Host: the scope's type, "http" (and its
+        # root_path), so decide() keys by it without a call
         self._http_context = "http" if context is not None and not routes_by_host(app) else None
         self._unbound = False
 
@@ -290,25 +309,28 @@ class RateLimitMiddleware:
         core = self.core
         request: Request | None = None
         outcome: Outcome | None
-        if (
-            self._lane
-            and kind == "http"
-            and not scope.get("root_path")
-            and scope.get("path_template") is None
-        ):
+        if self._lane and kind == "http" and "path_template" not in scope:
             # The pipeline's decide(): a plain rule on a cached route is
             # decided from the scope's method, path and peer in one native
             # call, its headers written as ASGI's bytes pairs (a dict where
             # a hook reads them), and no Request is built.
+            path = scope.get("path", "/") or "/"
+            context = self._http_context
+            root = scope.get("root_path")
+            if root:  # as request_from_scope and the route context write it
+                if not path.startswith(root):
+                    path = root + path if path[:1] == "/" else f"{root}/{path}"
+                if context is not None:
+                    context = f"{context}\x00{root}"
             client = scope.get("client")
             outcome = core.decide(
                 scope,
                 scope.get("method", "GET"),
-                scope.get("path", "/") or "/",
+                path,
                 client[0] if client else None,
-                self._http_context,
+                context,
                 request_from_scope,
-                self.deny is None and core.on_breach is None,
+                self._form,
             )
         else:
             request = self.request_factory(scope)
@@ -325,7 +347,7 @@ class RateLimitMiddleware:
             await self.app(scope, receive, send)
             return
         headers: Any  # the lane's ASGI pairs, or check()'s dict
-        allowed, headers, delay, _, _, _, charge = outcome  # one unpacking, not four lookups
+        allowed, headers, delay, rule, retry_after, decision, charge = outcome  # one unpacking
         if not allowed:
             if self.deny is not None:
                 custom = self.deny(request if request is not None else self.request_factory(scope), outcome)
@@ -333,14 +355,25 @@ class RateLimitMiddleware:
                     await custom(scope, receive, send)
                     return
             if kind == "http":
-                await _send_429(send, headers if type(headers) is list else _encode(headers), outcome.body())
+                # outcome.body(), without its call and lookups
+                body = outcome.body() if type(decision) is CostTooHigh else render_body(rule, retry_after)
+                await _send_429(send, headers if type(headers) is list else _encode(headers), body)
             else:
                 await self._deny_websocket(scope, receive, send, outcome)
             return
         if delay > 0.0:
             await self.sleep(delay)
         if charge is not None:
-            await self._counted(scope, receive, send, outcome)
+            if kind != "http" or not self._settle_inline:
+                await self._counted(scope, receive, send, outcome)
+                return
+            # in process: the charge settled in place, once, by the status
+            # the app sends (a charge settled again gives nothing back)
+            pairs = headers if type(headers) is list else _encode(headers)
+            try:
+                await self.app(scope, receive, _settling(send, charge, pairs))
+            finally:
+                charge.settle(500)  # no status sent (it raised, or sent nothing): the client saw an error
             return
         if not headers or kind != "http":
             await self.app(scope, receive, send)

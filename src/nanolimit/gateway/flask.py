@@ -614,7 +614,9 @@ class Limiter:
         if handler is _UNHANDLED:
             # no handler of the app's own: the 429 as RateLimitExceeded
             # answers it, without raising through Flask's error handling
-            return app.response_class(outcome.body(), 429, outcome.headers, mimetype="application/json")
+            response = app.response_class(outcome.body(), 429, mimetype="application/json")
+            _add_missing(response.headers, outcome.headers)
+            return response
         setattr(g._get_current_object(), _OUTCOME, outcome)
         exc = RateLimitExceeded(outcome)
         if handler is None:

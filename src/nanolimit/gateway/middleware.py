@@ -5,15 +5,18 @@ rule(s), builds the key, decides, counts, and answers 429 (docs/spec.md §2
 body and headers) or the handler's response with the headers added. No rule:
 the request passes unlimited, by choice.
 
-:meth:`RateLimitMiddleware.check` is the pipeline's one public decision:
-the ASGI and WSGI adapters (:mod:`nanolimit.asgi`, :mod:`nanolimit.wsgi`)
-call it and do their own I/O, so every front end shares one decision path.
-A request takes one ruleset snapshot, one route-cache look-up (the only
-cache of its route: misses walk the ruleset uncached), one entry into the
-core (``limiter.allow``, or ``storage.allow_all`` for stacked rules) and at
-most one read of the wall clock. The core's Decision becomes an
-:class:`Outcome`, with the headers rendered into it once, which the front
-end writes out: two reshapes from the core's answer to the wire.
+:meth:`RateLimitMiddleware.check` decides a :class:`Request`;
+:meth:`RateLimitMiddleware.decide` is what every adapter (ASGI, WSGI,
+Flask, Django, aiohttp) calls: the same decision from the request's method,
+path, peer and route, its Request built only when a rule or a hook needs
+one. Both do their own I/O nowhere, so every front end shares one decision
+path. A request takes one ruleset snapshot, one route-cache look-up (the
+only cache of its route: misses walk the ruleset uncached) and one entry
+into the core: for a plain rule its native lane (``RuleLane``: decide,
+count and write the headers in one C call, one clock read), else
+``limiter.allow`` (or ``storage.allow_all`` for stacked rules) and the
+headers rendered in Python. The :class:`Outcome` carries the headers in
+the form the front end writes (a dict, ASGI's or WSGI's pairs).
 ``__call__`` inlines the common case (one enforced rule, admitted) and
 writes the headers straight into the handler's response.
 """
@@ -24,22 +27,25 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._limiter_config import Algorithm
 from .._select import native_core
 from ..errors import ValidationError
+from .charges import Charges, Counted
 from .factory import LimiterFactory
 from .headers import RATE_HEADERS, deny_body, rate_headers, retry_seconds, rule_pieces
 from .keyfuncs import call_key
 from .keys import DefaultKeyExtractor, KeyExtractor
 from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics
-from .outcome import CostTooHigh, Outcome, Response, _Charge, _Counted, _DenialLog, _outcome
+from .outcome import CostTooHigh, Outcome, Response, _DenialLog, _outcome, render_body
 from .registry import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RuleRegistry, RuleSet, key_bytes
 from .request import Request
 from .rules import KeyScope, RateLimitRule
 
-__all__ = ["CostTooHigh", "Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body"]
+__all__ = ["CostTooHigh", "Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body", "render_body"]
+
+_SETTLE = getattr(native_core(), "settle_outcome", None)
 
 
 class _Binding:
@@ -59,7 +65,6 @@ class _Binding:
         "fixed_key",
         "key_fn",
         "lane",
-        "limit_pair",
         "limit_str",
         "limiter",
         "name",
@@ -123,7 +128,7 @@ class _NoRoute:
     lane = None
 
 
-MISSING = _MISSING = _NoRoute()  # not in the route cache (MISSING: for the adapters' inline lanes)
+_MISSING = _NoRoute()  # not in the route cache
 _UNLIMITED = _NoRoute()  # cached: no rule applies
 _Route = _Binding | _Stack | _NoRoute
 
@@ -133,6 +138,10 @@ _HOOK_NAMES = ("on_breach", "route_resolver", "route_context")
 # CPython, and anything else (True included, refused there) takes check().
 _ONE = 1
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")  # an RFC 9110 header name
+
+
+# The forms of an Outcome's headers decide() writes (RuleLane.admit's).
+DICT, ASGI_PAIRS, WSGI_PAIRS = 0, 1, 2
 
 
 # How a front end on an event loop decides on a store (ASGI, aiohttp).
@@ -245,7 +254,7 @@ class RateLimitMiddleware:
         self.sleep = sleep
         self.headers = headers
         self.header_names = renames
-        self.on_breach = on_breach
+        self._on_breach = on_breach
         self.route_resolver = route_resolver
         self.route_context = route_context
         self._log = None if log_denials is None else _DenialLog(float(log_denials))
@@ -296,6 +305,19 @@ class RateLimitMiddleware:
         self._peer_keys: Any = self.extractor.peer_keys() if stock else None  # type: ignore[attr-defined]
         self._global_key = "global:*" if stock else None
 
+    @property
+    def on_breach(self) -> Callable[[Request, Outcome], Any] | None:
+        """Called with ``(request, outcome)`` on every denial."""
+        return self._on_breach
+
+    @on_breach.setter
+    def on_breach(self, hook: Callable[[Request, Outcome], Any] | None) -> None:
+        if hook is not None and not callable(hook):
+            raise ValidationError(f"on_breach must be callable, got {hook!r}")
+        self._on_breach = hook
+        self._state = (None, {}, {})  # rebound: each binding's lane holds the hook
+        self._routes = (None, {})
+
     # -- routes -----------------------------------------------------------------
     def _binding(self, rule: RateLimitRule, ruleset: RuleSet) -> _Binding:
         state = self._state
@@ -308,6 +330,7 @@ class RateLimitMiddleware:
             if not self._plain:
                 binding.simple = binding.counted_lane = False  # headers off or renamed: check() shapes them
             elif self._lanes is not None and (binding.simple or binding.counted_lane):
+                log, hook = self._log, self._on_breach
                 binding.lane = self._lanes(
                     binding.limiter,
                     binding.admitted,
@@ -318,6 +341,9 @@ class RateLimitMiddleware:
                     binding.near,
                     self._wall,
                     rule.count_when,
+                    self._lane_breach if log is not None or hook is not None else None,
+                    hook is not None,
+                    log.interval if log is not None else -1.0,
                 )
                 binding.peer = binding.scope is KeyScope.IP and self._peer_keys is not None
                 binding.fixed_key = self._global_key if binding.scope is KeyScope.GLOBAL else None
@@ -463,10 +489,7 @@ class RateLimitMiddleware:
         lane = b.lane
         if lane is not None and request.cost is _ONE:
             # decided, counted and its headers written in one native call
-            outcome: Outcome = lane.admit(self._key(request, b.scope), False)
-            if not outcome.allowed and (self._log is not None or self.on_breach is not None):
-                self._breached(request, outcome)
-            return outcome
+            return lane.admit(self._key(request, b.scope), DICT, request, None)  # type: ignore[no-any-return]
         if b.simple and request.cost is _ONE:
             d = b.allow(self._key(request, b.scope))
             if d.allowed:
@@ -483,7 +506,7 @@ class RateLimitMiddleware:
             if d.allowed:
                 headers = {}
                 b.admitted.record(d, headers, b.limit_str, b.policy, b.r_prefix, b.near, self.wall_clock())
-                return _outcome(Outcome, (True, headers, 0.0, b.name, 0, d, _Counted((b, key, 1, d))))
+                return _outcome(Outcome, (True, headers, 0.0, b.name, 0, d, Counted((b, key, 1, d))))
             return self._denied(request, b, d)
         if type(b) is _Stack:
             return self._check_stacked(request, b.bindings)
@@ -497,7 +520,7 @@ class RateLimitMiddleware:
         client: str | None,
         route: Any,
         request_factory: Callable[[Any], Request],
-        asgi: bool = False,
+        form: int = 0,
     ) -> Outcome | None:
         """:meth:`check` for a front end that has not built its
         :class:`Request`: what every adapter calls.
@@ -511,8 +534,10 @@ class RateLimitMiddleware:
         a hook needs more than these (a user or API-key scope, trusted
         proxies, tiers, a route-cache miss, a denial to log): a plain rule
         on a cached route is decided from these alone, in one native call.
-        ``asgi``: the headers as ASGI's lower-case bytes pairs, not a dict
-        (where the native lane answers; a dict otherwise)."""
+        ``form``: the headers as a dict (``DICT``), or, where the native
+        lane answers and no ``on_breach`` reads them, as a fresh list of
+        ASGI's lower-case bytes pairs (``ASGI_PAIRS``) or of WSGI's str
+        pairs (``WSGI_PAIRS``), for the front end to write out as it is."""
         ruleset = self.registry.ruleset
         routes = self._routes
         if routes[0] is ruleset and not ruleset.has_tiers:
@@ -524,39 +549,31 @@ class RateLimitMiddleware:
                 b = _MISSING
             lane = b.lane
             if lane is not None:
-                request = None
                 key = self._peer_keys.get(client) if b.peer else b.fixed_key
-                if key is None:
-                    request = request_factory(native)
-                    key = self._key(request, b.scope)
-                outcome: Outcome = lane.admit(key, asgi)
-                if not outcome.allowed and (self._log is not None or self.on_breach is not None):
-                    self._lane_breached(request, native, request_factory, outcome)
-                return outcome
+                if key is not None:
+                    return lane.admit(key, form, native, request_factory)  # type: ignore[no-any-return]
+                request = request_factory(native)
+                return lane.admit(self._key(request, b.scope), form, request, None)  # type: ignore[no-any-return]
             if b is _UNLIMITED:
                 return None
         return self.check(request_factory(native))
 
-    def _lane_breached(
+    def _lane_breach(
         self,
-        request: Request | None,
-        native: Any,
-        request_factory: Callable[[Any], Request],
         outcome: Outcome,
+        native: Any,
+        factory: Callable[[Any], Request] | None,
+        log_due: bool,
+        more: int,
     ) -> None:
-        """A lane's denial: logged (its Request built only for a record the
-        interval lets through) and handed to ``on_breach``."""
-        log = self._log
-        if log is not None and log.skip(outcome.rule):
-            log = None
-        if log is None and self.on_breach is None:
-            return
-        if request is None:
-            request = request_factory(native)
-        if log is not None:
-            log.write(request, outcome.rule, outcome.retry_after)
-        if self.on_breach is not None:
-            self.on_breach(request, outcome)
+        """A lane's denial to log (``log_due``, with ``more`` since the last
+        record) or to hand to ``on_breach``: its Request built now, from
+        ``native`` (a Request already when ``factory`` is None)."""
+        request = native if factory is None else factory(native)
+        if log_due and self._log is not None:
+            self._log.write(request, outcome.rule, outcome.retry_after, more)
+        if self._on_breach is not None:
+            self._on_breach(request, outcome)
 
     def _check_one(self, request: Request, b: _Binding) -> Outcome:
         """One rule that costs more than 1, shadows (dry run), shapes (a
@@ -599,7 +616,7 @@ class RateLimitMiddleware:
         """The outcome of one rule's decision ``d``: counted, its headers
         written, its charge kept for :meth:`settle`."""
         if d.allowed:
-            charge = _Counted((b, key, cost, d)) if b.counted else None
+            charge = Counted((b, key, cost, d)) if b.counted else None
             if b.dry_run:
                 b.admitted.count(d, b.near)
                 return _outcome(Outcome, (True, {}, 0.0, b.name, 0, d, charge))
@@ -642,15 +659,15 @@ class RateLimitMiddleware:
         """Count and answer a denial by one enforced rule."""
         self._count_denied(b)
         outcome = self._refusal(b, d, d.retry_after, d)
-        if self._log is not None or self.on_breach is not None:
+        if self._log is not None or self._on_breach is not None:
             self._breached(request, outcome)
         return outcome
 
     def _breached(self, request: Request, outcome: Outcome) -> None:
         if self._log is not None:
             self._log(request, outcome)
-        if self.on_breach is not None:
-            self.on_breach(request, outcome)
+        if self._on_breach is not None:
+            self._on_breach(request, outcome)
 
     def _refusal(self, b: _Binding, d: Any, retry_after: float, answer: Any) -> Outcome:
         """A 429 by ``b`` (whose decision is ``d``): its headers, and the one
@@ -698,7 +715,7 @@ class RateLimitMiddleware:
             else:
                 counts[SHADOW_DENIED] += 1
         if not enforced:
-            charge = _Charge(charged) if charged else None
+            charge = Charges(charged) if charged else None
             return _outcome(Outcome, (True, {}, 0.0, bindings[0].name, 0, None, charge))
         if len(enforced) == 1:
             b, key, cost = enforced[0]
@@ -752,10 +769,10 @@ class RateLimitMiddleware:
             )
             if self.header_names:
                 headers = self._renamed(headers)
-            charge = _Charge(charged) if charged else None
+            charge = Charges(charged) if charged else None
             return _outcome(Outcome, (True, headers, delay, binding.name, 0, summary, charge))
         if charged:
-            _Charge(charged).settle(-1)  # the shadow rules' charges: the request never ran
+            Charges(charged).settle(-1)  # the shadow rules' charges: the request never ran
         outcome = self._refusal(binding, decision, summary.retry_after, summary)
         self._breached(request, outcome)
         return outcome
@@ -769,6 +786,9 @@ class RateLimitMiddleware:
         if charge is None:
             return 0
         return charge.settle(status)  # type: ignore[no-any-return]
+
+    if not TYPE_CHECKING and _SETTLE is not None:
+        settle = staticmethod(_SETTLE)  # the same in C: a refund costs one call from the front end
 
     # -- the pipeline stage -------------------------------------------------------
     def __call__(self, request: Request, next_handler: Callable[[Request], Response]) -> Response:

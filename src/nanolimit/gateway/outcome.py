@@ -1,6 +1,7 @@
 """What the pipeline answers: the :class:`Outcome` every front end writes
-out, the 429 of a cost no wait lets through, what a ``count_when`` request
-spent until its response settles it, and the denial log.
+out, the 429 of a cost no wait lets through, and the denial log. What a
+``count_when`` request spent until its response settles it is
+:mod:`nanolimit.gateway.charges`.
 
 The pipeline itself is :mod:`nanolimit.gateway.middleware`, which exports
 these names too.
@@ -12,13 +13,16 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .._select import native_core
 from .headers import deny_body
 from .request import Request
 
-__all__ = ["CostTooHigh", "Outcome", "Response"]
+__all__ = ["CostTooHigh", "Outcome", "Response", "render_body"]
+
 
 # One record per denial, itself limited: a flood of 429s must not flood the log.
 denial_log = logging.getLogger("nanolimit.denials")
@@ -64,13 +68,18 @@ class Outcome(NamedTuple):
 
     def body(self) -> bytes:
         """The 429 body (meaningful when not allowed)."""
-        if type(self.decision) is CostTooHigh:
-            return self.decision.body(self.rule)
-        return deny_body(self.rule, self.retry_after)
+        decision = self.decision
+        if type(decision) is CostTooHigh:
+            return decision.body(self.rule)
+        return render_body(self.rule, self.retry_after)
 
     def __repr__(self) -> str:
         return f"<Outcome allowed={self.allowed} rule={self.rule!r} delay={self.delay!r}>"
 
+
+# deny_body, formatted in C when the native core is built (the same bytes):
+# what Outcome.body() and the adapters' 429s write
+render_body: Callable[[str, int], bytes] = getattr(native_core(), "deny_body", deny_body)
 
 # Outcome(...) without NamedTuple's generated Python __new__: about 40 % cheaper
 # per request, the same object.
@@ -101,71 +110,6 @@ class CostTooHigh(NamedTuple):
         ).encode()
 
 
-class _Counted(list[Any]):
-    """What one ``count_when`` rule's admitted request spent, ``[binding,
-    key, cost, decision]``, given back by :meth:`settle` when its response
-    does not count: the common case of counting by response, built by
-    ``list``'s own constructor in C (no Python ``__init__`` per request)."""
-
-    __slots__ = ()
-
-    def _take(self, status: int) -> tuple[Any, str, int, Any] | None:
-        if not self:
-            return None  # settled already: once only
-        b, key, cost, d = self
-        self.clear()
-        if b.rule.counts(status):
-            return None
-        return b, key, cost, d
-
-    def settle(self, status: int) -> int:
-        due = self._take(status)
-        if due is None:
-            return 0
-        b, key, cost, d = due
-        b.limiter.refund(key, cost, at=d.at)
-        return cost
-
-    async def settle_async(self, status: int) -> int:
-        due = self._take(status)
-        if due is None:
-            return 0
-        b, key, cost, d = due
-        await b.limiter.refund_async(key, cost, at=d.at)
-        return cost
-
-
-class _Charge:
-    """What a request under several ``count_when`` rules spent (a stack):
-    each admitted (binding, key, cost, decision), given back by
-    :meth:`settle` when the response does not count for that rule."""
-
-    __slots__ = ("items",)
-
-    def __init__(self, items: list[tuple[Any, str, int, Any]]) -> None:
-        self.items = items
-
-    def _due(self, status: int) -> list[tuple[Any, str, int, Any]]:
-        items, self.items = self.items, []  # once: a second settle refunds nothing
-        return [item for item in items if not item[0].rule.counts(status)]
-
-    def settle(self, status: int) -> int:
-        """Refund what ``status`` does not count; returns the units given back."""
-        back = 0
-        for b, key, cost, d in self._due(status):
-            b.limiter.refund(key, cost, at=d.at)
-            back += cost
-        return back
-
-    async def settle_async(self, status: int) -> int:
-        """:meth:`settle` awaiting the store (``AsyncRedisStorage``)."""
-        back = 0
-        for b, key, cost, d in self._due(status):
-            await b.limiter.refund_async(key, cost, at=d.at)
-            back += cost
-        return back
-
-
 class _DenialLog:
     """At most one ``nanolimit.denials`` record per rule per ``interval``
     seconds, each saying how many it stood for: a flood of 429s costs a few
@@ -181,16 +125,14 @@ class _DenialLog:
         self._lock = threading.Lock()
 
     def __call__(self, request: Request, outcome: Outcome) -> None:
-        self.note(
-            request,
-            outcome.rule,
-            "never (cost over the limit)" if type(outcome.decision) is CostTooHigh else outcome.retry_after,
-        )
-
-    def note(self, request: Request, rule: str, retry_after: object) -> None:
-        """A denial by ``rule``: a record, unless one was written within the interval."""
-        if not self.skip(rule):
-            self.write(request, rule, retry_after)
+        """A denial: a record, unless one was written within the interval."""
+        if not self.skip(outcome.rule):
+            retry = (
+                "never (cost over the limit)"
+                if type(outcome.decision) is CostTooHigh
+                else outcome.retry_after
+            )
+            self.write(request, outcome.rule, retry)
 
     def skip(self, rule: str) -> bool:
         """Whether a denial by ``rule`` falls within the interval of its last
@@ -202,17 +144,18 @@ class _DenialLog:
             return True
         return False
 
-    def write(self, request: Request, rule: str, retry_after: object) -> None:
-        """The record of a denial that :meth:`skip` let through."""
+    def write(self, request: Request, rule: str, retry_after: object, more: int = 0) -> None:
+        """The record of a denial that :meth:`skip` (or a native lane's own
+        interval, which counted ``more`` since) let through."""
         now = time.monotonic()
         with self._lock:
             if now < self._next.get(rule, 0.0):
-                self._suppressed[rule] = self._suppressed.get(rule, 0) + 1
+                self._suppressed[rule] = self._suppressed.get(rule, 0) + 1 + more
                 return
             if len(self._next) > 4096:  # bounded: rule names are few, but be sure
                 self._next.clear()
             self._next[rule] = now + self.interval
-            more = self._suppressed.pop(rule, 0)
+            more += self._suppressed.pop(rule, 0)
         path = request.path if len(request.path) <= 200 else request.path[:200] + "..."
         denial_log.warning(
             "rate limit exceeded: rule=%s method=%r path=%r retry_after=%s%s",

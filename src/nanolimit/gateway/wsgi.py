@@ -16,6 +16,7 @@ from typing import Any
 from .factory import LimiterFactory
 from .keys import KeyExtractor
 from .metrics import Metrics
+from .middleware import DICT, WSGI_PAIRS, CostTooHigh, render_body
 from .middleware import RateLimitMiddleware as Core
 from .registry import RuleRegistry
 from .request import Request
@@ -150,6 +151,7 @@ class RateLimitMiddleware:
             request_factory is request_from_environ
             and type(core).check is Core.check
             and type(core).decide is Core.decide
+            and type(core).settle is Core.settle
         )
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
@@ -163,37 +165,54 @@ class RateLimitMiddleware:
                 environ.get("REMOTE_ADDR") or None,
                 None,
                 request_from_environ,
+                WSGI_PAIRS if self.deny is None else DICT,
             )
         else:
             request = self.request_factory(environ)
             outcome = self.core.check(request)
         if outcome is None:
             return self.app(environ, start_response)
-        allowed, headers, delay, _, _, _, charge = outcome  # one unpacking, not four lookups
+        headers: Any  # the lane's WSGI pairs (a fresh list), or a dict
+        allowed, headers, delay, rule, retry_after, decision, charge = outcome  # one unpacking
+        if type(headers) is not list:
+            headers = list(headers.items())
         if not allowed:
             if self.deny is not None:
                 custom = self.deny(request if request is not None else self.request_factory(environ), outcome)
                 if custom is not None:
                     return custom(environ, start_response)
-            body = outcome.body()
-            length = _LENGTHS.get(len(body))
+            # outcome.body(), without its call and lookups
+            body = outcome.body() if type(decision) is CostTooHigh else render_body(rule, retry_after)
+            size = len(body)
+            length = _LENGTHS.get(size)
             if length is None:
-                length = ("Content-Length", str(len(body)))
+                length = ("Content-Length", str(size))
                 if len(_LENGTHS) < 1024:
-                    _LENGTHS[len(body)] = length
-            start_response("429 Too Many Requests", [*headers.items(), _JSON, length])
+                    _LENGTHS[size] = length
+            headers += (_JSON, length)
+            start_response("429 Too Many Requests", headers)
             return [body]
         if delay > 0.0:
             self.sleep(delay)
         if charge is not None:
-            return self._counted(environ, start_response, outcome)
+            if not self._lane:
+                return self._counted(environ, start_response, outcome)
+            # the pipeline's own settle() is the charge's, called in place:
+            # by the status the response starts with (500 if the app raises
+            # first); a restart after an error refunds nothing more
+
+            try:
+                return self.app(environ, _settling(start_response, charge, headers))
+            except BaseException:
+                charge.settle(500)
+                raise
         if not headers:
             return self.app(environ, start_response)
 
         def start_with_headers(
             status: str, response_headers: list[tuple[str, str]], exc_info: Any = None
         ) -> Any:
-            response_headers = [*response_headers, *headers.items()]  # the outcome's headers, copied once
+            response_headers = [*response_headers, *headers]  # the outcome's headers, once
             if exc_info is not None:
                 return start_response(status, response_headers, exc_info)
             return start_response(status, response_headers)
@@ -201,18 +220,17 @@ class RateLimitMiddleware:
         return self.app(environ, start_with_headers)
 
     def _counted(self, environ: Environ, start_response: StartResponse, outcome: Any) -> Iterable[bytes]:
-        """An admitted request under ``count_when`` rules: settled by the
-        status it starts its response with (500 if the app raises first)."""
+        """An admitted request under ``count_when`` rules, settled through
+        a pipeline whose ``settle`` is its own: by the status it starts its
+        response with (500 if the app raises first)."""
         core = self.core
-        extra = list(outcome.headers.items())
+        headers = outcome.headers
+        if type(headers) is not list:
+            headers = list(headers.items())
 
         def start_settling(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-            try:
-                code = int(status.split(None, 1)[0])
-            except (ValueError, IndexError):
-                code = 500
-            core.settle(outcome, code)  # at most once: a restart after an error refunds nothing more
-            response_headers = [*response_headers, *extra]
+            core.settle(outcome, _status_code(status))  # at most once: a restart refunds nothing more
+            response_headers = [*response_headers, *headers]
             if exc_info is not None:
                 return start_response(status, response_headers, exc_info)
             return start_response(status, response_headers)
@@ -222,3 +240,36 @@ class RateLimitMiddleware:
         except BaseException:
             core.settle(outcome, 500)
             raise
+
+
+def _settling(start_response: StartResponse, charge: Any, headers: list[tuple[str, str]]) -> StartResponse:
+    """``start_response`` settling ``charge`` by the status and adding
+    ``headers`` (made apart: a closure in ``__call__`` would make its names
+    cells on every request)."""
+
+    def start_settled(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        charge.settle(_status_code(status))
+        response_headers = [*response_headers, *headers]
+        if exc_info is not None:
+            return start_response(status, response_headers, exc_info)
+        return start_response(status, response_headers)
+
+    return start_settled
+
+
+# status line -> code: apps start their responses with a few constant lines
+_CODES: dict[str, int] = {}
+
+
+def _status_code(status: str) -> int:
+    """The code of a WSGI status line (PEP 3333: ``"200 OK"``); 500 for
+    one that has none."""
+    code = _CODES.get(status)
+    if code is None:
+        try:
+            code = int(status[:3])
+        except (TypeError, ValueError):
+            code = 500
+        if len(_CODES) < 1024 and type(status) is str and len(status) <= 64:
+            _CODES[status] = code
+    return code
