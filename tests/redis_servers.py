@@ -164,12 +164,16 @@ class Server:
 
 
 class Cluster:
-    """Three masters on loopback, no replicas, slots split in thirds, wired
-    with ``CLUSTER MEET`` (no redis-cli needed)."""
+    """Three masters on loopback, slots split in thirds, wired with
+    ``CLUSTER MEET`` (no redis-cli needed); ``replicas`` more nodes, one
+    replica of each master in turn (``self.replicas``)."""
 
-    def __init__(self, binary: str, kind: str, masters: int = 3) -> None:
+    def __init__(
+        self, binary: str, kind: str, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 2000
+    ) -> None:
         self.kind = kind
-        self.bus_ports = [free_port() for _ in range(masters)]
+        self.masters = masters
+        self.bus_ports = [free_port() for _ in range(masters + replicas)]
         self.nodes = [
             Server(
                 binary,
@@ -178,7 +182,9 @@ class Cluster:
                     "--cluster-enabled",
                     "yes",
                     "--cluster-node-timeout",
-                    "2000",
+                    str(node_timeout_ms),
+                    "--repl-diskless-sync-delay",  # a replica syncs at once, not after 5 s
+                    "0",
                     "--cluster-port",
                     str(bus),
                 ),
@@ -187,6 +193,8 @@ class Cluster:
         ]
         for node in self.nodes:
             node.extra = (*node.extra, "--cluster-config-file", str(Path(node.dir) / "nodes.conf"))
+        self.replicas = self.nodes[masters:]
+        self.nodes = self.nodes[:masters]
 
     def start(self, timeout: float = 20.0) -> None:
         try:
@@ -221,9 +229,70 @@ class Cluster:
             ):
                 for c in clients:
                     c.close()
+                self._replicate(deadline)
                 return
             time.sleep(0.05)
         raise RuntimeError(f"cluster did not converge: {text}")
+
+    def _replicate(self, deadline: float) -> None:
+        """Each replica meets the cluster, follows its master, and has
+        synced with it before the cluster counts as started."""
+        import redis
+
+        masters = [redis.Redis(host=HOST, port=n.port, socket_timeout=5.0) for n in self.nodes]
+        for i, node in enumerate(self.replicas):
+            node.start()
+            c = node.client()
+            c.execute_command("CLUSTER", "MEET", HOST, self.nodes[0].port, self.bus_ports[0])
+            master_id = masters[i % len(masters)].execute_command("CLUSTER", "MYID")
+            while True:  # REPLICATE needs the master known to this node first
+                try:
+                    c.execute_command("CLUSTER", "REPLICATE", master_id)
+                    break
+                except redis.ResponseError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            c.close()
+        for node in self.replicas:
+            c = node.client()
+            while c.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"replica {node} did not sync")
+                time.sleep(0.05)
+            c.close()
+        for m in masters:
+            m.close()
+
+    def migrate(self, slot: int) -> tuple[int, int]:
+        """Begin moving ``slot`` to the next master (IMPORTING, MIGRATING,
+        ``MIGRATE`` of its keys): until :meth:`assign`, its old owner answers
+        ``ASK`` for them. The (owner, target) master indexes."""
+        nodes = [n.client() for n in self.nodes]
+        try:
+            ids = [str(n.execute_command("CLUSTER", "MYID"), "ascii") for n in nodes]
+            counts = [n.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) for n in nodes]
+            owner = next(i for i, count in enumerate(counts) if count)
+            target = (owner + 1) % len(nodes)
+            nodes[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
+            nodes[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+            keys = nodes[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+            nodes[owner].execute_command("MIGRATE", HOST, self.nodes[target].port, "", 0, 5000, "KEYS", *keys)
+            return owner, target
+        finally:
+            for n in nodes:
+                n.close()
+
+    def assign(self, slot: int, index: int) -> None:
+        """End a migration: every master says master ``index`` owns ``slot``."""
+        nodes = [n.client() for n in self.nodes]
+        try:
+            owner_id = nodes[index].execute_command("CLUSTER", "MYID")
+            for n in nodes:
+                n.execute_command("CLUSTER", "SETSLOT", slot, "NODE", owner_id)
+        finally:
+            for n in nodes:
+                n.close()
 
     def client(self, **kwargs: Any) -> Any:
         from redis.cluster import ClusterNode, RedisCluster
@@ -232,7 +301,7 @@ class Cluster:
         return RedisCluster(startup_nodes=[ClusterNode(HOST, self.nodes[0].port)], **kwargs)
 
     def stop(self) -> None:
-        for node in self.nodes:
+        for node in (*self.nodes, *self.replicas):
             node.stop()
 
 

@@ -450,6 +450,35 @@ def test_async_cluster_routes_decisions_and_batches(
     _run(main)
 
 
+def test_async_cluster_follows_ask_and_moved_mid_migration(
+    backend: types.SimpleNamespace, redis_cluster: Any
+) -> None:
+    """A slot migrating under an asyncio cluster: ``ASK`` sends the script
+    once to the importing node (loading it there first), then ``MOVED``
+    teaches the new owner; the state moves with the slot, nothing is
+    charged twice."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    async def main() -> None:
+        user = RedisCluster(startup_nodes=[ClusterNode(HOST, redis_cluster.nodes[0].port)])
+        storage = AsyncRedisStorage(user, timeout=2.0, on_error="raise")
+        limiter = backend.TokenBucket(6, 3600.0, storage, backend.FakeClock(50.0), rule="move")
+        assert [(await limiter.allow_async("mover")).remaining for _ in range(3)] == [5, 4, 3]
+        slot = storage.client.keyslot(storage.redis_key(limiter.config, "mover"))
+        _, target = redis_cluster.migrate(slot)
+        try:
+            asked = await limiter.allow_async("mover")  # on_error="raise": a failed redirect raises
+            assert asked.allowed and asked.remaining == 2
+        finally:
+            redis_cluster.assign(slot, target)
+        assert [(await limiter.allow_async("mover")).remaining for _ in range(2)] == [1, 0]
+        assert not (await limiter.allow_async("mover")).allowed
+        await storage.close()
+        await user.aclose()
+
+    _run(main)
+
+
 @pytest.mark.parametrize(
     ("keys", "costs", "now"),
     [

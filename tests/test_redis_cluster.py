@@ -112,20 +112,17 @@ def test_a_slot_moving_loses_and_double_charges_nothing(backend: types.SimpleNam
     assert admitted == 3
     redis_key = storage.redis_key(limiter.config, "mover")
     slot = client.keyslot(redis_key)
+    owner, target = cluster.migrate(slot)
+    try:
+        # mid-migration: the owner answers ASK, the script goes once to the
+        # importing node after ASKING (loaded there first: it never ran it),
+        # and the state it finds is the one moved
+        asked = limiter.allow("mover")
+        assert not asked.degraded and asked.allowed and asked.remaining == 2, asked
+        admitted += 1
+    finally:
+        cluster.assign(slot, target)
     nodes = [_node_client(cluster, i) for i in range(len(cluster.nodes))]
-    ids = [n.execute_command("CLUSTER", "MYID") for n in nodes]
-    ids = [i.decode() if isinstance(i, bytes) else i for i in ids]
-    owner = next(i for i, n in enumerate(nodes) if n.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) > 0)
-    target = (owner + 1) % len(nodes)
-    nodes[target].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
-    nodes[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
-    keys = nodes[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
-    assert keys
-    nodes[owner].execute_command(
-        "MIGRATE", "127.0.0.1", cluster.nodes[target].port, "", 0, 5000, "KEYS", *keys
-    )
-    for n in nodes:
-        n.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[target])
     degraded = 0
     for _ in range(6):
         d = limiter.allow("mover")

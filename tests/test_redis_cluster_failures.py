@@ -277,3 +277,58 @@ def test_a_batch_splits_by_node_and_spares_the_dead_one(dying_cluster: Cluster, 
     assert storage.metrics()["nodes"][f"{HOST}:{cluster.nodes[0].port}"]["breaker_opened"] >= 1
     storage.close()
     client.close()
+
+
+def test_a_failed_over_master_hands_its_keys_and_its_outage_to_the_replica() -> None:
+    """A master SIGKILLed with a replica: its keys are answered by policy
+    (one local share) until the replica takes its slots over, then by Redis
+    again, exactly (its count replicated before the kill), and the dead
+    node's breaker and local episode are dropped with it, so ``metrics()``
+    reports no outage that no key meets any more."""
+    cluster = Cluster(require_binary("redis"), "redis", replicas=1, node_timeout_ms=500)
+    cluster.start()
+    client = cluster.client()
+    try:
+        storage = RedisStorage(
+            client,
+            timeout=TIMEOUT,
+            on_error="local",
+            local_instances=INSTANCES,
+            breaker_threshold=3,
+            breaker_cooldown=0.2,
+        )
+        limiter = reference.FixedWindowCounter(
+            SHARE_LIMIT, 3600.0, storage=storage, clock=FakeClock(1_000_000.0), rule="f"
+        )
+        dead = cluster.nodes[0]
+        key = _key_on(storage, limiter, dead.port, "k")
+        assert [limiter.allow(key).remaining for _ in range(3)] == [9, 8, 7]
+        assert dead.client().execute_command("WAIT", 1, 2000) == 1  # the replica has the 3
+        dead.kill()
+        local = []
+        deadline = time.monotonic() + 20.0
+        while time.monotonic() < deadline:
+            d = limiter.allow(key)
+            if not d.degraded:
+                break
+            assert d.reason == REASON_STORE_UNAVAILABLE_LOCAL
+            local.append(d.allowed)
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the replica never took the slots over")
+        assert sum(local) == SHARE_LIMIT // INSTANCES and len(local) > sum(local)  # one share, then denials
+        assert d.remaining == 6  # the new master's count: the 3 replicated, and this one
+        replica = f"{HOST}:{cluster.replicas[0].port}"
+        gone = f"{HOST}:{dead.port}"
+        deadline = time.monotonic() + 5.0
+        while gone in storage.metrics()["nodes"] and time.monotonic() < deadline:
+            limiter.allow(key)  # the refresh that saw the new owner prunes in the background
+            time.sleep(0.05)
+        m = storage.metrics()
+        assert gone not in m["nodes"] and replica in m["nodes"], m["nodes"]
+        assert m["nodes_dropped"] >= 1 and m["breaker_state"] == "closed" and m["breakers_open"] == 0
+        assert m["local_active"] == 0 and m["local_episodes"] == 1
+        storage.close()
+    finally:
+        client.close()
+        cluster.stop()

@@ -202,7 +202,8 @@ class RedisStorage(_RedisBase):
         except self._errors as exc:
             if not is_noscript(exc):
                 raise
-        self._load(script, node)
+            lacking = getattr(exc, "answered_by", node)  # a redirect's target, or the key's node
+        self._load(script, lacking)
         return self._call("EVALSHA", script.sha, len(keys), *keys, *args, node=node)
 
     # -- KernelStorage --------------------------------------------------------------
@@ -549,7 +550,8 @@ class AsyncRedisStorage(_RedisBase):
         except self._errors as exc:
             if not is_noscript(exc):
                 raise
-        await self._load(script, node)
+            lacking = getattr(exc, "answered_by", node)  # a redirect's target, or the key's node
+        await self._load(script, lacking)
         return await self._call("EVALSHA", script.sha, len(keys), *keys, *args, node=node)
 
     async def _ready(self) -> None:

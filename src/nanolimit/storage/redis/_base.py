@@ -175,6 +175,8 @@ class _RedisBase:
         self._local: LocalFallback | None = None
         if "local" in (on_error, *self.rule_on_error.values()):
             self._local = LocalFallback(share, instances, local_keys, max_key_bytes, self.deny_retry_after)
+            if self._routes is not None:
+                self._routes.on_gone = self._local.handover
         self._setup_direct(keep_connections)
         self._near = _NearCache(near_cache_size, near_cache_ttl) if near_cache else None
         self._counts = {
@@ -336,7 +338,9 @@ class _RedisBase:
         there is one breaker per node: ``breaker_state`` is the worst
         node's, ``breaker_opened`` the sum, ``breakers_open`` how many nodes'
         breakers are not closed (open, half-open, or still recovering),
-        ``topology_refreshes`` the background refreshes of the node map, and
+        ``topology_refreshes`` the background refreshes of the node map,
+        ``nodes_dropped`` the nodes a refresh found owning no slot any more
+        (a replica took over: their breakers and local episodes end), and
         ``nodes`` maps each node (``host:port``) to its own
         ``breaker_state``, ``breaker_opened`` and ``recovering``.
         Under
@@ -361,6 +365,7 @@ class _RedisBase:
             out["breaker_opened"] = sum(b.opened for b in breakers)
             out["breakers_open"] = sum(1 for b in breakers if not b.closed)
             out["topology_refreshes"] = routes.refreshes
+            out["nodes_dropped"] = routes.pruned
             out["nodes"] = routes.metrics()
         if self._local is not None:
             out.update(self._local.metrics())

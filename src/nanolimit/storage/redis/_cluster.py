@@ -18,6 +18,9 @@ its nodes and their connection pools. ``MOVED`` updates the map the way the
 client would (``move_slot``, else a refresh) and the call is sent once more
 to the new owner (the script did not run: nothing is charged twice); ``ASK``
 is sent once to the importing node after ``ASKING``, on the same connection.
+An error reply from the node a redirect named carries it as ``answered_by``:
+a ``NOSCRIPT`` there (an importing node that never ran the script) is loaded
+on that node, not on the key's old owner.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import inspect
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ._connections import client_package, connection_args
@@ -62,6 +66,10 @@ class NodeRoutes:
             client, "get_valkey_connection", None
         )
         self._conn_args: tuple[str, ...] | None = None  # what a pool's get_connection wants
+        # told the name of a node that left the map (its outage is over: the
+        # slots have a new owner), after a refresh; the storage ends its local episode
+        self.on_gone: Callable[[str], None] | None = None
+        self.pruned = 0
 
     # -- routing -----------------------------------------------------------------
     def breaker(self, name: str) -> _Breaker:
@@ -118,7 +126,11 @@ class NodeRoutes:
             target = self._redirected(exc)
             if target is None:
                 raise
-            return self._send(target, args, self._asked(exc))
+            try:
+                return self._send(target, args, self._asked(exc))
+            except self._exceptions.ResponseError as answer:
+                answer.answered_by = target  # a NOSCRIPT: load it there
+                raise
 
     def _redirected(self, exc: Any) -> Any:
         """Learn a redirect: a ``MOVED`` updates the slot map (as the client
@@ -185,10 +197,15 @@ class NodeRoutes:
             target = self._target(exc)
             if target is None:
                 raise
-            if not self._asked(exc):
-                return await target.execute_command(*args)
-            replies = await self.pipeline_async(target, [("ASKING",), args])
+            try:
+                if not self._asked(exc):
+                    return await target.execute_command(*args)
+                replies = await self.pipeline_async(target, [("ASKING",), args])
+            except self._exceptions.ResponseError as answer:
+                answer.answered_by = target  # a NOSCRIPT: load it there
+                raise
             if isinstance(replies[1], BaseException):
+                replies[1].answered_by = target  # type: ignore[attr-defined]
                 raise replies[1] from None
             return replies[1]
 
@@ -224,6 +241,7 @@ class NodeRoutes:
         try:
             self.client.nodes_manager.initialize()
             self.refreshes += 1
+            self._prune()
         except Exception:
             log.debug("nanolimit: cluster topology refresh failed", exc_info=True)
         finally:
@@ -234,12 +252,31 @@ class NodeRoutes:
         try:
             await self.client.nodes_manager.initialize()
             self.refreshes += 1
+            self._prune()
         except Exception:
             log.debug("nanolimit: cluster topology refresh failed", exc_info=True)
         finally:
             self._last_refresh = time.monotonic()
             self._refreshing = False
             self._task = None
+
+    def _prune(self) -> None:
+        """Forget the breakers of nodes that own no slot in the new map (a
+        replica took over a dead master's slots, or a node was removed):
+        their keys have a new owner and breaker, and ``metrics()`` must not
+        report an outage that no key meets any more."""
+        owners = {nodes[0].name for nodes in list(self.client.nodes_manager.slots_cache.values()) if nodes}
+        if not owners:
+            return
+        with self._lock:
+            gone = [name for name in self._breakers if name != UNCOVERED and name not in owners]
+            for name in gone:
+                del self._breakers[name]
+        for name in gone:
+            self.pruned += 1
+            log.info("nanolimit: cluster node %s owns no slot any more; its breaker is dropped", name)
+            if self.on_gone is not None:
+                self.on_gone(name)
 
     # -- metrics ------------------------------------------------------------------------
     def metrics(self) -> dict[str, dict[str, Any]]:
