@@ -388,6 +388,82 @@ def wsgi_flask_limiter(framework: str, limit: int) -> Any:
 
 
 # ---------------------------------------------------------------------------
+# Django (under gunicorn, sync worker). Settings are per process, so one
+# variant per process: the server's, or a test's subprocess.
+
+
+def _django(middleware: list[str], view: Callable[[Any], Any], extra: dict[str, Any] | None = None) -> Any:
+    import django
+    from django.conf import settings
+    from django.urls import path
+
+    settings.configure(
+        DEBUG=False,
+        SECRET_KEY="bench",
+        ALLOWED_HOSTS=["*"],
+        ROOT_URLCONF=__name__,
+        MIDDLEWARE=middleware,
+        INSTALLED_APPS=[],
+        USE_TZ=True,
+        CACHES={"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}},
+        **(extra or {}),
+    )
+    django.setup()
+    global urlpatterns
+    urlpatterns = [path("", view)]
+    from django.core.wsgi import get_wsgi_application
+
+    return get_wsgi_application()
+
+
+urlpatterns: list[Any] = []  # ROOT_URLCONF of the Django variants
+
+
+def _django_ok(request: Any) -> Any:
+    from django.http import HttpResponse
+
+    return HttpResponse("ok", content_type="text/plain")
+
+
+def django_bare(framework: str, limit: int) -> Any:
+    return _django([], _django_ok)
+
+
+def django_headers(framework: str, limit: int) -> Any:
+    app = _django([], _django_ok)
+    return HeaderOnlyWSGI(app)
+
+
+def django_nanolimit(framework: str, limit: int) -> Any:
+    """nanolimit's Django integration as its docs set it up: the middleware,
+    and the limit declared on the view with ``@limit``."""
+    from nanolimit.django import limit as declare
+
+    view = declare(peer_rate(limit), algorithm="fixed_window")(_django_ok)
+    return _django(["nanolimit.django.RateLimitMiddleware"], view, {"NANOLIMIT": {"LOG_DENIALS": None}})
+
+
+def django_ratelimit(framework: str, limit: int) -> Any:
+    """django-ratelimit's documented decorator (``block=True``: a 429 through
+    its ``Ratelimited`` exception and ``RATELIMIT_VIEW``), in the local
+    memory cache."""
+    from django_ratelimit.decorators import ratelimit
+
+    view = ratelimit(key="ip", rate=peer_rate(limit).replace("/hour", "/h"), block=True)(_django_ok)
+    return _django(
+        ["django_ratelimit.middleware.RatelimitMiddleware"],
+        view,
+        {"RATELIMIT_VIEW": f"{__name__}._django_429", "SILENCED_SYSTEM_CHECKS": ["django_ratelimit.E003"]},
+    )
+
+
+def _django_429(request: Any, exception: Any) -> Any:
+    from django.http import HttpResponse
+
+    return HttpResponse("rate limited", status=429, content_type="text/plain")
+
+
+# ---------------------------------------------------------------------------
 # The variant table
 
 
@@ -410,7 +486,7 @@ class Variant:
 
     @property
     def server(self) -> str:
-        return "gunicorn" if self.framework == "flask" else "uvicorn"
+        return "gunicorn" if self.framework in ("flask", "django") else "uvicorn"
 
     @property
     def needs(self) -> tuple[str, ...]:
@@ -426,7 +502,7 @@ class Variant:
 
 # framework, name, builder, limit, headers, peer. "bare" is each framework's baseline.
 OURS, PEER = RATE_HEADER_NAMES, PEER_HEADER_NAMES
-SLOWAPI, FLASK_LIMITER = ("slowapi",), ("flask_limiter",)
+SLOWAPI, FLASK_LIMITER, DJANGO_RATELIMIT = ("slowapi",), ("flask_limiter",), ("django_ratelimit",)
 REDIS = "redis"
 VARIANTS: tuple[Variant, ...] = (
     *(
@@ -454,6 +530,14 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("flask", "nanolimit_denied", wsgi_nanolimit, limit=1, headers=OURS),
     Variant("flask", "flask_limiter", wsgi_flask_limiter, headers=PEER, peer=FLASK_LIMITER),
     Variant("flask", "flask_limiter_denied", wsgi_flask_limiter, limit=1, headers=PEER, peer=FLASK_LIMITER),
+    Variant("flask", "nanolimit_ext", wsgi_nanolimit_flask, headers=OURS),
+    Variant("flask", "nanolimit_ext_denied", wsgi_nanolimit_flask, limit=1, headers=OURS),
+    Variant("django", "bare", django_bare),
+    Variant("django", "headers_only", django_headers, headers=OURS),
+    Variant("django", "nanolimit", django_nanolimit, headers=OURS),
+    Variant("django", "nanolimit_denied", django_nanolimit, limit=1, headers=OURS),
+    Variant("django", "django_ratelimit", django_ratelimit, peer=DJANGO_RATELIMIT),
+    Variant("django", "django_ratelimit_denied", django_ratelimit, limit=1, peer=DJANGO_RATELIMIT),
 )
 
 
@@ -483,3 +567,8 @@ def fastapi_app() -> Any:
 def flask_app() -> Any:
     """``gunicorn 'http_apps:flask_app()'``."""
     return _from_env("flask")
+
+
+def django_app() -> Any:
+    """``gunicorn 'http_apps:django_app()'``."""
+    return _from_env("django")

@@ -11,10 +11,13 @@ with a real server, a real load generator and a minimal app.
 What is served (bench/http_apps.py): Starlette and FastAPI under uvicorn (1
 worker, ``--no-access-log``, uvloop and httptools only where installed, else
 asyncio and h11: the run records which), Flask under gunicorn's sync worker
-(1 worker). Every app answers ``GET /`` with ``ok``; the variants wrap it in
-nothing (``bare``), in a middleware that only appends five fixed rate-limit
-headers (``headers_only``), in nanolimit's ASGI / WSGI middleware, in
-slowapi's two middlewares or in flask-limiter, each with one rule whose
+(1 worker), and Django under the same (nanolimit's middleware with
+``@limit`` on the view, django-ratelimit's ``@ratelimit``). Every app
+answers ``GET /`` with ``ok``; the variants wrap it in nothing (``bare``),
+in a middleware that only appends five fixed rate-limit headers
+(``headers_only``), in nanolimit's ASGI / WSGI middleware or Flask extension
+(``nanolimit_ext``), in slowapi's two middlewares, in flask-limiter or in
+django-ratelimit, each with one rule whose
 limit no run reaches, and each limiter once more with limit 1 (``*_denied``:
 nearly every answer is a 429). Starlette also has the Redis rows
 (``nanolimit_async_redis``, ``nanolimit_sync_redis``, ``slowapi_redis``),
@@ -126,7 +129,7 @@ STOP_GRACE = 5.0
 DENIED_MIN_SHARE = 0.99
 
 # import name -> pip requirement, for the names in a row's ``needs``
-NEEDS = {"flask_limiter": "flask-limiter"}
+NEEDS = {"flask_limiter": "flask-limiter", "django_ratelimit": "django-ratelimit"}
 VERSIONS = (
     "nanolimit",
     "uvicorn",
@@ -138,6 +141,8 @@ VERSIONS = (
     "slowapi",
     "flask-limiter",
     "limits",
+    "django",
+    "django-ratelimit",
     "h11",
     "httptools",
     "uvloop",

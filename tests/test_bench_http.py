@@ -52,7 +52,7 @@ def apps_huge(mod: ModuleType) -> int:
 def _assert_answers(mod: ModuleType, name: str, answers: list[tuple[int, dict[str, str], bytes]]) -> None:
     rate = mod.RATE_HEADER_NAMES
     statuses = [status for status, _, _ in answers]
-    if name == "nanolimit_denied":
+    if name.startswith("nanolimit") and name.endswith("_denied"):
         assert statuses == [200] + [429] * (len(answers) - 1)
         for _, headers, body in answers[1:]:
             assert b"rate_limit_exceeded" in body
@@ -67,7 +67,7 @@ def _assert_answers(mod: ModuleType, name: str, answers: list[tuple[int, dict[st
         else:
             assert all(h in headers for h in rate), headers
     left = [int(headers["x-ratelimit-remaining"]) for _, headers, _ in answers if name != "bare"]
-    if name in ("nanolimit", "nanolimit_route") or name.endswith("_redis"):
+    if name in ("nanolimit", "nanolimit_route", "nanolimit_ext") or name.endswith("_redis"):
         # it decides: each admitted request spends one of the budget
         assert left == list(range(left[0], left[0] - len(answers), -1))
     if name == "nanolimit_counted":
@@ -150,6 +150,8 @@ SERVED = [
     ("flask", "headers_only"),
     ("flask", "nanolimit"),
     ("flask", "nanolimit_denied"),
+    ("flask", "nanolimit_ext"),
+    ("flask", "nanolimit_ext_denied"),
 ]
 
 
@@ -176,6 +178,42 @@ def test_served_apps_answer_as_their_rows_claim(apps: ModuleType, framework: str
     row = apps.variant(framework, name)
     assert row.denied == name.endswith("_denied")
     answers = _served_answers(row.build(framework, row.limit), framework, 50)
+    _assert_answers(apps, name, answers)
+
+
+# Django's settings are per process: each row is built and called in its own
+_DJANGO_CALLS = """
+import json, sys
+from wsgiref.util import setup_testing_defaults
+import http_apps
+row = http_apps.variant("django", sys.argv[1])
+app = row.build("django", row.limit)
+out = []
+for _ in range(50):
+    env = {}
+    setup_testing_defaults(env)
+    env["REMOTE_ADDR"] = "127.0.0.1"
+    got = {}
+    def start(status, headers, exc_info=None):
+        got["status"], got["headers"] = int(status.split()[0]), {k.lower(): v for k, v in headers}
+    body = b"".join(app(env, start))
+    out.append([got["status"], got["headers"], body.decode("latin-1")])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("name", ["bare", "headers_only", "nanolimit", "nanolimit_denied"])
+def test_served_django_apps_answer_as_their_rows_claim(apps: ModuleType, name: str) -> None:
+    import json
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-c", _DJANGO_CALLS, name], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    answers = [(status, headers, body.encode("latin-1")) for status, headers, body in json.loads(done.stdout)]
+    assert apps.variant("django", name).server == "gunicorn"
     _assert_answers(apps, name, answers)
 
 
