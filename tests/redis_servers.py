@@ -261,6 +261,13 @@ class Cluster:
                     raise RuntimeError(f"replica {node} did not sync")
                 time.sleep(0.05)
             c.close()
+        # every master knows every replica: a master that has not heard of one
+        # ignores its failover election and the FAIL reports it gossips
+        total = f"cluster_known_nodes:{len(self.nodes) + len(self.replicas)}"
+        while not all(total in str(m.execute_command("CLUSTER", "INFO")) for m in masters):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the masters did not learn every replica")
+            time.sleep(0.05)
         for m in masters:
             m.close()
 

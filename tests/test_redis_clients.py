@@ -19,6 +19,9 @@ from nanolimit.storage.redis import AsyncRedisStorage, RedisStorage
 from nanolimit.storage.redis._connections import direct_path
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
+# decisions here are bounded in wall time: a full collection of the test
+# run's heap must not be what they measure (conftest.steady_heap)
+pytestmark = pytest.mark.usefixtures("steady_heap")
 
 HOST = "127.0.0.1"
 TIMEOUT = 0.5

@@ -28,6 +28,9 @@ from nanolimit import FakeClock, reference
 from nanolimit.storage.redis import REASON_STORE_UNAVAILABLE_LOCAL, AsyncRedisStorage, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
+# decisions here are bounded in wall time: a full collection of the test
+# run's heap must not be what they measure (conftest.steady_heap)
+pytestmark = pytest.mark.usefixtures("steady_heap")
 
 TIMEOUT = 0.05
 MARGIN = 0.1  # a correctness bound on a loaded 2-core box, not a speed benchmark

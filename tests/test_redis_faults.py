@@ -18,6 +18,9 @@ from nanolimit.errors import CircuitOpenError, RedisUnavailableError, StorageUna
 from nanolimit.storage.redis import RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
+# decisions here are bounded in wall time: a full collection of the test
+# run's heap must not be what they measure (conftest.steady_heap)
+pytestmark = pytest.mark.usefixtures("steady_heap")
 
 TIMEOUT = 0.05
 # generous for a loaded 2-core CI box, still far from redis-py's 5 s default

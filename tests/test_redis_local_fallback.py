@@ -31,6 +31,9 @@ from nanolimit.storage.redis import REASON_STORE_UNAVAILABLE_LOCAL, AsyncRedisSt
 from nanolimit.storage.uri import storage_from_uri
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
+# decisions here are bounded in wall time: a full collection of the test
+# run's heap must not be what they measure (conftest.steady_heap)
+pytestmark = pytest.mark.usefixtures("steady_heap")
 
 LOCAL = REASON_STORE_UNAVAILABLE_LOCAL
 TIMEOUT = 0.05

@@ -29,6 +29,9 @@ from nanolimit.errors import CircuitOpenError, RedisKeyError, RedisUnavailableEr
 from nanolimit.storage.redis import AsyncRedisStorage, RedisStorage
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
+# decisions here are bounded in wall time: a full collection of the test
+# run's heap must not be what they measure (conftest.steady_heap)
+pytestmark = pytest.mark.usefixtures("steady_heap")
 
 ALGORITHMS = ("token_bucket", "leaky_bucket", "fixed_window", "sliding_log", "sliding_counter", "gcra")
 # where charge-then-refund at one instant is exactly "never charged" (the
