@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from nanolimit.errors import ValidationError
 from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.metrics import Metrics
-from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.middleware import RateLimitPipeline, Request, Response
 from nanolimit.gateway.registry import RuleRegistry
 
 SPEC_HEADERS = (
@@ -208,7 +208,7 @@ def test_compound_with_a_shadow_rule_never_rejects_for_it(backend) -> None:
 
 def test_compound_needs_a_storage_that_can_decide_all_at_once(backend) -> None:
     factory = LimiterFactory(DictStorage(), backend.FakeClock(0.0), limiters=backend.module.LIMITERS)
-    mw = RateLimitMiddleware(RuleRegistry(_compound_rules(), stacked=True), factory)
+    mw = RateLimitPipeline(RuleRegistry(_compound_rules(), stacked=True), factory)
     with pytest.raises(ValidationError, match="allow_all"):
         mw(Request("POST", "/orders", {}, "192.0.2.1", user="alice"), ok_handler)
 

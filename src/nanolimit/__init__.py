@@ -56,7 +56,8 @@ else:
 from .gateway.factory import LimiterFactory
 from .gateway.keys import ClientKey, DefaultKeyExtractor, KeyExtractor
 from .gateway.metrics import Metrics
-from .gateway.middleware import Outcome, RateLimitMiddleware, Request, Response
+from .gateway.middleware import Outcome, RateLimitPipeline, Request, Response
+from .gateway.middleware import RateLimitPipeline as RateLimitMiddleware  # noqa: F401 (its old name)
 from .gateway.rates import parse_rates
 from .gateway.registry import RuleRegistry
 from .gateway.routes import RouteLimits
@@ -123,7 +124,7 @@ __all__ = [
     "Metrics",
     "Outcome",
     "Rate",
-    "RateLimitMiddleware",
+    "RateLimitPipeline",
     "RateLimitRule",
     "RateLimiter",
     "RedisStorage",
