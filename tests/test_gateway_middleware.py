@@ -3,11 +3,13 @@ shaping, metrics and compound (stacked) limits, for both twins."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import threading
 import time
 import types
+import warnings
 
 import pytest
 from _helpers import DictStorage
@@ -436,3 +438,24 @@ def test_an_on_breach_hook_set_later_hears_every_denial_after(backend) -> None:
     assert seen == ["/", "/"]
     with pytest.raises(ValidationError):
         mw.on_breach = "not callable"  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("path", ["nanolimit", "nanolimit.gateway.middleware"])
+def test_the_old_name_of_the_pipeline_still_imports_and_names_the_new_one(path: str) -> None:
+    module = importlib.import_module(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = module.RateLimitMiddleware
+        namespace: dict[str, object] = {}
+        exec(f"from {path} import RateLimitMiddleware", namespace)  # the documented spelling
+    assert old is namespace["RateLimitMiddleware"] is RateLimitPipeline
+    # one warning per use, each pointing at the line that used the old name
+    assert [w.category for w in caught] == [DeprecationWarning] * 2
+    assert caught[0].filename == __file__ and caught[1].filename == "<string>"
+    assert all("RateLimitPipeline" in str(w.message) for w in caught)
+    assert "RateLimitMiddleware" not in module.__all__ and "RateLimitPipeline" in module.__all__
+    with pytest.raises(AttributeError):
+        _ = module.NoSuchName
+    # handed an app, the old name still says which import wraps one
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match=r"from nanolimit\.asgi import"):
+        module.RateLimitMiddleware(lambda scope, receive, send: None, RuleRegistry([rule("all", 1, 60.0)]))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -174,7 +175,7 @@ class RateLimitPipeline:
 
     ``factory`` defaults to a :class:`LimiterFactory` on a fresh in-memory
     store; ``extractor`` to :class:`DefaultKeyExtractor`; ``metrics`` to a
-    new :class:`Metrics` (read it back as ``middleware.metrics``).
+    new :class:`Metrics` (read it back as ``pipeline.metrics``).
     ``wall_clock`` gives the Unix time of ``X-RateLimit-Reset`` (read at
     most once per request); ``sleep`` is how a shaping leaky-bucket rule
     waits (the ASGI adapter awaits instead).
@@ -847,4 +848,25 @@ class RateLimitPipeline:
         return f"<RateLimitPipeline {self.registry!r} {self.factory!r}>"
 
 
-RateLimitMiddleware = RateLimitPipeline  # its old name
+if TYPE_CHECKING:
+    RateLimitMiddleware = RateLimitPipeline  # the deprecated name, for code not yet renamed
+
+
+def _renamed() -> type[RateLimitPipeline]:
+    """The pipeline under its old name, with one ``DeprecationWarning``
+    pointing at the line that used it (whichever module path it took): the
+    name now means only the classes that wrap an app."""
+    warnings.warn(
+        "the framework-free pipeline is renamed RateLimitPipeline (nanolimit.RateLimitPipeline); "
+        "its old name, RateLimitMiddleware, will be removed. To wrap an app use "
+        "nanolimit.asgi.RateLimitMiddleware or nanolimit.wsgi.RateLimitMiddleware.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return RateLimitPipeline
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RateLimitMiddleware":
+        return _renamed()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
