@@ -688,6 +688,7 @@ def _pairs_list() -> bool:
 
 
 _PAIRS_LIST = _pairs_list()
+_LOWERED: dict[tuple[str, ...], frozenset[str]] = {}  # an outcome's header names, lower-cased
 
 
 def _add_missing(out: Headers, headers: Mapping[str, str]) -> None:
@@ -699,8 +700,17 @@ def _add_missing(out: Headers, headers: Mapping[str, str]) -> None:
             if name.lower() not in present:
                 out.add(name, value)
         return
-    if not pairs:
-        pairs.extend(headers.items())
+    names = tuple(headers)
+    lowered = _LOWERED.get(names)
+    if lowered is None:
+        lowered = frozenset(name.lower() for name in names)
+        if len(_LOWERED) < 64:  # a few sets of names: with or without Retry-After, renamed
+            _LOWERED[names] = lowered
+    for name, _ in pairs:  # usually two: Content-Type, Content-Length
+        if name.lower() in lowered:
+            break
+    else:
+        pairs.extend(headers.items())  # none set by the app: all of them, in one call
         return
     present = {name.lower() for name, _ in pairs}  # one pass, not one per header
     for name, value in headers.items():
