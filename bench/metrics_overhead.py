@@ -1,5 +1,5 @@
 """What exporting the metrics costs the request path: ns per
-``RateLimitMiddleware.check`` without a Collector, and with the Metrics
+``RateLimitPipeline.check`` without a Collector, and with the Metrics
 registered on a ``prometheus_client`` registry (its store watched too) while
 another thread scrapes it every 100 ms.
 
@@ -23,7 +23,7 @@ import time
 from prometheus_client import CollectorRegistry, generate_latest
 
 import nanolimit
-from nanolimit import LimiterFactory, RateLimitMiddleware, RateLimitRule, Request, RuleRegistry, SystemClock
+from nanolimit import LimiterFactory, RateLimitPipeline, RateLimitRule, Request, RuleRegistry, SystemClock
 
 ROUND_SECONDS = 0.25
 BATCH = 1000
@@ -31,15 +31,15 @@ SCRAPE_EVERY = 0.1
 HIGH_LIMIT = 1 << 24
 
 
-def build() -> tuple[RateLimitMiddleware, list[Request], nanolimit.InMemoryStorage]:
+def build() -> tuple[RateLimitPipeline, list[Request], nanolimit.InMemoryStorage]:
     store = nanolimit.InMemoryStorage()
     rule = RateLimitRule("api", "*", "/api", "ip", "token_bucket", HIGH_LIMIT, 60.0)
-    mw = RateLimitMiddleware(RuleRegistry([rule]), LimiterFactory(store, SystemClock()))
+    mw = RateLimitPipeline(RuleRegistry([rule]), LimiterFactory(store, SystemClock()))
     requests = [Request("GET", f"/api/items/{i % 50}", {}, f"10.0.{i % 7}.{i % 100}") for i in range(BATCH)]
     return mw, requests, store
 
 
-def decide(mw: RateLimitMiddleware, requests: list[Request]) -> tuple[float, float]:
+def decide(mw: RateLimitPipeline, requests: list[Request]) -> tuple[float, float]:
     """(wall, this thread's CPU) ns per check over one round."""
     check = mw.check
     n = 0
@@ -55,7 +55,7 @@ def decide(mw: RateLimitMiddleware, requests: list[Request]) -> tuple[float, flo
 
 
 def exported_round(
-    mw: RateLimitMiddleware, requests: list[Request], store: object
+    mw: RateLimitPipeline, requests: list[Request], store: object
 ) -> tuple[tuple[float, float], int]:
     """One round with the Collector registered and scraped: ns per check, scrapes."""
     registry = CollectorRegistry()
@@ -108,7 +108,7 @@ def main() -> None:
     print(f"nanolimit {nanolimit.__version__} ({nanolimit.IMPLEMENTATION}), Python {sys.version.split()[0]}")
     print(f"{rounds} interleaved rounds of {ROUND_SECONDS} s, {scrapes} scrapes in the exported rounds")
     print(f"one scrape (generate_latest, one rule, one store): {scrape_us:.0f} us")
-    print("RateLimitMiddleware.check, ns (median)      wall      CPU")
+    print("RateLimitPipeline.check, ns (median)      wall      CPU")
     for label, column in (("no Collector", plain), ("Collector, scraped every 100 ms", exported)):
         wall = statistics.median(w for w, _ in column)
         cpu = statistics.median(c for _, c in column)

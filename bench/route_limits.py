@@ -38,16 +38,16 @@ from starlette.routing import Route
 
 from nanolimit import InMemoryStorage, LimiterFactory, RuleRegistry
 from nanolimit.asgi import RateLimitMiddleware as ASGIMiddleware
-from nanolimit.gateway.middleware import RateLimitMiddleware, Request
+from nanolimit.gateway.middleware import RateLimitPipeline, Request
 from nanolimit.gateway.routes import RouteLimits
 from nanolimit.gateway.rules import RateLimitRule
 
 HUGE = 1 << 30
 
 
-def _pipeline(**kw: Any) -> RateLimitMiddleware:
+def _pipeline(**kw: Any) -> RateLimitPipeline:
     rule = RateLimitRule("api", "*", "/", "ip", "fixed_window", kw.pop("limit", HUGE), 3600.0, **kw)
-    return RateLimitMiddleware(RuleRegistry([rule]), LimiterFactory(InMemoryStorage()), log_denials=None)
+    return RateLimitPipeline(RuleRegistry([rule]), LimiterFactory(InMemoryStorage()), log_denials=None)
 
 
 def _drive(coro: Any) -> None:

@@ -19,7 +19,7 @@ import pytest
 from nanolimit import FakeClock, SystemClock, asgi, wsgi
 from nanolimit import __main__ as cli
 from nanolimit.gateway.factory import LimiterFactory
-from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.middleware import RateLimitPipeline, Request, Response
 from nanolimit.gateway.registry import RuleRegistry
 from nanolimit.gateway.rules import RateLimitRule
 
@@ -58,7 +58,7 @@ def test_middleware_request(benchmark, twin: types.ModuleType, scope: str) -> No
     """The whole path: rule lookup, key, decision, metrics, headers, response."""
     rule = RateLimitRule("api", "*", "/api", scope, "token_bucket", HIGH_LIMIT, 60.0)
     factory = LimiterFactory(twin.InMemoryStorage(), SystemClock())
-    mw = RateLimitMiddleware(RuleRegistry([rule]), factory)
+    mw = RateLimitPipeline(RuleRegistry([rule]), factory)
     requests = [
         Request("GET", f"/api/items/{i % 50}", {}, f"10.0.{i % 7}.{i % 100}", user=f"u{i % 100}")
         for i in range(BATCH)
@@ -163,7 +163,7 @@ def test_wsgi_request(benchmark, twin: types.ModuleType) -> None:
 def test_middleware_denied_request(benchmark, twin: types.ModuleType) -> None:
     """The 429 path (JSON body, Retry-After)."""
     rule = RateLimitRule("api", "*", "/", "ip", "token_bucket", 1, 3600.0)
-    mw = RateLimitMiddleware(RuleRegistry([rule]), LimiterFactory(twin.InMemoryStorage(), FakeClock(0.0)))
+    mw = RateLimitPipeline(RuleRegistry([rule]), LimiterFactory(twin.InMemoryStorage(), FakeClock(0.0)))
     request = Request("GET", "/x", {}, "10.0.0.1")
     response = Response(200, {}, b"")
     mw(request, lambda _r: response)

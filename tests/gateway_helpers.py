@@ -6,7 +6,7 @@ import types
 from typing import Any
 
 from nanolimit.gateway.factory import LimiterFactory
-from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.middleware import RateLimitPipeline, Request, Response
 from nanolimit.gateway.registry import RuleRegistry
 from nanolimit.gateway.rules import RateLimitRule
 
@@ -45,12 +45,12 @@ def gateway(
     default: RateLimitRule | None = None,
     stacked: bool = False,
     **kw: Any,
-) -> RateLimitMiddleware:
+) -> RateLimitPipeline:
     """A framework-free middleware on a fresh store of the twin under test."""
     clock = clock if clock is not None else backend.FakeClock(0.0)
     factory = LimiterFactory(backend.InMemoryStorage(), clock)
     kw.setdefault("wall_clock", lambda: WALL)
-    return RateLimitMiddleware(RuleRegistry(rules, default, stacked=stacked), factory, **kw)
+    return RateLimitPipeline(RuleRegistry(rules, default, stacked=stacked), factory, **kw)
 
 
 def ok_handler(request: Request) -> Response:

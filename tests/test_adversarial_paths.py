@@ -30,7 +30,7 @@ from werkzeug.test import Client as WerkzeugClient
 
 from nanolimit.asgi import request_from_scope
 from nanolimit.gateway.factory import LimiterFactory
-from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.middleware import RateLimitPipeline, Request, Response
 from nanolimit.gateway.registry import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RuleRegistry
 from nanolimit.gateway.rules import normalize_path
 from nanolimit.wsgi import RateLimitMiddleware as WSGIRateLimit
@@ -84,7 +84,7 @@ def test_an_already_normal_path_is_returned_as_is() -> None:
 # 1. HEAD spends the GET budget
 
 
-def _runs(mw: RateLimitMiddleware, requests: list[Request]) -> list[int]:
+def _runs(mw: RateLimitPipeline, requests: list[Request]) -> list[int]:
     statuses = []
     for request in requests:
         statuses.append(mw(request, ok_handler).status)
@@ -529,7 +529,7 @@ def test_a_path_flood_leaves_the_caches_bounded_by_bytes(
     registry = RuleRegistry(
         [rule("api", big, 60.0, path_prefix="/api"), rule("all", big, 60.0)], stacked=stacked
     )
-    mw = RateLimitMiddleware(registry, LimiterFactory(backend.InMemoryStorage()))
+    mw = RateLimitPipeline(registry, LimiterFactory(backend.InMemoryStorage()))
     response = Response(200, {}, b"")
 
     def handler(_request: Request) -> Response:

@@ -3,11 +3,13 @@ shaping, metrics and compound (stacked) limits, for both twins."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import threading
 import time
 import types
+import warnings
 
 import pytest
 from _helpers import DictStorage
@@ -18,7 +20,7 @@ from hypothesis import strategies as st
 from nanolimit.errors import ValidationError
 from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.metrics import Metrics
-from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.middleware import RateLimitPipeline, Request, Response
 from nanolimit.gateway.registry import RuleRegistry
 
 SPEC_HEADERS = (
@@ -208,7 +210,7 @@ def test_compound_with_a_shadow_rule_never_rejects_for_it(backend) -> None:
 
 def test_compound_needs_a_storage_that_can_decide_all_at_once(backend) -> None:
     factory = LimiterFactory(DictStorage(), backend.FakeClock(0.0), limiters=backend.module.LIMITERS)
-    mw = RateLimitMiddleware(RuleRegistry(_compound_rules(), stacked=True), factory)
+    mw = RateLimitPipeline(RuleRegistry(_compound_rules(), stacked=True), factory)
     with pytest.raises(ValidationError, match="allow_all"):
         mw(Request("POST", "/orders", {}, "192.0.2.1", user="alice"), ok_handler)
 
@@ -436,3 +438,24 @@ def test_an_on_breach_hook_set_later_hears_every_denial_after(backend) -> None:
     assert seen == ["/", "/"]
     with pytest.raises(ValidationError):
         mw.on_breach = "not callable"  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("path", ["nanolimit", "nanolimit.gateway.middleware"])
+def test_the_old_name_of_the_pipeline_still_imports_and_names_the_new_one(path: str) -> None:
+    module = importlib.import_module(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = module.RateLimitMiddleware
+        namespace: dict[str, object] = {}
+        exec(f"from {path} import RateLimitMiddleware", namespace)  # the documented spelling
+    assert old is namespace["RateLimitMiddleware"] is RateLimitPipeline
+    # one warning per use, each pointing at the line that used the old name
+    assert [w.category for w in caught] == [DeprecationWarning] * 2
+    assert caught[0].filename == __file__ and caught[1].filename == "<string>"
+    assert all("RateLimitPipeline" in str(w.message) for w in caught)
+    assert "RateLimitMiddleware" not in module.__all__ and "RateLimitPipeline" in module.__all__
+    with pytest.raises(AttributeError):
+        _ = module.NoSuchName
+    # handed an app, the old name still says which import wraps one
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match=r"from nanolimit\.asgi import"):
+        module.RateLimitMiddleware(lambda scope, receive, send: None, RuleRegistry([rule("all", 1, 60.0)]))

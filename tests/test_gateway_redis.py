@@ -10,7 +10,7 @@ from typing import Any
 from gateway_helpers import WALL, get, ok_handler, rule
 
 from nanolimit.gateway.factory import LimiterFactory
-from nanolimit.gateway.middleware import RateLimitMiddleware, Request
+from nanolimit.gateway.middleware import RateLimitPipeline, Request
 from nanolimit.gateway.registry import RuleRegistry
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
@@ -18,7 +18,7 @@ pytest_plugins = ["redis_servers"]  # the server fixtures
 
 def _gateway(backend: types.SimpleNamespace, storage: Any, rules: list, *, stacked: bool = False) -> Any:
     factory = LimiterFactory(storage, backend.FakeClock(0.0), limiters=backend.module.LIMITERS)
-    return RateLimitMiddleware(RuleRegistry(rules, stacked=stacked), factory, wall_clock=lambda: WALL)
+    return RateLimitPipeline(RuleRegistry(rules, stacked=stacked), factory, wall_clock=lambda: WALL)
 
 
 def test_redis_backed_gateway_answers_like_the_spec(

@@ -27,7 +27,7 @@ from starlette.testclient import TestClient
 
 from nanolimit import asgi, wsgi
 from nanolimit.gateway.factory import LimiterFactory
-from nanolimit.gateway.middleware import Outcome, RateLimitMiddleware, Request
+from nanolimit.gateway.middleware import Outcome, RateLimitPipeline, Request
 from nanolimit.gateway.registry import RuleRegistry
 from nanolimit.gateway.rules import RateLimitRule
 
@@ -45,7 +45,7 @@ class CountingWallClock:
         return WALL
 
 
-def _sender(front_end: str, core: RateLimitMiddleware) -> Callable[[str, str | None], int]:
+def _sender(front_end: str, core: RateLimitPipeline) -> Callable[[str, str | None], int]:
     """``send(path, user) -> status`` through one front end sharing ``core``."""
     if front_end == "pipeline":
         return lambda path, user: core(Request("GET", path, {}, "192.0.2.1", user), ok_handler).status
@@ -92,11 +92,11 @@ def _sender(front_end: str, core: RateLimitMiddleware) -> Callable[[str, str | N
 
 def _core(
     backend: types.SimpleNamespace, rules: list[RateLimitRule], storage: Any, *, stacked: bool = False
-) -> tuple[RateLimitMiddleware, CountingWallClock]:
+) -> tuple[RateLimitPipeline, CountingWallClock]:
     limiters = None if hasattr(storage, "allow_all") else backend.module.LIMITERS
     factory = LimiterFactory(storage, backend.FakeClock(0.0), limiters=limiters)
     wall = CountingWallClock()
-    core = RateLimitMiddleware(RuleRegistry(rules, stacked=stacked), factory, wall_clock=wall)
+    core = RateLimitPipeline(RuleRegistry(rules, stacked=stacked), factory, wall_clock=wall)
     return core, wall
 
 
@@ -157,7 +157,7 @@ def test_stacked_rules_read_the_clock_once_and_spend_only_when_all_agree(
     assert snap["trial"]["allowed"] == 1 and snap["trial"]["shadow_denied"] == 4
 
 
-class AuditedPipeline(RateLimitMiddleware):
+class AuditedPipeline(RateLimitPipeline):
     """An extension through the public entry point: every decision logged,
     and one path refused whatever the budget says."""
 

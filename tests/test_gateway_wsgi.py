@@ -13,7 +13,7 @@ from gateway_helpers import rule
 from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.keys import DefaultKeyExtractor
 from nanolimit.gateway.metrics import Metrics
-from nanolimit.gateway.middleware import RateLimitMiddleware as Core
+from nanolimit.gateway.middleware import RateLimitPipeline as Core
 from nanolimit.gateway.registry import RuleRegistry
 from nanolimit.wsgi import RateLimitMiddleware, request_from_environ
 

@@ -28,7 +28,7 @@ from nanolimit.asgi import RateLimitMiddleware as ASGIMiddleware
 from nanolimit.errors import RuleValidationError
 from nanolimit.flask import Limiter
 from nanolimit.gateway.keyfuncs import MAX_KEY_BYTES
-from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.middleware import RateLimitPipeline, Request, Response
 from nanolimit.gateway.routes import FOREIGN_KEYWORDS, RouteLimits
 from nanolimit.gateway.rules import KeyScope, RateLimitRule
 
@@ -39,8 +39,8 @@ def tenant(request: Any) -> str:
     return str(request.headers["x-tenant"])
 
 
-def pipeline(*rules: RateLimitRule) -> RateLimitMiddleware:
-    return RateLimitMiddleware(
+def pipeline(*rules: RateLimitRule) -> RateLimitPipeline:
+    return RateLimitPipeline(
         RuleRegistry(rules), LimiterFactory(InMemoryStorage(), FakeClock(1_000.0)), wall_clock=lambda: 1_000.0
     )
 

@@ -6,7 +6,7 @@ Every export is read back the way its consumer reads it: the Collector
 through a registry's text output and ``prometheus_client``'s parser, the
 bridge through the OpenTelemetry SDK's in-memory reader, the apps through
 Starlette's and Werkzeug's test clients. Decisions are real ones, made by
-``RateLimitMiddleware`` on the twin under test.
+``RateLimitPipeline`` on the twin under test.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from nanolimit import FakeClock, ValidationError
 from nanolimit.gateway import Metrics, instrument, metrics_app, metrics_wsgi_app
 from nanolimit.gateway.factory import LimiterFactory
-from nanolimit.gateway.middleware import RateLimitMiddleware
+from nanolimit.gateway.middleware import RateLimitPipeline
 from nanolimit.gateway.registry import RuleRegistry
 
 pytest_plugins = ["redis_servers"]  # the server fixtures
@@ -211,7 +211,7 @@ def storage_samples(samples: Samples, name: str) -> dict[str, float]:
 
 def test_an_in_memory_storage_exports_its_stats(backend: types.SimpleNamespace) -> None:
     store = backend.InMemoryStorage(stripes=1, max_keys=2)
-    mw = RateLimitMiddleware(RuleRegistry([rule("api", 5, 60.0)]), LimiterFactory(store, FakeClock(0.0)))
+    mw = RateLimitPipeline(RuleRegistry([rule("api", 5, 60.0)]), LimiterFactory(store, FakeClock(0.0)))
     mw.metrics.watch_storage(store, name="memory")
     for i in range(5):
         mw.check(get(client=f"192.0.2.{i}"))
@@ -253,7 +253,7 @@ def test_unknown_fields_are_gauges_strings_are_skipped_and_a_failing_read_is_cou
     backend: types.SimpleNamespace,
 ) -> None:
     store = _FutureStorage()
-    mw = RateLimitMiddleware(RuleRegistry([rule("api", 5, 60.0)]), LimiterFactory(store, FakeClock(0.0)))
+    mw = RateLimitPipeline(RuleRegistry([rule("api", 5, 60.0)]), LimiterFactory(store, FakeClock(0.0)))
     memory = backend.InMemoryStorage()
     mw.metrics.watch_storage(store)  # named after its type
     mw.metrics.watch_storage(memory, "memory")
@@ -324,7 +324,7 @@ def test_a_shared_memory_zone_exports_its_metrics_and_a_closed_one_counts_a_scra
     from nanolimit import SharedMemoryStorage
 
     zone = SharedMemoryStorage(zone_name, max_keys=1000)
-    mw = RateLimitMiddleware(RuleRegistry([rule("api", 5, 60.0)]), LimiterFactory(zone, FakeClock(0.0)))
+    mw = RateLimitPipeline(RuleRegistry([rule("api", 5, 60.0)]), LimiterFactory(zone, FakeClock(0.0)))
     mw.metrics.watch_storage(zone, name="zone")
     for i in range(3):
         mw.check(get(client=f"192.0.2.{i}"))
@@ -371,7 +371,7 @@ def test_a_redis_storage_whose_server_dies_still_scrapes_with_its_breaker_open(d
 
     client = own_server.client()
     store = RedisStorage(client, timeout=0.05, on_error="allow", breaker_threshold=2, breaker_cooldown=60.0)
-    mw = RateLimitMiddleware(RuleRegistry([rule("api", 100, 60.0)]), LimiterFactory(store))
+    mw = RateLimitPipeline(RuleRegistry([rule("api", 100, 60.0)]), LimiterFactory(store))
     mw.metrics.watch_storage(store, name="shared")
     for _ in range(3):
         mw.check(get())

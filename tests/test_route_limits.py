@@ -30,7 +30,7 @@ from nanolimit import FakeClock, InMemoryStorage, LimiterFactory, RuleRegistry, 
 from nanolimit.asgi import RateLimitMiddleware as ASGIMiddleware
 from nanolimit.errors import RuleValidationError
 from nanolimit.gateway.config import parse_rules
-from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.middleware import RateLimitPipeline, Request, Response
 from nanolimit.gateway.routes import RouteLimits
 from nanolimit.gateway.rules import KeyScope, RateLimitRule, resolve_route, route_key, route_shape
 from nanolimit.wsgi import RateLimitMiddleware as WSGIMiddleware
@@ -57,10 +57,10 @@ def rule(name: str = "api", limit: int = 10, window: float = 60.0, **kw: Any) ->
     )
 
 
-def pipeline(*rules: RateLimitRule, stacked: bool = False, **options: Any) -> RateLimitMiddleware:
+def pipeline(*rules: RateLimitRule, stacked: bool = False, **options: Any) -> RateLimitPipeline:
     clock = FakeClock(1_000.0)
     factory = LimiterFactory(InMemoryStorage(), clock)
-    return RateLimitMiddleware(
+    return RateLimitPipeline(
         RuleRegistry(rules, stacked=stacked), factory, wall_clock=lambda: 1_000.0, **options
     )
 
@@ -239,12 +239,12 @@ def test_denials_are_logged_but_a_flood_is_not(caplog: pytest.LogCaptureFixture)
 
 
 def test_the_framework_free_class_refuses_to_be_an_asgi_middleware_naming_the_right_import() -> None:
-    app = Starlette(middleware=[Middleware(RateLimitMiddleware, registry=RuleRegistry([rule()]))])
+    app = Starlette(middleware=[Middleware(RateLimitPipeline, registry=RuleRegistry([rule()]))])
     with pytest.raises(TypeError, match=r"from nanolimit\.asgi import RateLimitMiddleware"):
         with TestClient(app) as client:
             client.get("/")
     with pytest.raises(TypeError, match=r"nanolimit\.wsgi"):
-        RateLimitMiddleware(lambda environ, start: [], RuleRegistry([rule()]))  # type: ignore[arg-type]
+        RateLimitPipeline(lambda environ, start: [], RuleRegistry([rule()]))  # type: ignore[arg-type]
 
 
 def test_the_spellings_users_bring() -> None:
@@ -309,7 +309,7 @@ def test_a_route_rule_beats_prefix_rules_and_shares_one_budget_across_ids() -> N
 
 def test_exempt_routes_get_no_limit_even_stacked() -> None:
     registry = RuleRegistry([rule("global", 1)], stacked=True, exempt=["/health"])
-    mw = RateLimitMiddleware(registry)
+    mw = RateLimitPipeline(registry)
     assert mw.check(Request("GET", "/health", client="c", route="/health")) is None
     assert [mw(Request("GET", "/x", client="c", route="/x"), ok).status for _ in range(2)] == [200, 429]
 
@@ -608,7 +608,7 @@ def test_rules_files_take_cost_routes_count_when_lists_and_exempt() -> None:
     assert loaded.rules[1].group == "avatar" and loaded.rules[1].routes == ("/users/{id}/avatar",)
     registry = loaded.registry()
     assert registry.ruleset.exempt == frozenset({"/health"})
-    mw = RateLimitMiddleware(registry)
+    mw = RateLimitPipeline(registry)
     assert len(mw.rules_for(Request("GET", "/users/1/avatar", route="/users/{id}/avatar"))) == 2
     with pytest.raises(Exception, match="cost"):
         parse_rules({"rules": [{"name": "x", "rate": "5/minute", "cost": 6}]})
@@ -623,7 +623,7 @@ def test_a_prefix_rate_list_decides_together_unstacked() -> None:
         {"rules": [{"name": "api", "rate": "3/minute;1/second", "algorithm": "fixed_window"}]}
     )
     clock = FakeClock(100.0)
-    mw = RateLimitMiddleware(loaded.registry(), LimiterFactory(InMemoryStorage(), clock))
+    mw = RateLimitPipeline(loaded.registry(), LimiterFactory(InMemoryStorage(), clock))
     assert [mw(Request("GET", "/x", client="c"), ok).status for _ in range(2)] == [200, 429]
     clock.advance(1.0)
     assert mw(Request("GET", "/x", client="c"), ok).status == 200

@@ -17,7 +17,7 @@ from _helpers import needs_shared_memory
 from nanolimit.errors import ConfigError, ValidationError
 from nanolimit.gateway.config import ConfigWatcher, load_rules, parse_rules
 from nanolimit.gateway.factory import LimiterFactory
-from nanolimit.gateway.middleware import RateLimitMiddleware, Request, Response
+from nanolimit.gateway.middleware import RateLimitPipeline, Request, Response
 from nanolimit.gateway.registry import RuleRegistry
 from nanolimit.gateway.rules import RateLimitRule
 
@@ -46,8 +46,8 @@ def ok(request: Request) -> Response:
 
 def test_two_pipelines_on_one_zone_share_the_budget(native, name):
     registry = RuleRegistry([RateLimitRule("api", "*", "/api", "global", "fixed_window", 3, 60.0)])
-    first = RateLimitMiddleware(registry, LimiterFactory(native.SharedMemoryStorage(name, max_keys=100)))
-    second = RateLimitMiddleware(registry, LimiterFactory(native.SharedMemoryStorage(name, max_keys=100)))
+    first = RateLimitPipeline(registry, LimiterFactory(native.SharedMemoryStorage(name, max_keys=100)))
+    second = RateLimitPipeline(registry, LimiterFactory(native.SharedMemoryStorage(name, max_keys=100)))
     request = Request("GET", "/api/x", client="10.0.0.1")
     statuses = [mw(request, ok).status for _ in range(3) for mw in (first, second)]
     assert statuses.count(200) == 3 and statuses.count(429) == 3

@@ -8,6 +8,7 @@ checkers always see the reference.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from ._clocks import Clock, FakeClock, SystemClock
@@ -56,7 +57,7 @@ else:
 from .gateway.factory import LimiterFactory
 from .gateway.keys import ClientKey, DefaultKeyExtractor, KeyExtractor
 from .gateway.metrics import Metrics
-from .gateway.middleware import Outcome, RateLimitMiddleware, Request, Response
+from .gateway.middleware import Outcome, RateLimitPipeline, Request, Response
 from .gateway.rates import parse_rates
 from .gateway.registry import RuleRegistry
 from .gateway.routes import RouteLimits
@@ -76,6 +77,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from .gateway.config import ConfigWatcher, load_rules
+    from .gateway.middleware import RateLimitMiddleware as RateLimitMiddleware  # deprecated
     from .storage.redis import AsyncRedisStorage, RedisStorage
     from .storage.shared_memory import SharedMemoryStorage
     from .storage.two_tier import TwoTierStorage
@@ -85,6 +87,12 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
+        if name == "RateLimitMiddleware":
+            from .gateway.middleware import RateLimitPipeline, _renamed
+
+            if sys._getframe(1).f_globals.get("__name__") == "importlib._bootstrap":
+                return RateLimitPipeline  # `from nanolimit import` asks twice: warn once, below
+            return _renamed()  # warned on every use, so never cached
         raise AttributeError(f"module 'nanolimit' has no attribute {name!r}")
     from importlib import import_module
 
@@ -123,7 +131,7 @@ __all__ = [
     "Metrics",
     "Outcome",
     "Rate",
-    "RateLimitMiddleware",
+    "RateLimitPipeline",
     "RateLimitRule",
     "RateLimiter",
     "RedisStorage",

@@ -617,7 +617,7 @@ def rule_lane(limiter, AdmittedRequests counts not None, outcome_type, str limit
 
 
 def settle_outcome(outcome, status):
-    """``RateLimitMiddleware.settle`` in C: the outcome's charge (its last
+    """``RateLimitPipeline.settle`` in C: the outcome's charge (its last
     field) settled by ``status``; 0 for None or an outcome without one."""
     if outcome is None:
         return 0

@@ -16,7 +16,7 @@ from nanolimit import FakeClock, InMemoryStorage
 
 from .._limiter_config import Algorithm
 from ..gateway.factory import LimiterFactory
-from ..gateway.middleware import RateLimitMiddleware, Request, Response
+from ..gateway.middleware import RateLimitPipeline, Request, Response
 from ..gateway.registry import RuleRegistry
 from ..gateway.rules import KeyScope, RateLimitRule
 
@@ -33,12 +33,12 @@ ALGORITHM_ORDER = (
 
 def _gateway(
     algorithm: Algorithm, limit: int, window: float, clock: FakeClock, name: str = "demo"
-) -> RateLimitMiddleware:
+) -> RateLimitPipeline:
     """One rule on ``/`` per client IP, on a fresh in-memory store: the
     middleware a gateway would run, with the clocks pinned."""
     rule = RateLimitRule(name, "*", "/", KeyScope.IP, algorithm, limit, window)
     factory = LimiterFactory(InMemoryStorage(), clock)
-    return RateLimitMiddleware(RuleRegistry([rule]), factory, wall_clock=lambda: WALL, sleep=lambda _s: None)
+    return RateLimitPipeline(RuleRegistry([rule]), factory, wall_clock=lambda: WALL, sleep=lambda _s: None)
 
 
 def _ok(_request: Request) -> Response:
@@ -125,7 +125,7 @@ def _scenario_threads() -> tuple[bool, list[str]]:
 
         def work(
             slot: int,
-            gateway: RateLimitMiddleware = gateway,
+            gateway: RateLimitPipeline = gateway,
             barrier: threading.Barrier = barrier,
             counts: list[int] = counts,
         ) -> None:

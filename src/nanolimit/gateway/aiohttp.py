@@ -8,7 +8,7 @@ the decision, and limits declared next to routes
 The handler's response (or the ``web.HTTPException`` it raises, which
 aiohttp turns into the response) gives the status count-by-response rules
 settle on. The decision itself is the pipeline's
-(:meth:`RateLimitMiddleware.check`), the one every front end shares.
+(:meth:`RateLimitPipeline.check`), the one every front end shares.
 
 The event loop never waits on the network here, as in the ASGI middleware:
 an ``AsyncRedisStorage`` is awaited (the pipeline's ``check_async`` and
@@ -36,7 +36,7 @@ from .factory import LimiterFactory
 from .keys import KeyExtractor
 from .metrics import Metrics
 from .middleware import AWAIT, INLINE, Outcome, decide_mode
-from .middleware import RateLimitMiddleware as Core
+from .middleware import RateLimitPipeline as Core
 from .registry import RuleRegistry
 from .request import Request
 from .routes import RouteInfo, RouteLimits, registry_and_limits
@@ -367,7 +367,7 @@ def rate_limit_middleware(
     ``registry``, ``factory``, ``extractor``, ``metrics`` and
     ``pipeline_options`` (``headers``, ``header_names``, ``on_breach``,
     ``log_denials``) build the pipeline as
-    :class:`nanolimit.gateway.middleware.RateLimitMiddleware` takes them.
+    :class:`nanolimit.gateway.middleware.RateLimitPipeline` takes them.
     ``limits`` brings route-level declarations (its registry is the
     registry); a registry whose rules name routes (a rules file) is bound
     to the app's routes too. ``deny(request, outcome)`` (sync or async,

@@ -37,7 +37,7 @@ from .headers import RATE_HEADERS
 from .keys import KeyExtractor
 from .metrics import Metrics
 from .middleware import ASGI_PAIRS, AWAIT, DICT, INLINE, CostTooHigh, Outcome, decide_mode, render_body
-from .middleware import RateLimitMiddleware as Core
+from .middleware import RateLimitPipeline as Core
 from .registry import RuleRegistry
 from .request import Request
 from .routes import RouteLimits, registry_and_limits
@@ -193,7 +193,7 @@ class RateLimitMiddleware:
     Starlette ``Middleware(RateLimitMiddleware, registry=..., factory=...)``.
 
     Pass ``core`` to share one framework-free
-    :class:`nanolimit.gateway.middleware.RateLimitMiddleware` (and its metrics)
+    :class:`nanolimit.gateway.middleware.RateLimitPipeline` (and its metrics)
     between front ends; otherwise one is built from the other arguments
     (``pipeline`` holds the pipeline's own options: ``headers``,
     ``header_names``, ``on_breach``, ``log_denials``).

@@ -6,7 +6,7 @@ Why ``process_view``: by then Django has resolved the URL, so the request
 carries its route template (``request.resolver_match.route``), the view
 (with ``view_class`` for class-based views) and, whatever the middleware
 order, the user that ``AuthenticationMiddleware`` attached. The decision is
-the pipeline's (:meth:`nanolimit.gateway.middleware.RateLimitMiddleware.check`), one
+the pipeline's (:meth:`nanolimit.gateway.middleware.RateLimitPipeline.check`), one
 per request, on one pipeline per process: this module builds it once from
 the settings and shares it between threads and between the sync and async
 handlers. A request that never reaches a view (a 404 from the resolver, a
@@ -59,7 +59,7 @@ from .factory import LimiterFactory
 from .headers import RATE_HEADERS
 from .keys import DefaultKeyExtractor
 from .middleware import Outcome
-from .middleware import RateLimitMiddleware as Pipeline
+from .middleware import RateLimitPipeline as Pipeline
 from .registry import RuleSet
 from .request import Request
 from .routes import Limit, RouteLimits, refuse_foreign

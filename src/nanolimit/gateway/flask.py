@@ -9,7 +9,7 @@ its ``before_request`` hooks run, so the matched template
 (:mod:`nanolimit.gateway.routes`) match it directly; a denial raised as an
 HTTP error reaches ``@app.errorhandler(429)``; and ``after_request`` sees the
 response status that count-by-response rules settle on. The decision itself
-is the pipeline's (:meth:`RateLimitMiddleware.check`), the one every front
+is the pipeline's (:meth:`RateLimitPipeline.check`), the one every front
 end shares.
 
 Each app has its own state (``app.extensions["nanolimit"]``): its config, its
@@ -46,7 +46,7 @@ from .config import load_rules
 from .factory import LimiterFactory
 from .keys import DefaultKeyExtractor
 from .metrics import Metrics
-from .middleware import Outcome, RateLimitMiddleware
+from .middleware import Outcome, RateLimitPipeline
 from .rates import parse_rates
 from .registry import ExemptRoute, RuleRegistry, RuleSet
 from .request import Request
@@ -202,7 +202,7 @@ class _Headers(Mapping[str, str]):
 class _AppState:
     """What one app's limiter holds: its pipeline and its binding."""
 
-    pipeline: RateLimitMiddleware
+    pipeline: RateLimitPipeline
     routes: _AppRoutes
     enabled: bool
     deny: Callable[[Request, Outcome], Any] | None
@@ -256,7 +256,7 @@ class Limiter:
     ``key_scope`` (default ``"ip"``) and ``algorithm`` (default
     ``"token_bucket"``): the defaults of every declaration and of the
     default limits; ``headers``, ``header_names``, ``on_breach``,
-    ``log_denials``, ``metrics``: as :class:`RateLimitMiddleware` takes
+    ``log_denials``, ``metrics``: as :class:`RateLimitPipeline` takes
     them; ``trusted_proxies``: networks whose ``X-Forwarded-For`` is
     believed (docs/proxies.md); ``deny(request, outcome) -> response``
     answers a denial instead of raising :class:`RateLimitExceeded`.
@@ -489,7 +489,7 @@ class Limiter:
             extractor = DefaultKeyExtractor(trusted_proxies=trusted)
         except ValidationError as exc:
             raise ValidationError(f"RATELIMIT_TRUSTED_PROXIES: {exc}") from None
-        pipeline = RateLimitMiddleware(
+        pipeline = RateLimitPipeline(
             registry,
             factory,
             extractor,
@@ -542,7 +542,7 @@ class Limiter:
             raise ValidationError(f"call limiter.init_app(app) first (app {target.name!r} has no limiter)")
         return state
 
-    def pipeline(self, app: Flask | None = None) -> RateLimitMiddleware:
+    def pipeline(self, app: Flask | None = None) -> RateLimitPipeline:
         """The app's pipeline (default: the current app's): its
         ``registry``, ``factory`` and ``metrics``."""
         return self._state(app).pipeline
@@ -688,6 +688,7 @@ def _pairs_list() -> bool:
 
 
 _PAIRS_LIST = _pairs_list()
+_LOWERED: dict[tuple[str, ...], frozenset[str]] = {}  # an outcome's header names, lower-cased
 
 
 def _add_missing(out: Headers, headers: Mapping[str, str]) -> None:
@@ -699,8 +700,17 @@ def _add_missing(out: Headers, headers: Mapping[str, str]) -> None:
             if name.lower() not in present:
                 out.add(name, value)
         return
-    if not pairs:
-        pairs.extend(headers.items())
+    names = tuple(headers)
+    lowered = _LOWERED.get(names)
+    if lowered is None:
+        lowered = frozenset(name.lower() for name in names)
+        if len(_LOWERED) < 64:  # a few sets of names: with or without Retry-After, renamed
+            _LOWERED[names] = lowered
+    for name, _ in pairs:  # usually two: Content-Type, Content-Length
+        if name.lower() in lowered:
+            break
+    else:
+        pairs.extend(headers.items())  # none set by the app: all of them, in one call
         return
     present = {name.lower() for name, _ in pairs}  # one pass, not one per header
     for name, value in headers.items():
@@ -708,7 +718,7 @@ def _add_missing(out: Headers, headers: Mapping[str, str]) -> None:
             pairs.append((name, value))
 
 
-def _settle(pipeline: RateLimitMiddleware, outcome: Outcome, status: int) -> None:
+def _settle(pipeline: RateLimitPipeline, outcome: Outcome, status: int) -> None:
     """Settle a count-by-response charge. A refund that fails (the store
     down) leaves the request counted, the safe side: it is logged, and the
     response the view made still goes out."""

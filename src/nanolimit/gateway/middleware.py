@@ -1,12 +1,12 @@
 """The framework-free request path (docs/spec.md §6).
 
-``RateLimitMiddleware(registry, factory)(request, next_handler)`` finds the
+``RateLimitPipeline(registry, factory)(request, next_handler)`` finds the
 rule(s), builds the key, decides, counts, and answers 429 (docs/spec.md §2
 body and headers) or the handler's response with the headers added. No rule:
 the request passes unlimited, by choice.
 
-:meth:`RateLimitMiddleware.check` decides a :class:`Request`;
-:meth:`RateLimitMiddleware.decide` is what every adapter (ASGI, WSGI,
+:meth:`RateLimitPipeline.check` decides a :class:`Request`;
+:meth:`RateLimitPipeline.decide` is what every adapter (ASGI, WSGI,
 Flask, Django, aiohttp) calls: the same decision from the request's method,
 path, peer and route, its Request built only when a rule or a hook needs
 one. Both do their own I/O nowhere, so every front end shares one decision
@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ from .registry import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RuleRegistry, RuleS
 from .request import Request
 from .rules import KeyScope, RateLimitRule
 
-__all__ = ["CostTooHigh", "Outcome", "RateLimitMiddleware", "Request", "Response", "deny_body", "render_body"]
+__all__ = ["CostTooHigh", "Outcome", "RateLimitPipeline", "Request", "Response", "deny_body", "render_body"]
 
 _SETTLE = getattr(native_core(), "settle_outcome", None)
 
@@ -168,13 +169,13 @@ def decide_mode(storage: Any, decide: str | None = None) -> str:
     return INLINE if decide == INLINE else THREAD  # the constants: the request path compares by identity
 
 
-class RateLimitMiddleware:
+class RateLimitPipeline:
     """A pipeline stage ``(request, next_handler) -> Response``, and the
     decision every front end shares (:meth:`check`).
 
     ``factory`` defaults to a :class:`LimiterFactory` on a fresh in-memory
     store; ``extractor`` to :class:`DefaultKeyExtractor`; ``metrics`` to a
-    new :class:`Metrics` (read it back as ``middleware.metrics``).
+    new :class:`Metrics` (read it back as ``pipeline.metrics``).
     ``wall_clock`` gives the Unix time of ``X-RateLimit-Reset`` (read at
     most once per request); ``sleep`` is how a shaping leaky-bucket rule
     waits (the ASGI adapter awaits instead).
@@ -193,17 +194,17 @@ class RateLimitMiddleware:
     rules, and the cache keys by its answer.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> RateLimitMiddleware:
-        # The ASGI and WSGI classes share this name: handed an app (as
-        # Starlette's Middleware(...) and app.add_middleware do), this is
-        # the wrong import, and must say so when the app is built, not as
-        # a TypeError on every request.
+    def __new__(cls, *args: Any, **kwargs: Any) -> RateLimitPipeline:
+        # Handed an app (as Starlette's Middleware(...) and
+        # app.add_middleware do), this is the wrong import (most often the
+        # old name, nanolimit.RateLimitMiddleware), and must say so when
+        # the app is built, not as a TypeError on every request.
         first = args[0] if args else kwargs.get("registry")
         if (args and "registry" in kwargs) or (
             first is not None and not isinstance(first, RuleRegistry) and callable(first)
         ):
             raise TypeError(
-                "nanolimit.RateLimitMiddleware is the framework-free pipeline and takes a RuleRegistry "
+                "nanolimit.RateLimitPipeline is the framework-free pipeline and takes a RuleRegistry "
                 "first; it was handed an app. For Starlette, FastAPI or any ASGI app use "
                 "'from nanolimit.asgi import RateLimitMiddleware'; for Flask, Django or any WSGI app "
                 "'from nanolimit.wsgi import RateLimitMiddleware'."
@@ -294,7 +295,7 @@ class RateLimitMiddleware:
         # called for every request instead, as the adapters call it. The
         # inline lane writes the five headers as they are: off or renamed
         # headers take check().
-        self._inline = type(self).check is RateLimitMiddleware.check and headers and not renames
+        self._inline = type(self).check is RateLimitPipeline.check and headers and not renames
         self._plain = headers and not renames
         # the native lanes (RuleLane, one per simple binding), and what keys
         # them with no Request: the stock extractor's cache of peer keys
@@ -844,4 +845,28 @@ class RateLimitMiddleware:
         return response
 
     def __repr__(self) -> str:
-        return f"<RateLimitMiddleware {self.registry!r} {self.factory!r}>"
+        return f"<RateLimitPipeline {self.registry!r} {self.factory!r}>"
+
+
+if TYPE_CHECKING:
+    RateLimitMiddleware = RateLimitPipeline  # the deprecated name, for code not yet renamed
+
+
+def _renamed() -> type[RateLimitPipeline]:
+    """The pipeline under its old name, with one ``DeprecationWarning``
+    pointing at the line that used it (whichever module path it took): the
+    name now means only the classes that wrap an app."""
+    warnings.warn(
+        "the framework-free pipeline is renamed RateLimitPipeline (nanolimit.RateLimitPipeline); "
+        "its old name, RateLimitMiddleware, will be removed. To wrap an app use "
+        "nanolimit.asgi.RateLimitMiddleware or nanolimit.wsgi.RateLimitMiddleware.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return RateLimitPipeline
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RateLimitMiddleware":
+        return _renamed()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -52,7 +52,7 @@ class Outcome(NamedTuple):
     :class:`CostTooHigh` when the request's cost exceeds a rule's
     capacity); ``charge``: what to give back if the response does not
     count (rules with ``count_when``), else None — hand the response status
-    to :meth:`RateLimitMiddleware.settle`.
+    to :meth:`RateLimitPipeline.settle`.
 
     A named tuple: an answer is a fact, and the hot path builds it with one
     C call (``_outcome``), not a Python ``__init__``.

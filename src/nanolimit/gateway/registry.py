@@ -238,7 +238,7 @@ class RuleSet:
         self._root = root
         self._route_index = {template: _by_method(entries) for template, entries in by_route.items()}
         # whether the matched route decides anything: the pipeline's route
-        # cache then keys by the route too (RateLimitMiddleware)
+        # cache then keys by the route too (RateLimitPipeline)
         self.routed = bool(self._route_index or self._exempt)
 
     def _bind_route(self, template: str) -> tuple[str, ...]:

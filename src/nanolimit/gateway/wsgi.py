@@ -17,7 +17,7 @@ from .factory import LimiterFactory
 from .keys import KeyExtractor
 from .metrics import Metrics
 from .middleware import DICT, WSGI_PAIRS, CostTooHigh, render_body
-from .middleware import RateLimitMiddleware as Core
+from .middleware import RateLimitPipeline as Core
 from .registry import RuleRegistry
 from .request import Request
 
