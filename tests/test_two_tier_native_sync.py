@@ -17,13 +17,18 @@ pytest_plugins = ["redis_servers"]
 pytestmark = pytest.mark.native
 
 
-def fleet(server: Any, prefix: str, n: int) -> list[Any]:
+def fleet(server: Any, prefix: str, n: int, **kwargs: Any) -> list[Any]:
     from nanolimit.storage.two_tier import TwoTierStorage
 
     return [
-        TwoTierStorage(None, server.client(), instance_id=f"i{i}", prefix=prefix, start=False)
+        TwoTierStorage(None, server.client(), instance_id=f"i{i}", prefix=prefix, start=False, **kwargs)
         for i in range(n)
     ]
+
+
+# Heartbeats that outlive a slow run (valgrind): no member of either fleet
+# goes silent on real time, which the two fleets would see at different steps.
+SLOW_BEATS = {"sync_interval": 60.0, "heartbeat_ttl": 3600.0, "partition_grace": 3600.0}
 
 
 def redis_state(server: Any, prefix: str) -> dict[str, dict[bytes, bytes]]:
@@ -54,7 +59,7 @@ def test_the_native_plan_leaves_redis_and_decisions_as_the_python_plan(
     window rollovers, a partition and a third member joining. Every decision
     agrees, and so do the window hashes in Redis, field for field."""
     rng = random.Random(seed)
-    fast, slow = fleet(redis_server, "ns:", 3), fleet(redis_server, "rs:", 3)
+    fast, slow = fleet(redis_server, "ns:", 3, **SLOW_BEATS), fleet(redis_server, "rs:", 3, **SLOW_BEATS)
     down = [False]
     for tier in (*fast, *slow):
         real = tier._exchange
