@@ -202,3 +202,25 @@ def test_twenty_thousand_keys_in_one_native_sync(native: Any) -> None:
     finally:
         first.close()
         second.close()
+
+
+def test_the_native_plan_over_a_valkey_py_client(native: Any, redis_server: Any) -> None:
+    """valkey-py's pool wants a command name where redis-py's wants none: the
+    native calls go over either client's connection."""
+    import valkey
+
+    from nanolimit.storage.two_tier import TwoTierStorage
+
+    tier = TwoTierStorage(
+        None, valkey.Valkey(host="127.0.0.1", port=redis_server.port), instance_id="vk", start=False
+    )
+    try:
+        limiter = native.FixedWindowCounter(100, 3600.0, storage=tier, clock=FakeClock(7200.5))
+        limiter.allow("a")
+        tier.sync_now()
+        limiter.allow("a", 2)
+        assert tier._sync(full=False) and native_keys(tier) == 1
+        base = tier._tracks[(limiter.config, "a")].base
+        assert redis_server.client().hgetall(base + "2") == {b"vk": b"3", b"lease:vk": b"97"}
+    finally:
+        tier.close()

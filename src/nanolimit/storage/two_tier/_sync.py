@@ -716,7 +716,10 @@ class _FleetSync:
         raised after every reply is read (as a pipeline does); anything
         else drops the connection."""
         pool = self.client.connection_pool
-        conn = pool.get_connection()
+        try:
+            conn = pool.get_connection()
+        except TypeError:  # redis-py before 5.3 and valkey-py want a command name
+            conn = pool.get_connection("EVALSHA")
         try:
             conn.send_packed_command([*conn.pack_commands(calls), *packed])
             out: list[Any] = []
