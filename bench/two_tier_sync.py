@@ -10,6 +10,10 @@ for ``--seconds``. Reported per N: syncs per second achieved (asked:
 synced, ``allow()`` p99.99 and max, and the calls over 1 ms.
 
     PYTHONPATH=src python bench/two_tier_sync.py [--keys 1000,10000,50000]
+
+``--vs-memory N``: instead, ``allow()`` back to back over N keys (rounds of
+every key, the sync thread running) on the two-tier storage and on an
+``InMemoryStorage``: the median ns per call over the rounds, and the ratio.
 """
 
 from __future__ import annotations
@@ -99,14 +103,46 @@ def run(server: Server, n: int, interval: float, seconds: float) -> dict[str, fl
     return out
 
 
+def vs_memory(server: Server, n: int, interval: float, rounds: int = 30) -> None:
+    keys = [f"m:{i}" for i in range(n)]
+    tier = TwoTierStorage(None, server.client(), sync_interval=interval, instance_id="bench-vs-memory")
+    try:
+        results = {}
+        for name, storage in (("InMemoryStorage", nanolimit.InMemoryStorage()), ("TwoTierStorage", tier)):
+            allow = nanolimit.FixedWindowCounter(1 << 30, 60.0, storage).allow
+            for key in keys:  # tracked (and leased) before the timing
+                allow(key)
+            if storage is tier:
+                tier.sync_now()
+            per_round = []
+            for _ in range(rounds):
+                t0 = time.perf_counter_ns()
+                for key in keys:
+                    allow(key)
+                per_round.append((time.perf_counter_ns() - t0) / n)
+            results[name] = statistics.median(per_round)
+        print("| keys | InMemoryStorage | TwoTierStorage | ratio |\n| ---: | ---: | ---: | ---: |")
+        mem, two = results["InMemoryStorage"], results["TwoTierStorage"]
+        print(f"| {n:,} | {mem:.0f} ns | {two:.0f} ns | {two / mem:.2f}x |")
+    finally:
+        tier.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", default="1000,10000,50000")
     parser.add_argument("--interval", type=float, default=0.05)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--vs-memory", type=int, default=0, metavar="N")
     args = parser.parse_args()
     server = Server(require_binary("redis"), "redis")
     server.start()
+    if args.vs_memory:
+        try:
+            vs_memory(server, args.vs_memory, args.interval)
+        finally:
+            server.stop()
+        return
     try:
         print(
             "| keys | syncs/s (asked) | sync wall median / max | µs per key synced "

@@ -191,9 +191,9 @@ def test_lease_book_refuses_changes_while_open(native: Any) -> None:
     book = native.LeaseBook(gate, 10, 1.0, False, 0.05)
     slot = book.attach("k", "owner-of-k")
     assert book.attach("k") == slot and len(book) == 1
-    assert book.pull(slot) == (None, 0, 0.0, 0, None, 0, 0)
+    assert book.pull(slot) == (None, 0, 0.0, 0, None, 0, 0, None)
     book.load(slot, 100, 2, 5, 1, 7, 100.5, 5)  # previous is ignored: not sliding
-    assert book.pull(slot) == (100, 2, 100.5, 0, None, 0, 0)
+    assert book.pull(slot) == (100, 2, 100.5, 0, None, 0, 0, None)
     with pytest.raises(IndexError):
         book.pull(slot + 1)
     gate.open()
@@ -453,6 +453,7 @@ def test_a_new_instance_count_reaches_c_and_python_at_once(native: Any, redis_se
         class Probe:  # the storage's lock, plus a decision right after a hold ends
             def __init__(self, inner: Any) -> None:
                 self.inner = inner
+                self.lock = inner.lock  # the raw lock the native plan holds (gate left open)
 
             def __enter__(self) -> None:
                 self.inner.__enter__()

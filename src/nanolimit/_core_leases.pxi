@@ -21,8 +21,115 @@ ctypedef struct LeaseRecord:
     bint prev_pending
     bint committed                  # committed to since take_dirty (this key, not the slot's last)
     bint listed                     # its slot is in the book's dirty list
+    bint attached                   # a key holds the slot
+    # A fast record: the sync plans and applies this key in C (plan_step,
+    # apply), and these fields, not the storage's dicts, hold window s_index's
+    # sync state (LEASE_NONE: absent from the dict); pull hands them over.
+    bint fast
+    bint solo                       # ... and it has no other window a full sync would send
+    uint32_t gen                    # bumped by attach and detach: a sync's answer finds its key
+    int64_t s_index
+    int64_t s_pushed
+    int64_t s_acked
+    int64_t s_seen_total
+    int64_t s_seen_own
+    int64_t s_lease
+    int64_t s_claimed               # the default share claimed in window s_index + 1
+    int64_t s_want                  # the largest cost refused for want of lease, to ask for
+    double touched                  # monotonic time of the last decision folded by plan_step
 
 cdef int64_t LEASE_NONE = INT64_MIN
+cdef Py_ssize_t RECONCILE_KEYS = 128  # keys per reconcile call (two_tier RECONCILE_CHUNK)
+
+# One (key, window) of a sync planned in C: what is sent, and where the
+# answer goes (the slot, while it still holds the same key: gen).
+ctypedef struct SyncItem:
+    Py_ssize_t slot
+    uint32_t gen
+    int64_t window_index
+    int64_t value                   # our cumulative units in the window
+    int64_t ms                      # the hash's expiry
+    int64_t want
+    int64_t held                    # the ceiling in use
+    int64_t claim                   # the next window's default share to claim; 0: none
+
+# A growable byte buffer, filled without the GIL (len < 0: out of memory).
+ctypedef struct SyncBuf:
+    char* data
+    Py_ssize_t len
+    Py_ssize_t cap
+
+
+cdef bint buf_put(SyncBuf* b, const char* s, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t size
+    cdef char* grown
+    if b.len < 0:
+        return False
+    if b.len + n > b.cap:
+        size = (b.len + n) * 2 + 4096
+        grown = <char*>realloc(b.data, <size_t>size)
+        if grown == NULL:
+            b.len = -1
+            return False
+        b.data = grown
+        b.cap = size
+    memcpy(b.data + b.len, s, <size_t>n)
+    b.len += n
+    return True
+
+
+cdef int fmt_i64(char* out, int64_t v) noexcept nogil:
+    # decimal, as Python's str(int); snprintf cost ~3x more per key in the plan
+    cdef char tmp[24]
+    cdef int n = 0, i
+    cdef uint64_t u = <uint64_t>v
+    if v < 0:
+        u = <uint64_t>0 - u
+    while True:
+        tmp[n] = <char>(48 + <int>(u % 10))
+        n += 1
+        u //= 10
+        if u == 0:
+            break
+    i = 0
+    if v < 0:
+        out[0] = 45
+        i = 1
+    while n > 0:
+        n -= 1
+        out[i] = tmp[n]
+        i += 1
+    return i
+
+
+cdef bint buf_int(SyncBuf* b, int64_t v) noexcept nogil:
+    cdef char tmp[24]
+    return buf_put(b, tmp, fmt_i64(tmp, v))
+
+
+cdef bint buf_bulk_head(SyncBuf* b, Py_ssize_t n) noexcept nogil:
+    # RESP: the length line of a bulk string
+    cdef char tmp[32]
+    cdef int m
+    tmp[0] = 36
+    m = 1 + fmt_i64(tmp + 1, n)
+    tmp[m] = 13
+    tmp[m + 1] = 10
+    return buf_put(b, tmp, m + 2)
+
+
+cdef bint buf_bulk_int(SyncBuf* b, int64_t v) noexcept nogil:
+    cdef char tmp[24]
+    cdef int n = fmt_i64(tmp, v)
+    return buf_bulk_head(b, n) and buf_put(b, tmp, n) and buf_put(b, "\r\n", 2)
+
+
+cdef bint buf_key(SyncBuf* b, const char* base, Py_ssize_t base_len, int64_t k) noexcept nogil:
+    # RESP bulk string of the window's hash key: base + decimal k
+    cdef char tmp[24]
+    cdef int n = fmt_i64(tmp, k)
+    return (buf_bulk_head(b, base_len + n) and buf_put(b, base, base_len) and buf_put(b, tmp, n)
+            and buf_put(b, "\r\n", 2))
 
 
 @cython.final
@@ -88,6 +195,35 @@ cdef class LeaseBook:
     cdef list free_slots
     cdef list keys                  # slot -> key (None when free)
     cdef list owners                # slot -> what attach was given for it (the storage's track)
+    cdef char** bases               # slot -> the Redis key prefix of its window hashes (malloc'd)
+    cdef Py_ssize_t* base_lens
+    # the sync planned in C (plan_begin, plan_step, take_commands, apply)
+    cdef Py_ssize_t* cand           # the slots it covers, then those it leaves to Python
+    cdef Py_ssize_t cand_len
+    cdef Py_ssize_t cand_pos
+    cdef Py_ssize_t py_len
+    cdef SyncItem* items
+    cdef Py_ssize_t items_len
+    cdef Py_ssize_t chunk_start     # the first item of the chunk being filled
+    cdef Py_ssize_t* chunk_ends     # per command: its items end here ...
+    cdef Py_ssize_t* cmd_ends       # ... and its bytes in out
+    cdef Py_ssize_t n_chunks
+    cdef SyncBuf out
+    cdef SyncBuf words
+    cdef bint plan_full
+    cdef int64_t plan_share
+    cdef double plan_wall
+    cdef double plan_mono
+    cdef double plan_idle
+    cdef bytes plan_head            # RESP: EVALSHA and the sha
+    cdef bytes plan_mid             # RESP: the instance id and N
+    cdef bytes plan_tail            # RESP: the reserved members
+    cdef Py_ssize_t plan_tail_count
+    cdef const char* head_p         # into the bytes above, which the book keeps alive
+    cdef const char* mid_p
+    cdef const char* tail_p
+    cdef Py_ssize_t head_n, mid_n, tail_n
+    cdef readonly int64_t folded    # decisions plan_step folded (the storage adds them to its count)
     cdef readonly int64_t limit
     cdef readonly double window
     cdef readonly bint sliding
@@ -109,8 +245,15 @@ cdef class LeaseBook:
             raise ValidationError(f"LeaseBook window {self.window!r} is too short for int64 window indexes")
 
     def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.bases != NULL:
+            for i in range(self.used):
+                free(self.bases[i])
+        free(self.bases)
+        free(self.base_lens)
         free(self.records)
         free(self.dirty)
+        self.plan_free()
 
     cdef inline void check_closed(self) except *:
         if self.gate.is_open:
@@ -121,13 +264,18 @@ cdef class LeaseBook:
             raise IndexError(f"lease slot {slot} out of range")
         return &self.records[slot]
 
-    def attach(self, key, owner=None):
+    def attach(self, key, owner=None, bytes base=b""):
         """A slot for ``key`` (empty until ``load``); ``take_dirty`` hands
-        ``owner`` back (the storage's own record of the key)."""
+        ``owner`` back (the storage's own record of the key). ``base``: the
+        encoded prefix of the key's window hashes, for the sync planned in C."""
         cdef Py_ssize_t slot, size
         cdef LeaseRecord* grown
         cdef Py_ssize_t* grown_dirty
+        cdef char** grown_bases
+        cdef Py_ssize_t* grown_lens
+        cdef char* copy
         cdef bint listed = False
+        cdef uint32_t gen = 0
         self.check_closed()
         if type(key) is not str:  # lookups run under the gate's spinlock: no Python __eq__
             raise TypeError(f"LeaseBook keys are str, not {type(key).__name__}")
@@ -135,6 +283,7 @@ cdef class LeaseBook:
             return self.index[key]
         if self.free_slots:
             slot = self.free_slots.pop()
+            gen = self.records[slot].gen
             listed = self.records[slot].listed  # still in the dirty list: stays there once,
             # reported only if the new key is committed to
             self.keys[slot] = key
@@ -151,14 +300,32 @@ cdef class LeaseBook:
                 if grown_dirty == NULL:
                     raise MemoryError()
                 self.dirty = grown_dirty
+                grown_bases = <char**>realloc(self.bases, <size_t>size * sizeof(char*))
+                if grown_bases == NULL:
+                    raise MemoryError()
+                self.bases = grown_bases
+                grown_lens = <Py_ssize_t*>realloc(self.base_lens, <size_t>size * sizeof(Py_ssize_t))
+                if grown_lens == NULL:
+                    raise MemoryError()
+                self.base_lens = grown_lens
                 self.allocated = size
+            self.bases[self.used] = NULL
             slot = self.used
             self.used += 1
             self.keys.append(key)
             self.owners.append(owner)
+        copy = <char*>malloc(<size_t>len(base) + 1)
+        if copy == NULL:
+            raise MemoryError()
+        memcpy(copy, PyBytes_AS_STRING(base), <size_t>len(base))
+        free(self.bases[slot])
+        self.bases[slot] = copy
+        self.base_lens[slot] = len(base)
         memset(&self.records[slot], 0, sizeof(LeaseRecord))
         self.records[slot].window_index = LEASE_NONE
         self.records[slot].listed = listed
+        self.records[slot].attached = True
+        self.records[slot].gen = gen + 1
         self.index[key] = slot
         return slot
 
@@ -167,6 +334,9 @@ cdef class LeaseBook:
         slot = self.index.pop(key, None)
         if slot is not None:
             self.records[<Py_ssize_t>slot].window_index = LEASE_NONE
+            self.records[<Py_ssize_t>slot].attached = False
+            self.records[<Py_ssize_t>slot].fast = False
+            self.records[<Py_ssize_t>slot].gen += 1
             self.keys[slot] = None
             self.owners[slot] = None
             self.free_slots.append(slot)
@@ -186,24 +356,42 @@ cdef class LeaseBook:
         self.dirty_len = 0
         return out
 
-    def pull(self, Py_ssize_t slot):
+    def pull(self, Py_ssize_t slot, bint writing=True):
         """``(window_index or None, own units, last_now, committed decisions,
         rolled-away window or None, its own units, largest cost refused for
-        want of lease)``: what C decided since the last pull. The decision
-        count and the wanted cost restart from zero."""
+        want of lease, sync state)``: what C decided since the last pull. The
+        decision count and the wanted cost restart from zero. ``sync state``
+        is None, or for a fast record ``(window, pushed, acked, seen total,
+        seen own, lease, claimed in the next window, wanted cost, touched)``
+        (LEASE_NONE: absent), which the caller's dicts take over when
+        ``writing`` (the record is no longer fast until ``load`` says so)."""
         self.check_closed()
         cdef LeaseRecord* r = self.record(slot)
         cdef int64_t n = r.decisions
         cdef int64_t want = r.want
         cdef bint rolled = r.prev_pending
-        r.decisions = 0
+        sync = None
+        if r.fast:
+            if r.window_index == r.s_index:   # the wanted cost is C's to keep (as _pull's max)
+                if want > r.s_want:
+                    r.s_want = want
+                want = 0
+            sync = (r.s_index, r.s_pushed, r.s_acked, r.s_seen_total, r.s_seen_own, r.s_lease,
+                    r.s_claimed, r.s_want, r.touched)
+            if writing:
+                r.fast = False
         r.want = 0
+        r.decisions = 0
         r.prev_pending = False
         return (None if r.window_index == LEASE_NONE else r.window_index, r.own, r.last_now, n,
-                r.prev_index if rolled else None, r.prev_own if rolled else 0, want)
+                r.prev_index if rolled else None, r.prev_own if rolled else 0, want, sync)
 
     def load(self, Py_ssize_t slot, int64_t window_index, int64_t own, int64_t ceiling,
-             int64_t others, int64_t previous, double last_now, int64_t next_ceiling):
+             int64_t others, int64_t previous, double last_now, int64_t next_ceiling, sync=None):
+        """``sync``: None, or ``(pushed, acked, seen total, seen own, lease,
+        claimed in the next window, wanted cost, touched, solo)`` of window
+        ``window_index`` (LEASE_NONE: absent): the record is then fast, the
+        sync plans and applies it in C and holds that state until ``pull``."""
         self.check_closed()
         cdef LeaseRecord* r = self.record(slot)
         if r.prev_pending:
@@ -215,6 +403,304 @@ cdef class LeaseBook:
         r.previous = previous if self.sliding else 0
         r.last_now = last_now
         r.next_ceiling = next_ceiling
+        if sync is None:
+            r.fast = False
+            return
+        (r.s_pushed, r.s_acked, r.s_seen_total, r.s_seen_own, r.s_lease, r.s_claimed, r.s_want,
+         r.touched, r.solo) = sync
+        r.s_index = window_index
+        r.fast = True
+
+    def mark_dirty(self, Py_ssize_t slot):
+        """The key was committed to in Python: the next plan covers it."""
+        self.check_closed()
+        cdef LeaseRecord* r = self.record(slot)
+        if not r.committed:
+            r.committed = True
+            if not r.listed:
+                r.listed = True
+                self.dirty[self.dirty_len] = slot
+                self.dirty_len += 1
+
+    def rejoin(self):
+        """The server lost our membership: as the storage clears its dicts'
+        pushed counts and claims, the fast records forget theirs."""
+        cdef Py_ssize_t i
+        self.check_closed()
+        for i in range(self.used):
+            if self.records[i].fast:
+                self.records[i].s_pushed = LEASE_NONE
+                self.records[i].s_claimed = LEASE_NONE
+
+    # -- the sync planned in C -------------------------------------------------------
+    # plan_begin takes the slots a sync covers; plan_step, a few hundred at a
+    # time under the gate's spinlock with the GIL released, writes the fast
+    # records' reconcile calls (RESP, RECONCILE_CHUNK keys each) and hands the
+    # others back for the Python plan; apply writes one call's answers into
+    # the records. The storage holds its lock (not the gate) around each step.
+    cdef void plan_free(self) noexcept:
+        free(self.cand)
+        free(self.items)
+        free(self.chunk_ends)
+        free(self.cmd_ends)
+        free(self.out.data)
+        free(self.words.data)
+        self.cand = NULL
+        self.items = NULL
+        self.chunk_ends = NULL
+        self.cmd_ends = NULL
+        memset(&self.out, 0, sizeof(SyncBuf))
+        memset(&self.words, 0, sizeof(SyncBuf))
+        self.cand_len = self.cand_pos = self.py_len = self.items_len = self.chunk_start = self.n_chunks = 0
+
+    def plan_begin(self, bint full, int64_t share, double wall, double mono, double idle_after,
+                   bytes head not None, bytes mid not None, bytes tail not None, Py_ssize_t tail_count):
+        """Start a sync: every key (``full``) or those committed to since the
+        last one. ``share``: our default share; ``wall``, ``mono``: the
+        clocks at the sync's start; ``idle_after``: a full sync leaves keys
+        idle for longer to Python (which may drop them); ``head``, ``mid``,
+        ``tail``: the RESP words around each call's keys and specs."""
+        cdef Py_ssize_t i, slot, n = 0
+        self.check_closed()
+        self.plan_free()
+        self.cand = <Py_ssize_t*>malloc(<size_t>(self.used + 1) * sizeof(Py_ssize_t))
+        self.items = <SyncItem*>malloc(<size_t>(self.used + 1) * sizeof(SyncItem))
+        self.chunk_ends = <Py_ssize_t*>malloc(<size_t>(self.used // RECONCILE_KEYS + 2) * sizeof(Py_ssize_t))
+        self.cmd_ends = <Py_ssize_t*>malloc(<size_t>(self.used // RECONCILE_KEYS + 2) * sizeof(Py_ssize_t))
+        if self.cand == NULL or self.items == NULL or self.chunk_ends == NULL or self.cmd_ends == NULL:
+            self.plan_free()
+            raise MemoryError()
+        if full:
+            for slot in range(self.used):
+                if self.records[slot].attached:
+                    self.cand[n] = slot
+                    n += 1
+        for i in range(self.dirty_len):
+            slot = self.dirty[i]
+            self.records[slot].listed = False
+            if not full and self.records[slot].attached and self.records[slot].committed:
+                self.cand[n] = slot
+                n += 1
+            self.records[slot].committed = False
+        self.dirty_len = 0
+        self.cand_len = n
+        self.plan_full = full
+        self.plan_share = share
+        self.plan_wall = wall
+        self.plan_mono = mono
+        self.plan_idle = idle_after
+        self.plan_head = head
+        self.plan_mid = mid
+        self.plan_tail = tail
+        self.plan_tail_count = tail_count
+        self.head_p, self.head_n = PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head)
+        self.mid_p, self.mid_n = PyBytes_AS_STRING(mid), PyBytes_GET_SIZE(mid)
+        self.tail_p, self.tail_n = PyBytes_AS_STRING(tail), PyBytes_GET_SIZE(tail)
+        self.folded = 0
+
+    @property
+    def planning(self):
+        """Slots left for plan_step."""
+        return self.cand_len - self.cand_pos
+
+    def plan_step(self, Py_ssize_t budget):
+        """Plan up to ``budget`` more slots; the owners of those left to the
+        Python plan (not fast, rolled over, or possibly idle in a full sync)."""
+        cdef LeaseGate gate = self.gate
+        cdef Py_ssize_t slot, first = self.py_len, n = 0
+        cdef LeaseRecord* r
+        cdef SyncItem* it
+        cdef int64_t k
+        cdef double x
+        cdef bint failed = False
+        cdef bint full = self.plan_full
+        with nogil:
+            nl_lock_spin(&gate.lock)
+            while self.cand_pos < self.cand_len and n < budget:
+                slot = self.cand[self.cand_pos]
+                self.cand_pos += 1
+                n += 1
+                r = &self.records[slot]
+                if not r.attached:
+                    continue
+                if (not r.fast or r.prev_pending or r.s_index != r.window_index
+                        or (full and not r.solo)):
+                    self.cand[self.py_len] = slot   # behind cand_pos: a free place
+                    self.py_len += 1
+                    continue
+                if r.decisions:
+                    self.folded += r.decisions
+                    r.decisions = 0
+                    r.touched = self.plan_mono
+                if full and self.plan_mono - r.touched > self.plan_idle:
+                    self.cand[self.py_len] = slot
+                    self.py_len += 1
+                    continue
+                k = r.window_index
+                it = &self.items[self.items_len]
+                self.items_len += 1
+                it.slot = slot
+                it.gen = r.gen
+                it.window_index = k
+                it.value = r.own
+                # the wanted cost as _pull folds it; the answer clears it (_FleetSync._sync)
+                it.want = r.s_want if r.s_want > r.want else r.want
+                r.s_want = it.want
+                r.want = 0
+                # alive until the window can no longer matter (as _FleetSync._plan says)
+                if fabs(r.last_now - self.plan_wall) < 86400.0:
+                    x = <double>(k + 2) * self.window - self.plan_wall
+                    it.ms = <int64_t>ceil((x if x > 0.0 else 0.0) * 1000) + 1000
+                else:
+                    it.ms = <int64_t>ceil(2 * self.window * 1000) + 1000
+                    if it.ms < 3600000:
+                        it.ms = 3600000
+                it.held = (0 if r.s_acked == LEASE_NONE else r.s_acked) + (
+                    self.plan_share if r.s_lease == LEASE_NONE else r.s_lease)
+                it.claim = 0
+                if it.value and r.s_claimed != self.plan_share and self.plan_share:
+                    it.claim = self.plan_share
+                if self.items_len - self.chunk_start == RECONCILE_KEYS:
+                    failed = failed or not self.close_chunk()
+            if self.cand_pos == self.cand_len and self.items_len > self.chunk_start:
+                failed = failed or not self.close_chunk()
+            nl_unlock(&gate.lock)
+        if failed:
+            raise MemoryError()
+        return [self.owners[self.cand[i]] for i in range(first, self.py_len)]
+
+    cdef bint close_chunk(self) noexcept nogil:
+        """One reconcile call for items [chunk_start, items_len), in RESP."""
+        cdef SyncBuf* out = &self.out
+        cdef SyncBuf* w = &self.words
+        cdef Py_ssize_t i, size = self.items_len - self.chunk_start, claims = 0
+        cdef SyncItem* it
+        cdef bint ok
+        w.len = 0
+        for i in range(self.chunk_start, self.items_len):
+            it = &self.items[i]
+            if it.claim:
+                claims += 1
+            if i > self.chunk_start:
+                buf_put(w, " ", 1)
+            # count, limit, previous, expiry, current, wanted; before, weight, held, claim at, claim
+            buf_int(w, it.value)
+            buf_put(w, " ", 1)
+            buf_int(w, self.limit)
+            buf_put(w, " 0.0 ", 5)
+            buf_int(w, it.ms)
+            buf_put(w, " 1 ", 3)
+            buf_int(w, it.want)
+            buf_put(w, " 0 0.0 ", 7)
+            buf_int(w, it.held)
+            buf_put(w, " ", 1)
+            buf_int(w, size + claims if it.claim else 0)
+            buf_put(w, " ", 1)
+            buf_int(w, it.claim)
+        ok = (buf_put(out, "*", 1) and buf_int(out, 6 + size + claims + self.plan_tail_count)
+              and buf_put(out, "\r\n", 2)
+              and buf_put(out, self.head_p, self.head_n)
+              and buf_bulk_int(out, size + claims))
+        for i in range(self.chunk_start, self.items_len):
+            it = &self.items[i]
+            ok = ok and buf_key(out, self.bases[it.slot], self.base_lens[it.slot], it.window_index)
+        for i in range(self.chunk_start, self.items_len):
+            it = &self.items[i]
+            if it.claim:
+                ok = ok and buf_key(out, self.bases[it.slot], self.base_lens[it.slot], it.window_index + 1)
+        ok = (ok and buf_put(out, self.mid_p, self.mid_n)
+              and w.len >= 0 and buf_bulk_head(out, w.len) and buf_put(out, w.data, w.len)
+              and buf_put(out, "\r\n", 2)
+              and buf_put(out, self.tail_p, self.tail_n))
+        self.chunk_ends[self.n_chunks] = self.items_len
+        self.cmd_ends[self.n_chunks] = out.len
+        self.n_chunks += 1
+        self.chunk_start = self.items_len
+        return ok
+
+    def take_commands(self):
+        """The planned reconcile calls, RESP-encoded, one bytes each."""
+        cdef Py_ssize_t i, at = 0
+        out = []
+        for i in range(self.n_chunks):
+            out.append(PyBytes_FromStringAndSize(self.out.data + at, self.cmd_ends[i] - at))
+            at = self.cmd_ends[i]
+        return out
+
+    @property
+    def planned_keys(self):
+        return self.items_len
+
+    def apply(self, Py_ssize_t chunk, reply, bint rejoined):
+        """Write call ``chunk``'s answers (count, lease, claimed per key) into
+        the records: ``(units pushed, [answers for records no longer fast])``,
+        each of those ``(owner, window, value, total, lease, claimed, claim)``
+        for the Python apply. A slot that changed keys meanwhile is skipped."""
+        cdef LeaseGate gate = self.gate
+        cdef Py_ssize_t i, j, lo, hi, n_left = 0
+        cdef SyncItem* it
+        cdef LeaseRecord* r
+        cdef int64_t pushed = 0, total, lease, acked
+        cdef bint claimed
+        cdef int64_t* answers
+        cdef Py_ssize_t* left
+        if not 0 <= chunk < self.n_chunks:
+            raise IndexError(f"no planned call {chunk}")
+        lo = 0 if chunk == 0 else self.chunk_ends[chunk - 1]
+        hi = self.chunk_ends[chunk]
+        if len(reply) != 3 * (hi - lo):
+            raise ValueError(f"reconcile answered {len(reply)} words for {hi - lo} keys")
+        answers = <int64_t*>malloc(<size_t>(3 * (hi - lo) + 1) * sizeof(int64_t))
+        left = <Py_ssize_t*>malloc(<size_t>(hi - lo + 1) * sizeof(Py_ssize_t))
+        if answers == NULL or left == NULL:
+            free(answers)
+            free(left)
+            raise MemoryError()
+        try:
+            for j in range(3 * (hi - lo)):
+                answers[j] = int(reply[j])
+            with nogil:
+                nl_lock_spin(&gate.lock)
+                for i in range(lo, hi):
+                    it = &self.items[i]
+                    r = &self.records[it.slot]
+                    if not r.attached or r.gen != it.gen:
+                        continue            # forgotten or evicted during the round trip
+                    if not r.fast or r.s_index != it.window_index:
+                        left[n_left] = i    # the Python side took the key over
+                        n_left += 1
+                        continue
+                    j = 3 * (i - lo)
+                    total = answers[j]
+                    lease = answers[j + 1]
+                    claimed = answers[j + 2] != 0
+                    acked = 0 if r.s_acked == LEASE_NONE else r.s_acked
+                    if it.value > acked:
+                        pushed += it.value - acked
+                    r.s_pushed = it.value
+                    r.s_acked = it.value
+                    r.s_seen_total = total
+                    r.s_seen_own = it.value
+                    r.s_lease = 0 if rejoined else lease
+                    if it.claim and claimed:
+                        r.s_claimed = it.claim
+                    r.s_want = 0                # asked for with this sync
+                    if r.window_index == it.window_index and not r.prev_pending:
+                        r.ceiling = r.s_pushed + r.s_lease   # _load: pushed + the lease
+                        r.others = r.s_seen_total - r.s_seen_own
+                        r.s_want = r.want       # refused during the round trip: asked next time
+                        r.want = 0
+                nl_unlock(&gate.lock)
+            rest = []
+            for j in range(n_left):
+                it = &self.items[left[j]]
+                i = 3 * (left[j] - lo)
+                rest.append((self.owners[it.slot], it.window_index, it.value, answers[i], answers[i + 1],
+                             answers[i + 2], it.claim))
+        finally:
+            free(answers)
+            free(left)
+        return pushed, rest
 
     def __len__(self):
         return len(self.index)

@@ -30,6 +30,10 @@ MAX_WINDOW_INDEX = 2**62
 # Keys per reconcile script call, and tracks handled per lock hold in a sync.
 RECONCILE_CHUNK = 128
 SYNC_CHUNK = 32  # ~0.1 ms median hold on a loaded 2-core VM (bench/two_tier_sync.py)
+# Slots a native plan takes per hold of the storage's lock (~10-30 µs of C).
+PLAN_STEP = 256
+# What the native lease records say for a window absent from a track's dict.
+ABSENT = -(2**63)
 # The background sync covers only keys decided since the last one, and every
 # key (idle leases released, idle keys dropped) once per this many syncs.
 FULL_SYNC_EVERY = 8

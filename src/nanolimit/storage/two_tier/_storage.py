@@ -183,6 +183,14 @@ class TwoTierStorage(_FleetSync):
         self._slot_of: Any = None  # a cluster's key -> slot, to group a script's keys
         if getattr(self.remote, "cluster", False):
             self._slot_of = client_package(self.remote.user_client).crc.key_slot
+        # The sync plans and applies a native limiter's keys in C and sends
+        # their calls as RESP it wrote (LeaseBook.plan_step) over one of the
+        # client's pooled connections; a cluster (calls grouped by slot) or a
+        # client without a connection pool takes the Python plan.
+        pool: Any = getattr(self.client, "connection_pool", None)
+        self._native_sync = self._native is not None and self._slot_of is None and pool is not None
+        self._encode: Any = pool.get_encoder().encode if self._native_sync else None
+        self._response_error: type[BaseException] = client_package(self.client).exceptions.ResponseError
         self._script_loaded = False
         self._stats: dict[str, Any] = {
             "syncs": 0,
@@ -213,6 +221,10 @@ class TwoTierStorage(_FleetSync):
     def _wake_sync(self) -> None:
         self._wake.set()
 
+    def _key_base(self, track: _Track) -> bytes:
+        """The key's hash prefix as the client sends it, for the native plan."""
+        return self._encode(track.base) if self._native_sync else b""
+
     # -- the KernelStorage protocol ------------------------------------------------
     def lease_book(self, config: LimiterConfig) -> Any:
         """The native lease records a native limiter of ``config`` decides
@@ -230,7 +242,7 @@ class TwoTierStorage(_FleetSync):
                 self._books[config] = book
                 for (cfg, key), track in self._tracks.items():
                     if cfg == config:
-                        track.book, track.slot = book, book.attach(key, track)
+                        track.book, track.slot = book, book.attach(key, track, self._key_base(track))
                         self._load(track)
         return book
 
@@ -326,7 +338,7 @@ class TwoTierStorage(_FleetSync):
             track = self._tracks.get((config, key))
             if track is None:
                 return None
-            self._pull(track)
+            self._pull(track, writing=False)
             k = math.floor(t / track.window)
             return LimiterState(
                 config.algorithm,
@@ -345,7 +357,7 @@ class TwoTierStorage(_FleetSync):
         its window would come back with no units and hand them out again."""
         with self._lock:
             for tr in self._tracks.values():
-                self._pull(tr)
+                self._pull(tr, writing=False)
             idle = [
                 ident
                 for ident, tr in self._tracks.items()
@@ -388,7 +400,7 @@ class TwoTierStorage(_FleetSync):
                     track.claimed = dict(earlier.claimed)
             book = self._books.get(config)
             if book is not None:
-                track.book, track.slot = book, book.attach(key, track)
+                track.book, track.slot = book, book.attach(key, track, self._key_base(track))
             self._tracks[(config, key)] = track
             self._by_base[base] = track
         else:
@@ -538,7 +550,7 @@ class TwoTierStorage(_FleetSync):
             track = self._tracks.get((config, key))
             if track is None:
                 return {}
-            self._pull(track)
+            self._pull(track, writing=False)
             return {k: self._fleet(track, k) for k in sorted(set(track.own) | set(track.seen_total))}
 
     def metrics(self) -> dict[str, Any]:
@@ -558,7 +570,7 @@ class TwoTierStorage(_FleetSync):
         (at least ``sync_interval``): the ``I`` of the ``r · I`` bound term."""
         with self._lock:
             for track in self._tracks.values():
-                self._pull(track)
+                self._pull(track, writing=False)
             out = dict(self._stats)
             out["decisions_native"] = 0
             if self._gate is not None:

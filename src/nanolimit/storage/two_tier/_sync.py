@@ -20,8 +20,10 @@ from typing import Any
 from ..._limiter_config import LimiterConfig
 from ..redis import is_noscript
 from ._records import (
+    ABSENT,
     FULL_SYNC_EVERY,
     HEARTBEAT_GAPS,
+    PLAN_STEP,
     RECONCILE_CHUNK,
     SETTLE_READS,
     SYNC_CHUNK,
@@ -56,6 +58,9 @@ class _FleetSync:
     _tracks: dict[tuple[LimiterConfig, str], _Track]
     _by_base: dict[str, _Track]
     _dirty: dict[int, _Track]
+    _native_sync: bool
+    _encode: Any
+    _response_error: type[BaseException]
     _since_full: int
     _need_full: bool
     _leaving: bool
@@ -86,11 +91,16 @@ class _FleetSync:
         if track.book is not None:
             track.book.detach(track.key)
 
-    def _pull(self, track: _Track) -> None:
-        """Fold what native decisions did to the key's hot window into the track."""
+    def _pull(self, track: _Track, writing: bool = True) -> None:
+        """Fold what native decisions did to the key's hot window into the
+        track, and, for a record the sync keeps in C (fast), its window's
+        sync state: the dicts hold it from here on when ``writing`` (the
+        caller may change them; ``_load`` hands the record back to C)."""
         if track.book is None:
             return
-        k, own, last_now, decided, left, left_own, want = track.book.pull(track.slot)
+        k, own, last_now, decided, left, left_own, want, sync = track.book.pull(track.slot, writing)
+        if sync is not None:
+            self._fold(track, sync)
         if want and k is not None and want > track.want.get(k, 0):
             track.want[k] = want
         if left is not None and left_own != track.own.get(left, 0):
@@ -102,6 +112,25 @@ class _FleetSync:
         if decided:
             track.touched = time.monotonic()
             self._stats["decisions"] += decided
+
+    @staticmethod
+    def _fold(track: _Track, sync: tuple[Any, ...]) -> None:
+        w, pushed, acked, total, seen_own, lease, claimed, want, touched = sync
+        for table, at, value in (
+            (track.pushed, w, pushed),
+            (track.acked, w, acked),
+            (track.seen_total, w, total),
+            (track.seen_own, w, seen_own),
+            (track.lease, w, lease),
+            (track.claimed, w + 1, claimed),
+            (track.want, w, want or ABSENT),
+        ):
+            if value == ABSENT:
+                table.pop(at, None)
+            else:
+                table[at] = value
+        if touched > track.touched:
+            track.touched = touched
 
     def _load(self, track: _Track) -> None:
         """Hand the key's current window to native decisions: exactly what
@@ -122,6 +151,33 @@ class _FleetSync:
             self._fleet(track, k - 1) if track.sliding else 0,
             track.last_now,
             default,  # a later window's ceiling, when C rolls the key over before a sync
+            self._fast_state(track, k),
+        )
+
+    def _fast_state(self, track: _Track, k: int) -> tuple[Any, ...] | None:
+        """Window ``k``'s sync state for C, when the sync can plan and apply
+        the key there (LeaseBook.plan_step): a fixed window whose only other
+        window is ``k - 1``, pushed and read ``SETTLE_READS`` times (a
+        background sync skips it, and has nothing to prune), or none at all
+        (``solo``: a full sync sends window ``k`` alone too). None: Python."""
+        if not self._native_sync or track.sliding or self._blind:
+            return None
+        solo = True
+        for w, v in track.own.items():
+            if w != k:
+                if w != k - 1 or track.pushed.get(w) != v or track.settled.get(w, 0) < SETTLE_READS:
+                    return None
+                solo = False
+        return (
+            track.pushed.get(k, ABSENT),
+            track.acked.get(k, ABSENT),
+            track.seen_total.get(k, ABSENT),
+            track.seen_own.get(k, ABSENT),
+            track.lease.get(k, ABSENT),
+            track.claimed.get(k + 1, ABSENT),
+            track.want.get(k, 0),
+            track.touched,
+            solo,
         )
 
     def _share(self, limit: int) -> int:
@@ -262,15 +318,34 @@ class _FleetSync:
             if full:
                 self._since_full = 0
                 self._need_full = False
-            candidates = self._candidates(full)
             n = self._instances
             reserve = self._reserve()
             load = not self._script_loaded
+            wall = time.time()
+            # the fast records are planned in C; cluster slots, a partition and
+            # close() take the Python plan for every key
+            books = (
+                [] if self._blind or self._leaving or not self._native_sync else list(self._books.values())
+            )
+            if books:
+                candidates = self._begin_native(books, full, wall, n, reserve)
+            else:
+                candidates = self._candidates(full)
+        # The native plan: a few hundred slots per hold of the storage's lock
+        # (not the gate: a C decision waits on the spinlock for microseconds);
+        # the C loops run without the GIL.
+        for book in books:
+            while book.planning:
+                with self._lock.lock:
+                    candidates += book.plan_step(PLAN_STEP)
+        native = [(book, book.take_commands()) for book in books]
+        if books:
+            with self._lock:
+                self._stats["decisions"] += sum(book.folded for book in books)
         # Built in chunks, the lock (and the gate) released in between and the
         # GIL handed over: a decision waits at most one chunk (~0.1-0.3 ms), not
         # a whole sync of many keys, nor the sync thread retaking the lock.
         work: list[_Work] = []
-        wall = time.time()
         for c in range(0, len(candidates), SYNC_CHUNK):
             with self._lock:
                 for track in candidates[c : c + SYNC_CHUNK]:
@@ -283,13 +358,13 @@ class _FleetSync:
         began = time.perf_counter()
         try:
             try:
-                replies = self._exchange(work, n, ttl_ms, grace_ms, reserve, load)
+                replies, answers = self._exchange(work, n, ttl_ms, grace_ms, reserve, load, native)
             except self._errors as exc:
                 # a node that restarted or failed over lost the script: the
                 # reconcile writes absolute values, so sending again is safe
                 if not is_noscript(exc):
                     raise
-                replies = self._exchange(work, n, ttl_ms, grace_ms, reserve, True)
+                replies, answers = self._exchange(work, n, ttl_ms, grace_ms, reserve, True, native)
         except self._errors:
             self._script_loaded = False
             self._last_beat = None  # the gap across an outage is no sync period
@@ -322,6 +397,8 @@ class _FleetSync:
                 for track in self._tracks.values():
                     track.pushed.clear()
                     track.claimed.clear()
+                for book in self._books.values():
+                    book.rejoin()
             now = time.monotonic()
             if self._blind or rejoined:
                 # a restarted server knows only the instances that synced since: keep
@@ -338,30 +415,34 @@ class _FleetSync:
             if self._recovery is not None and self._recovery[0] >= members:
                 members, rank = self._recovery[0], self._recovery[1]
             self._script_loaded = True
+        # the native plan's answers, one reconcile call per hold (C, no GIL)
+        native_keys = 0
+        for (book, _), calls in zip(native, answers):
+            native_keys += book.planned_keys
+            for c, reply in enumerate(calls):
+                with self._lock.lock:
+                    units, rest = book.apply(c, reply, rejoined)
+                pushed_units += units
+                if rest:  # keys the Python side took over during the round trip
+                    with self._lock:
+                        for track, w, value, total, lease, claimed, claim in rest:
+                            pushed_units += self._settle(
+                                track, w, value, total, True, lease, claimed, claim, rejoined
+                            )
+                            self._pull(track)
+                            self._load(track)
         answered = list(zip(work, replies[1:]))
         for c in range(0, len(answered), SYNC_CHUNK):
             with self._lock:
                 touched: dict[int, _Track] = {}
                 for item, (total, lease, claimed) in answered[c : c + SYNC_CHUNK]:
-                    track, w, value = item.track, item.window, item.value
+                    track = item.track
                     if not track.alive:
                         continue  # forgotten or evicted during the round trip: its slot may be another key's
-                    # pushed is cleared by a partition (every count is re-written),
-                    # acked is not: a re-write is not a unit pushed again
-                    pushed_units += max(0, value - track.acked.get(w, 0))
-                    track.pushed[w] = track.acked[w] = value
-                    track.seen_total[w] = int(total)
-                    track.seen_own[w] = value
-                    if item.current:
-                        # a server that lost our membership granted this lease without
-                        # reserving the others' shares (we did not know to send them):
-                        # none is used, and the next sync, which sends them, grants it
-                        track.lease[w] = 0 if rejoined else int(lease)
-                        track.want.pop(w, None)  # asked for with this sync
-                        if item.claim_key is not None and int(claimed):
-                            track.claimed[w + 1] = item.claim
-                    else:
-                        track.settled[w] = track.settled.get(w, 0) + 1
+                    claim = item.claim if item.claim_key is not None else 0
+                    pushed_units += self._settle(
+                        track, item.window, item.value, total, item.current, lease, claimed, claim, rejoined
+                    )
                     touched[id(track)] = track
                 for track in touched.values():
                     self._pull(track)  # what native decisions admitted during the round trip
@@ -392,13 +473,76 @@ class _FleetSync:
             stats = self._stats
             stats["syncs"] += 1
             stats["full_syncs"] += full
-            stats["keys_synced_last"] = len({id(item.track) for item in work})
+            stats["keys_synced_last"] = len({id(item.track) for item in work}) + native_keys
             stats["units_pushed"] += pushed_units
             stats["sync_latency_last"] = latency
             stats["sync_latency_max"] = max(stats["sync_latency_max"], latency)
             stats["sync_latency_total"] += latency
             stats["heartbeat_ttl_last"] = ttl
         return True
+
+    @staticmethod
+    def _settle(
+        track: _Track,
+        w: int,
+        value: int,
+        total: Any,
+        current: bool,
+        lease: Any,
+        claimed: Any,
+        claim: int,
+        rejoined: bool,
+    ) -> int:
+        """One (key, window) answer into the track; the units it pushed."""
+        # pushed is cleared by a partition (every count is re-written),
+        # acked is not: a re-write is not a unit pushed again
+        units = max(0, value - track.acked.get(w, 0))
+        track.pushed[w] = track.acked[w] = value
+        track.seen_total[w] = int(total)
+        track.seen_own[w] = value
+        if current:
+            # a server that lost our membership granted this lease without
+            # reserving the others' shares (we did not know to send them):
+            # none is used, and the next sync, which sends them, grants it
+            track.lease[w] = 0 if rejoined else int(lease)
+            track.want.pop(w, None)  # asked for with this sync
+            if claim and int(claimed):
+                track.claimed[w + 1] = claim
+        else:
+            track.settled[w] = track.settled.get(w, 0) + 1
+        return units
+
+    def _begin_native(
+        self, books: list[Any], full: bool, wall: float, n: int, reserve: list[str]
+    ) -> list[_Track]:
+        """Start the native plan of every book (under the lock); the tracks
+        left to the Python plan: those of no book (reference limiters)."""
+        enc = self._encode
+
+        def bulk(value: str) -> bytes:
+            data = enc(value)
+            return b"$%d\r\n%b\r\n" % (len(data), data)
+
+        head = bulk("EVALSHA") + bulk(RECONCILE.sha)
+        mid = bulk(self.instance_id) + bulk(str(n))
+        words = reserve or [""]
+        tail = b"".join(bulk(word) for word in words)
+        if full:
+            python = [track for track in self._tracks.values() if track.book is None]
+        else:
+            python = []
+            for track in self._dirty.values():
+                if track.book is None:
+                    python.append(track)
+                elif track.alive:
+                    track.book.mark_dirty(track.slot)  # decided in Python: the book covers it
+        self._dirty.clear()
+        mono = time.monotonic()
+        for book in books:
+            # a full sync leaves a key that may be idle to _plan, which drops it
+            idle = max(3 * book.window, 10.0) - 1.0
+            book.plan_begin(full, self._share(book.limit), wall, mono, idle, head, mid, tail, len(words))
+        return python
 
     def _plan(self, track: _Track, full: bool, wall: float, work: list[_Work]) -> None:
         """Add ``track``'s windows to a sync (or drop it when idle and pushed)."""
@@ -484,18 +628,27 @@ class _FleetSync:
                 work.append(_Work(track, w, 0, False, self._hash_key(track, w), spec))
 
     def _exchange(
-        self, work: list[_Work], n: int, ttl_ms: int, grace_ms: int, reserve: list[str], load: bool
-    ) -> list[Any]:
+        self,
+        work: list[_Work],
+        n: int,
+        ttl_ms: int,
+        grace_ms: int,
+        reserve: list[str],
+        load: bool,
+        native: list[tuple[Any, list[bytes]]],
+    ) -> tuple[list[Any], list[list[Any]]]:
         """The sync's round trip: the heartbeat and the reconcile script over
-        chunks of (key, window) — per slot on a cluster — in one pipeline.
+        chunks of (key, window) — per slot on a cluster — in one pipeline,
+        then the native plan's calls (RESP already) on the same connection.
         ``reserve`` is the silent members as the last heartbeat saw them.
         Returns the heartbeat's reply, then ``(total, lease, claimed)`` per
-        work item."""
+        work item; and per book, each native call's flat answer."""
         if load:  # first sync, or a server lost it; SCRIPT LOAD reaches every primary of a cluster
             self.client.script_load(RECONCILE.source)
-        pipe = self.client.pipeline(transaction=False)
         # execute_command: a cluster pipeline routes EVAL/EVALSHA by key but has no eval()
-        pipe.execute_command("EVAL", HEARTBEAT, 1, self._members_key, self.instance_id, ttl_ms, grace_ms)
+        calls: list[tuple[Any, ...]] = [
+            ("EVAL", HEARTBEAT, 1, self._members_key, self.instance_id, ttl_ms, grace_ms)
+        ]
         groups: dict[int, list[int]] = {}
         if self._slot_of is not None:
             for i, item in enumerate(work):
@@ -523,23 +676,68 @@ class _FleetSync:
                         keys.append(item.claim_key)
                         claim_at = len(keys)
                     words.append(f"{item.spec} {before} {item.weight!r} {item.held} {claim_at} {item.claim}")
-                pipe.execute_command(
-                    "EVALSHA",
-                    RECONCILE.sha,
-                    len(keys),
-                    *keys,
-                    self.instance_id,
-                    n,
-                    " ".join(words),
-                    *(reserve or [""]),
+                calls.append(
+                    (
+                        "EVALSHA",
+                        RECONCILE.sha,
+                        len(keys),
+                        *keys,
+                        self.instance_id,
+                        n,
+                        " ".join(words),
+                        *(reserve or [""]),
+                    )
                 )
                 order += part
-        raw = pipe.execute()
-        flat = [triple for reply in raw[1:] for triple in zip(reply[::3], reply[1::3], reply[2::3])]
+        packed = [cmd for _, cmds in native for cmd in cmds]
+        if packed:
+            raw = self._send_raw(calls, packed)
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for call in calls:
+                pipe.execute_command(*call)
+            raw = pipe.execute()
+        flat = [
+            triple for reply in raw[1 : len(calls)] for triple in zip(reply[::3], reply[1::3], reply[2::3])
+        ]
         replies: list[Any] = [None] * len(work)
         for i, triple in zip(order, flat):
             replies[i] = triple
-        return [raw[0], *replies]
+        answers: list[list[Any]] = []
+        at_reply = len(calls)
+        for _, cmds in native:
+            answers.append(raw[at_reply : at_reply + len(cmds)])
+            at_reply += len(cmds)
+        return [raw[0], *replies], answers
+
+    def _send_raw(self, calls: list[tuple[Any, ...]], packed: list[bytes]) -> list[Any]:
+        """One pipeline on one pooled connection: ``calls`` packed by the
+        client, then ``packed`` as they are. A reply that is an error is
+        raised after every reply is read (as a pipeline does); anything
+        else drops the connection."""
+        pool = self.client.connection_pool
+        try:
+            conn = pool.get_connection()
+        except TypeError:  # redis-py before 5.3 and valkey-py want a command name
+            conn = pool.get_connection("EVALSHA")
+        try:
+            conn.send_packed_command([*conn.pack_commands(calls), *packed])
+            out: list[Any] = []
+            error: BaseException | None = None
+            for _ in range(len(calls) + len(packed)):
+                try:
+                    out.append(conn.read_response())
+                except self._response_error as exc:
+                    out.append(None)
+                    error = error or exc
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        if error is not None:
+            raise error
+        return out
 
     def _failed(self) -> None:
         """Redis unreachable: enforce our share locally until it answers again."""
@@ -550,6 +748,7 @@ class _FleetSync:
                 self._blind = True
                 self._stats["partitions"] += 1
                 for track in self._tracks.values():
+                    self._pull(track)  # a fast record's sync state: the dicts hold it from here
                     # what Redis holds for us per window (count + lease, or the
                     # claim) is what we may admit there while blind: the others
                     # keep exactly that out of their leases

@@ -1,0 +1,226 @@
+"""The two-tier sync planned and applied in C (``LeaseBook.plan_step`` and
+``apply``, docs/two_tier.md, Keeping the interval): a native limiter's
+fixed-window keys are synced without their Python records, and must leave
+Redis and every decision exactly as the Python plan does (the reference
+limiters always take it)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from nanolimit import FakeClock, reference
+
+pytest_plugins = ["redis_servers"]
+pytestmark = pytest.mark.native
+
+
+def fleet(server: Any, prefix: str, n: int, **kwargs: Any) -> list[Any]:
+    from nanolimit.storage.two_tier import TwoTierStorage
+
+    return [
+        TwoTierStorage(None, server.client(), instance_id=f"i{i}", prefix=prefix, start=False, **kwargs)
+        for i in range(n)
+    ]
+
+
+# Heartbeats that outlive a slow run (valgrind): no member of either fleet
+# goes silent on real time, which the two fleets would see at different steps.
+SLOW_BEATS = {"sync_interval": 60.0, "heartbeat_ttl": 3600.0, "partition_grace": 3600.0}
+
+
+def redis_state(server: Any, prefix: str) -> dict[str, dict[bytes, bytes]]:
+    """Every window hash a fleet wrote, by the part of its name after the prefix."""
+    client = server.client()
+    marker = f":{prefix}"
+    out = {}
+    for name in client.scan_iter(match=f"*{marker}*"):
+        text = name.decode()
+        if text.endswith(f"{prefix}instances"):
+            continue
+        head, _, tail = text.partition(marker)
+        out[f"{head.rsplit(':', 1)[-1]}|{tail}"] = client.hgetall(name)
+    return out
+
+
+def native_keys(tier: Any) -> int:
+    return sum(book.planned_keys for book in tier._books.values())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_native_plan_leaves_redis_and_decisions_as_the_python_plan(
+    native: Any, redis_server: Any, seed: int
+) -> None:
+    """Two fleets of two on one server, one native (its keys synced in C),
+    one reference (the Python plan), the same random trace over 40 keys:
+    background and full syncs, tight limits (leases run out, wanted costs),
+    window rollovers, a partition and a third member joining. Every decision
+    agrees, and so do the window hashes in Redis, field for field."""
+    rng = random.Random(seed)
+    fast, slow = fleet(redis_server, "ns:", 3, **SLOW_BEATS), fleet(redis_server, "rs:", 3, **SLOW_BEATS)
+    down = [False]
+    for tier in (*fast, *slow):
+        real = tier._exchange
+
+        def exchange(*args: Any, real: Any = real) -> Any:
+            if down[0]:
+                raise ConnectionError("redis unreachable (simulated)")
+            return real(*args)
+
+        tier._exchange = exchange  # type: ignore[method-assign]
+    try:
+        clock = FakeClock(5000.25)
+        limit, window = rng.choice([(4, 1.0), (12, 2.0), (50, 1.0)])
+        lf = [native.FixedWindowCounter(limit, window, storage=s, clock=clock) for s in fast]
+        ls = [reference.FixedWindowCounter(limit, window, storage=s, clock=clock) for s in slow]
+        for tiers in (fast, slow):
+            for tier in tiers[:2] * 2:
+                tier.sync_now()
+        keys = [f"user:{i}" for i in range(40)]
+        in_c = 0
+        for step in range(600):
+            i = rng.randrange(2)
+            op = rng.random()
+            if op < 0.08:
+                assert fast[i]._sync(full=False) == slow[i]._sync(full=False)
+                in_c += native_keys(fast[i])
+                assert fast[i].metrics()["keys_synced_last"] == slow[i].metrics()["keys_synced_last"]
+            elif op < 0.10:
+                assert fast[i].sync_now() == slow[i].sync_now()
+            elif op < 0.105:
+                fast[2].sync_now()  # the third member heartbeats: N and the shares change
+                slow[2].sync_now()
+            elif op < 0.11:
+                down[0] = not down[0]
+            elif op < 0.15:
+                clock.advance(rng.choice([0.05, window / 2, window]))
+            else:
+                key = rng.choice(keys)
+                cost = rng.choice([1, 1, 1, 2, limit])
+                method = "peek" if op < 0.2 else "allow"
+                got = getattr(lf[i], method)(key, cost)
+                want = getattr(ls[i], method)(key, cost)
+                assert got == want, (step, method, key, cost, clock.now())
+        down[0] = False
+        for tiers in (fast, slow):
+            for tier in (*tiers, *tiers):
+                tier._sync(full=False)
+        assert in_c > 0  # the C plan took part
+        assert redis_state(redis_server, "ns:") == redis_state(redis_server, "rs:")
+        for a, b in zip(fast, slow):
+            ma, mb = a.metrics(), b.metrics()
+            for name in ("decisions", "early_syncs", "units_pushed", "keys_tracked", "partitions"):
+                assert ma[name] == mb[name], name
+        for key in keys:
+            assert fast[0].fleet_counts(lf[0].config, key) == slow[0].fleet_counts(ls[0].config, key)
+    finally:
+        for tier in (*fast, *slow):
+            tier.close(deregister=False)
+
+
+@pytest.mark.parametrize("twin", ["native", "reference"])
+def test_a_key_taken_over_by_python_during_the_round_trip_gets_its_answer(
+    native: Any, redis_server: Any, twin: str
+) -> None:
+    """A key planned in C whose record Python takes over before the answer
+    lands (a decision two windows on, on the Python path) gets the answer
+    through the Python apply: the same counts and lease as the Python plan."""
+    module = native if twin == "native" else reference
+    (tier,) = fleet(redis_server, f"tk{twin}:", 1)
+    try:
+        clock = FakeClock(300.5)
+        limiter = module.FixedWindowCounter(10, 1.0, storage=tier, clock=clock)
+        limiter.allow("a", 2)
+        tier.sync_now()
+        limiter.allow("a", 3)  # in C on the native twin: 5 in window 300
+        real = tier._exchange
+
+        def exchange(*args: Any) -> Any:
+            out = real(*args)
+            tier.run_kernel(limiter.config, "a", 1, 302.5, True)  # the Python path, window 302
+            return out
+
+        tier._exchange = exchange  # type: ignore[method-assign]
+        assert tier._sync(full=False)
+        tier._exchange = real  # type: ignore[method-assign]
+        assert tier.metrics()["keys_synced_last"] == 1
+        if twin == "native":
+            assert native_keys(tier) == 1  # planned in C, answered through Python
+        assert tier.fleet_counts(limiter.config, "a") == {300: 5, 302: 1}
+        track = tier._tracks[(limiter.config, "a")]
+        assert track.pushed[300] == track.acked[300] == 5 and track.seen_total[300] == 5
+        assert track.lease[300] == 5  # ceil((10 - 5) / 1)
+        tier.sync_now()
+        # window 300 pruned before the last sync (pushed, two behind): its lease stays
+        # until it expires; 301 and 303 hold the claims of our default share
+        assert redis_state(redis_server, f"tk{twin}:") == {
+            "{a}|300": {b"i0": b"5", b"lease:i0": b"5"},
+            "{a}|301": {b"lease:i0": b"10"},
+            "{a}|302": {b"i0": b"1", b"lease:i0": b"9"},
+            "{a}|303": {b"lease:i0": b"10"},
+        }
+    finally:
+        tier.close()
+
+
+def test_twenty_thousand_keys_in_one_native_sync(native: Any) -> None:
+    """One background sync of 20,000 keys decided since the last one: all of
+    them planned in C, every count in Redis, every lease back in the records
+    (a second instance then sees the fleet totals). Redis only: the C side
+    is the same for Valkey, which the other tests here cover."""
+    from redis_servers import shared_server
+
+    redis_server = shared_server("redis")
+    first, second = fleet(redis_server, "tt20:", 2)
+    try:
+        clock = FakeClock(7200.5)
+        limiter = native.FixedWindowCounter(100, 3600.0, storage=first, clock=clock)
+        keys = [f"k{i}" for i in range(20_000)]
+        for key in keys:
+            limiter.allow(key)
+        first.sync_now()
+        for n, key in enumerate(keys):
+            limiter.allow(key, 1 + n % 3)
+        assert first._sync(full=False)
+        assert first.metrics()["keys_synced_last"] == native_keys(first) == 20_000
+        client = redis_server.client()
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(first._tracks[(limiter.config, key)].base + "2", "i0", "lease:i0")
+        counts = pipe.execute()
+        # count 1 + (1..3); a lease of what remains (N = 1 then), held for us
+        assert counts == [[str(2 + n % 3).encode(), str(98 - n % 3).encode()] for n in range(20_000)]
+        for n, key in enumerate(keys[:500]):
+            assert first.fleet_counts(limiter.config, key) == {2: 2 + n % 3}
+        other = native.FixedWindowCounter(100, 3600.0, storage=second, clock=clock)
+        other.allow("k7")
+        second.sync_now()
+        assert second.fleet_counts(other.config, "k7") == {2: 4}  # 3 from the first instance
+        assert first.metrics()["decisions"] == 40_000
+    finally:
+        first.close()
+        second.close()
+
+
+def test_the_native_plan_over_a_valkey_py_client(native: Any, redis_server: Any) -> None:
+    """valkey-py's pool wants a command name where redis-py's wants none: the
+    native calls go over either client's connection."""
+    import valkey
+
+    from nanolimit.storage.two_tier import TwoTierStorage
+
+    tier = TwoTierStorage(
+        None, valkey.Valkey(host="127.0.0.1", port=redis_server.port), instance_id="vk", start=False
+    )
+    try:
+        limiter = native.FixedWindowCounter(100, 3600.0, storage=tier, clock=FakeClock(7200.5))
+        limiter.allow("a")
+        tier.sync_now()
+        limiter.allow("a", 2)
+        assert tier._sync(full=False) and native_keys(tier) == 1
+        base = tier._tracks[(limiter.config, "a")].base
+        assert redis_server.client().hgetall(base + "2") == {b"vk": b"3", b"lease:vk": b"97"}
+    finally:
+        tier.close()
