@@ -93,3 +93,31 @@ class SettableClock:
 needs_shared_memory = pytest.mark.skipif(
     sys.platform == "win32", reason="Windows has no POSIX shared memory: SharedMemoryStorage refuses to start"
 )
+
+
+def two_tier_fleet(server: Any, prefix: str, n: int, **kwargs: Any) -> list[Any]:
+    """``n`` TwoTierStorage members of one fleet on ``server``, no background
+    syncs (the test calls ``sync_now``)."""
+    from nanolimit.storage.two_tier import TwoTierStorage
+
+    return [
+        TwoTierStorage(None, server.client(), instance_id=f"i{i}", prefix=prefix, start=False, **kwargs)
+        for i in range(n)
+    ]
+
+
+def cut_off_switch(tiers: Any) -> list[bool]:
+    """A switch for the members' Redis round trips: while ``switch[0]`` is
+    true each ``_exchange`` raises ``ConnectionError``, as an unreachable
+    server would."""
+    down = [False]
+    for tier in tiers:
+        real = tier._exchange
+
+        def exchange(*args: Any, real: Any = real) -> Any:
+            if down[0]:
+                raise ConnectionError("redis unreachable (simulated)")
+            return real(*args)
+
+        tier._exchange = exchange
+    return down

@@ -13,6 +13,8 @@ import time
 from typing import Any
 
 import pytest
+from _helpers import cut_off_switch
+from _helpers import two_tier_fleet as fleet
 
 from nanolimit import FakeClock, ValidationError, reference
 
@@ -20,15 +22,6 @@ pytest_plugins = ["redis_servers"]
 pytestmark = pytest.mark.native
 
 ALGORITHMS = ["FixedWindowCounter", "SlidingWindowCounter", "TokenBucket"]
-
-
-def fleet(server: Any, prefix: str, n: int, **kwargs: Any) -> list[Any]:
-    from nanolimit.storage.two_tier import TwoTierStorage
-
-    return [
-        TwoTierStorage(None, server.client(), instance_id=f"i{i}", prefix=prefix, start=False, **kwargs)
-        for i in range(n)
-    ]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -45,16 +38,7 @@ def test_native_leases_answer_like_the_python_path(
     rng = random.Random(seed)
     fast = fleet(redis_server, "n:", 3)
     slow = fleet(redis_server, "r:", 3)
-    down = [False]
-    for tier in (*fast, *slow):
-        real = tier._exchange
-
-        def exchange(*args: Any, real: Any = real) -> Any:
-            if down[0]:
-                raise ConnectionError("redis unreachable (simulated)")
-            return real(*args)
-
-        tier._exchange = exchange  # type: ignore[method-assign]
+    down = cut_off_switch((*fast, *slow))
     try:
         clock = FakeClock(9000.25)
         limit = rng.choice([3, 10, 40])

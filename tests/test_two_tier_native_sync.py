@@ -10,20 +10,13 @@ import random
 from typing import Any
 
 import pytest
+from _helpers import cut_off_switch
+from _helpers import two_tier_fleet as fleet
 
 from nanolimit import FakeClock, reference
 
 pytest_plugins = ["redis_servers"]
 pytestmark = pytest.mark.native
-
-
-def fleet(server: Any, prefix: str, n: int, **kwargs: Any) -> list[Any]:
-    from nanolimit.storage.two_tier import TwoTierStorage
-
-    return [
-        TwoTierStorage(None, server.client(), instance_id=f"i{i}", prefix=prefix, start=False, **kwargs)
-        for i in range(n)
-    ]
 
 
 # Heartbeats that outlive a slow run (valgrind): no member of either fleet
@@ -60,16 +53,7 @@ def test_the_native_plan_leaves_redis_and_decisions_as_the_python_plan(
     agrees, and so do the window hashes in Redis, field for field."""
     rng = random.Random(seed)
     fast, slow = fleet(redis_server, "ns:", 3, **SLOW_BEATS), fleet(redis_server, "rs:", 3, **SLOW_BEATS)
-    down = [False]
-    for tier in (*fast, *slow):
-        real = tier._exchange
-
-        def exchange(*args: Any, real: Any = real) -> Any:
-            if down[0]:
-                raise ConnectionError("redis unreachable (simulated)")
-            return real(*args)
-
-        tier._exchange = exchange  # type: ignore[method-assign]
+    down = cut_off_switch((*fast, *slow))
     try:
         clock = FakeClock(5000.25)
         limit, window = rng.choice([(4, 1.0), (12, 2.0), (50, 1.0)])
