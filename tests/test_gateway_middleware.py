@@ -10,6 +10,7 @@ import threading
 import time
 import types
 import warnings
+from typing import Any
 
 import pytest
 from _helpers import DictStorage
@@ -408,6 +409,42 @@ def test_decide_builds_a_request_only_when_a_rule_or_a_hook_needs_one(
     else:  # the miss and the denial record of "/"; every request of the user rule
         assert built == ["/", "/", "/me", "/me"]
     assert mw.metrics.snapshot()["ip"] == {"allowed": 2, "denied": 3, "shadow_denied": 0, "near_limit": 1}
+
+
+class _ScopeView(dict[str, Any]):
+    """A scope that is a dict subclass: read through its own ``get``."""
+
+
+def test_decide_scope_reads_the_scope_as_request_from_scope_does(backend) -> None:
+    """The native twin reads an ASGI scope with dict lookups: each shape
+    (a root_path joined under the path, a missing or empty path, no client,
+    a dict subclass) charges the key and path the Python method would, so
+    the two calls in a pair share one count."""
+    from nanolimit.asgi import request_from_scope
+
+    mw = gateway(backend, [rule("api", 1000, 60.0, path_prefix="/api", algorithm="fixed_window")])
+    python_twin = RateLimitPipeline.decide_scope
+    base: dict[str, Any] = {"type": "http", "method": "GET", "client": ("192.0.2.1", 1)}
+    covered = [
+        {**base, "path": "/api/x"},
+        {**base, "path": "/x", "root_path": "/api"},
+        {**base, "path": "/api/x", "root_path": "/api"},  # already under it: not joined twice
+        {**base, "path": "x", "root_path": "/api"},
+        {**base, "path": "/api/y", "client": None},
+        _ScopeView({**base, "path": "/api/z", "method": "POST"}),
+    ]
+    for scope in covered:
+        first = mw.decide_scope(scope, None, request_from_scope)
+        second = python_twin(mw, scope, None, request_from_scope)
+        assert first is not None and second is not None, scope
+        assert first.allowed and second.allowed
+        assert int(first.headers["X-RateLimit-Remaining"]) == int(second.headers["X-RateLimit-Remaining"]) + 1
+    for scope in ({**base, "path": "/x"}, {**base, "path": ""}, {**base, "root_path": "/v1"}):
+        assert mw.decide_scope(scope, None, request_from_scope) is None
+        assert python_twin(mw, scope, None, request_from_scope) is None
+    # a scope with no method is a GET, as request_from_scope reads it
+    get_scope = {"type": "http", "path": "/api/q", "client": ("192.0.2.1", 1)}
+    assert mw.decide_scope(get_scope, None, request_from_scope) is not None
 
 
 def test_a_flood_of_denials_is_one_record_saying_how_many_it_stands_for(

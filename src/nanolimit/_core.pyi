@@ -1,6 +1,6 @@
 """Type stub for the compiled native twin (``_core.pyx``)."""
 
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, ClassVar, Final, final
 
 from typing_extensions import disjoint_base
@@ -220,6 +220,32 @@ class Charge:
 
 def deny_body(rule: str, retry_after: int) -> bytes: ...
 def settle_outcome(outcome: Any, status: object) -> int: ...
+
+@final
+class PipelineLanes:
+    """The native twin of RateLimitPipeline.decide and decide_scope."""
+
+    def __init__(
+        self, pipeline: Any, registry: Any, peer_keys: dict[str, str] | None, unlimited: Any
+    ) -> None: ...
+    def decide(
+        self,
+        native: Any,
+        method: str,
+        path: str,
+        client: str | None,
+        route: Any,
+        request_factory: Callable[[Any], Any],
+        form: int = 0,
+    ) -> Any: ...
+    def decide_scope(
+        self,
+        scope: Mapping[str, Any],
+        context: str | None,
+        request_factory: Callable[[Any], Any],
+        form: int = 0,
+    ) -> Any: ...
+
 def rule_lane(
     limiter: Any,
     counts: AdmittedRequests,

@@ -29,7 +29,7 @@ one module, so calls across layers stay direct C calls and inline):
 cimport cython
 from cpython.array cimport array, clone
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_GetItem, PyDict_SetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError, PyDict_SetItem
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsSsize_t
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject

@@ -421,6 +421,9 @@ cdef class RuleLane:
         Denied: counted as a denial, with ``Retry-After``, and told to
         ``breach`` with ``native`` and ``factory`` (what builds its Request)
         when a hook or a log record is due (its headers a dict for a hook)."""
+        return self.admit_c(key, form, native, factory)
+
+    cdef object admit_c(self, object key, int form, object native, object factory):
         cdef double wall_now
         cdef Decision d = self.decide(key, &wall_now)
         cdef int64_t left = d.remaining
@@ -603,6 +606,91 @@ cdef class Charge:
 
     def __repr__(self):
         return f"<Charge {'open' if self.open else 'settled'}>"
+
+
+cdef str S_PATH = "path"
+cdef str S_ROOT = "root_path"
+cdef str S_METHOD = "method"
+cdef str S_CLIENT = "client"
+cdef str S_SLASH = "/"
+cdef str S_GET = "GET"
+
+
+@cython.final
+@cython.auto_pickle(False)
+cdef class PipelineLanes:
+    """``RateLimitPipeline.decide`` (and ``decide_scope``) of the native
+    twin: the same lookups as the Python methods in gateway/middleware.py
+    (which document them), reading the pipeline's state through C fields
+    and an ASGI scope with dict lookups, so that no interpreter frame and
+    few attribute reads run between an adapter and a rule's lane."""
+
+    cdef object pipeline
+    cdef object registry
+    cdef object peer_keys               # the stock extractor's live dict, or None
+    cdef object unlimited               # the route cache's "no rule applies"
+
+    def __cinit__(self, pipeline, registry, peer_keys, unlimited):
+        if peer_keys is not None and type(peer_keys) is not dict:
+            raise TypeError("peer_keys must be a dict or None")
+        self.pipeline = pipeline
+        self.registry = registry
+        self.peer_keys = peer_keys
+        self.unlimited = unlimited
+
+    def decide(self, native, method, path, client, route, request_factory, int form=0):
+        """:meth:`RateLimitPipeline.decide`."""
+        return self.lookup(native, method, path, client, route, request_factory, form)
+
+    def decide_scope(self, scope, context, request_factory, int form=0):
+        """:meth:`RateLimitPipeline.decide_scope`."""
+        if type(scope) is not dict:  # a Mapping, or a dict subclass with its own get()
+            return self.pipeline.__class__.decide_scope(self.pipeline, scope, context, request_factory, form)
+        cdef PyObject* item = PyDict_GetItemWithError(scope, S_PATH)
+        path = S_SLASH if item == NULL or not (<object>item) else <object>item
+        item = PyDict_GetItemWithError(scope, S_ROOT)
+        if item != NULL and <object>item:
+            root = <object>item
+            if not path.startswith(root):
+                path = root + path if path[:1] == S_SLASH else f"{root}/{path}"
+            if context is not None:
+                context = f"{context}\x00{root}"
+        item = PyDict_GetItemWithError(scope, S_METHOD)
+        method = S_GET if item == NULL else <object>item
+        item = PyDict_GetItemWithError(scope, S_CLIENT)
+        client = None if item == NULL or not (<object>item) else (<object>item)[0]
+        return self.lookup(scope, method, path, client, context, request_factory, form)
+
+    cdef object lookup(self, native, method, path, client, route, request_factory, int form):
+        cdef PyObject* hit
+        cdef PyObject* key
+        pipeline = self.pipeline
+        ruleset = self.registry.ruleset
+        cdef tuple routes = pipeline._routes
+        if routes[0] is ruleset and not ruleset.has_tiers:
+            if not ruleset.routed:
+                hit = PyDict_GetItemWithError(<dict>routes[1], (method, path, None))
+            elif route is not None:
+                hit = PyDict_GetItemWithError(<dict>routes[1], (method, path, None, route))
+            else:
+                hit = NULL
+            if hit != NULL:
+                b = <object>hit
+                lane = b.lane
+                if lane is not None:
+                    if b.peer:
+                        key = NULL if client is None else PyDict_GetItemWithError(<dict>self.peer_keys, client)
+                        if key != NULL:
+                            return (<RuleLane?>lane).admit_c(<object>key, form, native, request_factory)
+                    else:
+                        fixed = b.fixed_key
+                        if fixed is not None:
+                            return (<RuleLane?>lane).admit_c(fixed, form, native, request_factory)
+                    request = request_factory(native)
+                    return (<RuleLane?>lane).admit_c(pipeline._key(request, b.scope), form, request, None)
+                if b is self.unlimited:
+                    return None
+        return pipeline.check(request_factory(native))
 
 
 def rule_lane(limiter, AdmittedRequests counts not None, outcome_type, str limit_str not None, str policy not None,

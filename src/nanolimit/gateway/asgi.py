@@ -257,6 +257,7 @@ class RateLimitMiddleware:
             and request_factory is request_from_scope
             and type(core).check is Core.check
             and type(core).decide is Core.decide
+            and type(core).decide_scope is Core.decide_scope
         )
 
     def _bind(self, app: Any) -> None:
@@ -314,24 +315,7 @@ class RateLimitMiddleware:
             # decided from the scope's method, path and peer in one native
             # call, its headers written as ASGI's bytes pairs (a dict where
             # a hook reads them), and no Request is built.
-            path = scope.get("path", "/") or "/"
-            context = self._http_context
-            root = scope.get("root_path")
-            if root:  # as request_from_scope and the route context write it
-                if not path.startswith(root):
-                    path = root + path if path[:1] == "/" else f"{root}/{path}"
-                if context is not None:
-                    context = f"{context}\x00{root}"
-            client = scope.get("client")
-            outcome = core.decide(
-                scope,
-                scope.get("method", "GET"),
-                path,
-                client[0] if client else None,
-                context,
-                request_from_scope,
-                self._form,
-            )
+            outcome = core.decide_scope(scope, self._http_context, request_from_scope, self._form)
         else:
             request = self.request_factory(scope)
             mode = self.decide

@@ -305,6 +305,14 @@ class RateLimitPipeline:
         stock = type(self.extractor) is DefaultKeyExtractor
         self._peer_keys: Any = self.extractor.peer_keys() if stock else None  # type: ignore[attr-defined]
         self._global_key = "global:*" if stock else None
+        # The native twin's decide() and decide_scope(): the same lookups in
+        # C, bound per pipeline (a subclass overriding either keeps its own).
+        if core is not None:
+            lanes = core.PipelineLanes(self, registry, self._peer_keys, _UNLIMITED)
+            if type(self).decide is RateLimitPipeline.decide:
+                self.decide = lanes.decide  # type: ignore[method-assign]
+            if type(self).decide_scope is RateLimitPipeline.decide_scope:
+                self.decide_scope = lanes.decide_scope  # type: ignore[method-assign]
 
     @property
     def on_breach(self) -> Callable[[Request, Outcome], Any] | None:
@@ -558,6 +566,36 @@ class RateLimitPipeline:
             if b is _UNLIMITED:
                 return None
         return self.check(request_factory(native))
+
+    def decide_scope(
+        self,
+        scope: Mapping[str, Any],
+        context: str | None,
+        request_factory: Callable[[Any], Request],
+        form: int = 0,
+    ) -> Outcome | None:
+        """:meth:`decide` for an ASGI HTTP ``scope``: its method, path (under
+        its ``root_path``, as :func:`nanolimit.asgi.request_from_scope` joins
+        them) and peer read from the scope; ``context`` is the adapter's
+        route context (None: no routes known), to which a ``root_path`` is
+        added, since the same path under another mount is another route."""
+        path = scope.get("path", "/") or "/"
+        root = scope.get("root_path")
+        if root:
+            if not path.startswith(root):
+                path = root + path if path[:1] == "/" else f"{root}/{path}"
+            if context is not None:
+                context = f"{context}\x00{root}"
+        client = scope.get("client")
+        return self.decide(
+            scope,
+            scope.get("method", "GET"),
+            path,
+            client[0] if client else None,
+            context,
+            request_factory,
+            form,
+        )
 
     def _lane_breach(
         self,
