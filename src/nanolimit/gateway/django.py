@@ -670,12 +670,17 @@ class RateLimitMiddleware:
             _state().core.settle(outcome, response.status_code)
         headers = outcome.headers
         if type(headers) is list and outcome.allowed and _STORE:
-            # _set_headers in line: the lane's pairs, as the header store keeps them
+            # _set_headers in line, unrolled: the lane's five pairs come in
+            # RATE_HEADERS' order (tests/test_django_limiter.py holds it to
+            # that), each the (name, value) the header store keeps
             store = response.headers._store
-            if type(store) is dict:
-                lower = _LOWER
-                for pair in headers:
-                    store[lower[pair[0]]] = pair
+            if type(store) is dict and len(headers) == 5:
+                limit, remaining, reset, policy, rate = headers
+                store["x-ratelimit-limit"] = limit
+                store["x-ratelimit-remaining"] = remaining
+                store["x-ratelimit-reset"] = reset
+                store["ratelimit-policy"] = policy
+                store["ratelimit"] = rate
                 return response
         return _finish(request, response, outcome)
 
