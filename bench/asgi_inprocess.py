@@ -357,9 +357,11 @@ def _flask_call(app: Any) -> Callable[[], Any]:
 
 
 def _django_calls() -> dict[str, Callable[[], Any]]:
-    """One process, one Django: a bare handler and one through nanolimit's
-    middleware, ``/`` under a default limit no run spends, ``/denied``
-    declared at 1 an hour."""
+    """One process, one Django: a bare handler, one through nanolimit's
+    middleware (``/limited`` declared with ``@limit`` at a limit no run
+    spends, ``/denied`` at 1 an hour), and nanolimit's WSGI middleware
+    around the bare handler (one prefix rule: the same decision without
+    Django's hooks, the fair floor of the Django integration)."""
     import django
     from django.conf import settings
 
@@ -370,7 +372,7 @@ def _django_calls() -> dict[str, Callable[[], Any]]:
             ROOT_URLCONF=__name__,
             INSTALLED_APPS=[],
             MIDDLEWARE=[],
-            NANOLIMIT={"DEFAULT": peer_rate(HUGE), "ALGORITHM": "fixed_window", "LOG_DENIALS": None},
+            NANOLIMIT={"LOG_DENIALS": None},
             USE_TZ=True,
             LOGGING_CONFIG=None,
         )
@@ -390,15 +392,17 @@ def _django_calls() -> dict[str, Callable[[], Any]]:
             seen: list[int] = []
             body = handler(dict(environ), lambda status, headers, exc_info=None: seen.append(int(status[:3])))
             b"".join(body)
-            body.close()
+            getattr(body, "close", lambda: None)()
             return seen[-1]
 
         return call
 
     return {
-        "bare": caller(bare, "/"),
-        "nanolimit": caller(limited, "/"),
+        "bare": caller(bare, "/limited"),
+        "nanolimit": caller(limited, "/limited"),
         "nanolimit_denied": caller(limited, "/denied"),
+        "nanolimit_wsgi": caller(nanolimit_wsgi(bare, HUGE), "/limited"),
+        "nanolimit_wsgi_denied": caller(nanolimit_wsgi(bare, 1), "/limited"),
     }
 
 
@@ -408,14 +412,15 @@ def _django_urls() -> list[Any]:
 
     from nanolimit.django import limit
 
-    def index(request: Any) -> Any:
+    @limit(peer_rate(HUGE), algorithm="fixed_window")
+    def limited(request: Any) -> Any:
         return HttpResponse("ok", content_type="text/plain")
 
     @limit(peer_rate(1), algorithm="fixed_window")
     def denied(request: Any) -> Any:
         return HttpResponse("ok", content_type="text/plain")
 
-    return [path("", index), path("denied", denied)]
+    return [path("limited", limited), path("denied", denied)]
 
 
 def __getattr__(name: str) -> Any:  # Django's URLconf: this module, its patterns made when first asked

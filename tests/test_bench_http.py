@@ -217,6 +217,33 @@ def test_served_django_apps_answer_as_their_rows_claim(apps: ModuleType, name: s
     _assert_answers(apps, name, answers)
 
 
+# the in-process Django rows (asgi_inprocess --frameworks, django_instructions.py):
+# each answers what it is timed for, and each limited row's answers carry the headers
+_DJANGO_INPROCESS = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import asgi_inprocess
+rows = asgi_inprocess._django_calls()
+for name, call in rows.items():
+    asgi_inprocess.check_framework("django/" + name, call)
+print(json.dumps(sorted(rows)))
+"""
+
+
+def test_inprocess_django_rows_answer_as_timed() -> None:
+    import json
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH), *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-c", _DJANGO_INPROCESS], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    rows = ["bare", "nanolimit", "nanolimit_denied", "nanolimit_wsgi", "nanolimit_wsgi_denied"]
+    assert json.loads(done.stdout) == rows
+    assert tuple(rows) == _load("django_instructions").ROWS  # what the instruction counts run
+
+
 # the rows whose state is in Redis (slowapi_redis needs slowapi: the bench
 # extra's, like the other slowapi rows)
 SERVED_REDIS = [

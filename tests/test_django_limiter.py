@@ -586,6 +586,21 @@ def _post(port: int, path: str, body: bytes) -> tuple[int, dict[str, str]]:
         conn.close()
 
 
+def _raw(port: int, method: str, path: str) -> tuple[int, list[str]]:
+    """One request sent as written (no client normalises the path): the
+    status and the header names on the wire, repeats kept."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        conn.putheader("Connection", "close")
+        conn.endheaders()
+        response = conn.getresponse()
+        response.read()
+        return response.status, [k.lower() for k, _ in response.getheaders()]
+    finally:
+        conn.close()
+
+
 def _wait_healthy(port: int, proc: subprocess.Popen[bytes], deadline: float) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -669,6 +684,16 @@ def test_gunicorn_never_admits_more_failed_logins_than_the_budget(tmp_path: Path
         assert 1 <= tally[401] <= 5, tally  # never more failed logins than the budget
         assert tally[429] > 0 and len(pids) == 1
         print(f"\ndjango-gunicorn: {json.dumps({str(k): v for k, v in sorted(tally.items())})}")
+        # on the wire: odd spellings of /hello are 404s with no headers and
+        # spend nothing; HEAD spends its budget; each header is sent once
+        rate = [h.lower() for h in RATE]
+        for probe in ("//hello", "/hello/", "/%68ello/", "/hello%00"):
+            status, names = _raw(port, "GET", probe)
+            assert status == 404 and not set(names) & {*rate, "retry-after"}, (probe, names)
+        answers = [_raw(port, "HEAD", "/hello") for _ in range(4)]
+        assert [status for status, _ in answers] == [200, 200, 200, 429]
+        assert [[n for n in names if n in rate] for _, names in answers] == [rate] * 4
+        assert answers[3][1].count("retry-after") == 1
     finally:
         _stop(proc)
 
@@ -697,4 +722,110 @@ def test_an_exempt_route_never_exempts_another_of_its_shape(nano: Any, probe: st
         assert statuses(client, "/items/1", 3) == [200, 200, 429]
         assert statuses(client, "/items/abc", 5) == [200] * 5
         rules = nd.pipeline().registry.rules()
-        assert [r.routes for r in rules] == [("/items/{item_id:int}",)]
+        assert [r.routes for r in rules] == [("/items/{item_id:int}",), ("/slashed/",)]
+
+
+# ---------------------------------------------------------------------------
+# Probes: methods, HEAD, 404 and 405, slashes, odd paths, a per-request URLconf
+
+RATE = ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset", "RateLimit-Policy", "RateLimit")
+
+
+def _rate_headers(response: Any) -> list[str]:
+    """The rate-limit headers as the handler hands them to the server (each
+    name once: a header written twice would be sent twice)."""
+    names = [name for name, _ in response.items()]
+    return [name for name in names if name in (*RATE, "Retry-After")]
+
+
+def test_an_admitted_and_a_denied_answer_carry_each_header_once(nano: Any) -> None:
+    client = Client()
+    first = get(client, "/hello")
+    assert _rate_headers(first) == list(RATE)
+    assert first["X-RateLimit-Remaining"] == "2" and first["RateLimit"].startswith(
+        '"django_project.views.hello";r=2'
+    )
+    assert first["Content-Type"] == "text/plain" and first["X-Worker-Pid"]  # the view's own headers stay
+    statuses(client, "/hello", 2)
+    denied = get(client, "/hello")
+    assert _rate_headers(denied) == [*RATE, "Retry-After"]
+    assert denied["Content-Type"] == "application/json" and "X-Worker-Pid" not in denied
+    assert json.loads(denied.content)["retry_after"] == int(denied["Retry-After"])
+
+
+def test_head_and_other_methods_spend_the_views_budget(nano: Any) -> None:
+    """HEAD is a request like GET to a view that takes every method: an
+    attacker cannot probe past the limit with it, and its 429 still says
+    when to come back."""
+    client = Client()
+    assert [client.head("/hello", REMOTE_ADDR=IP).status_code for _ in range(2)] == [200, 200]
+    assert get(client, "/hello").status_code == 200
+    denied = client.head("/hello", REMOTE_ADDR=IP)
+    assert denied.status_code == 429 and int(denied["Retry-After"]) > 0
+    assert statuses(client, "/hello", 2, method="options") == [429, 429]
+
+
+def test_a_method_the_view_refuses_is_a_405_that_spends_its_budget(nano: Any) -> None:
+    """The class-based view answers POST with 405 itself: the request
+    reached the view, so it is decided there and spends the view's budget."""
+    client = Client()
+    refused = client.post("/report", REMOTE_ADDR=IP)
+    assert refused.status_code == 405 and refused["X-RateLimit-Remaining"] == "1"
+    assert statuses(client, "/report", 2, method="post") == [405, 429]
+    assert get(client, "/report").status_code == 429
+
+
+@pytest.mark.parametrize("probe", ["/hello/", "/hello//", "/hello%2f", "/HELLO", "/h%C3%A9llo", "/hello;x"])
+def test_odd_spellings_of_a_path_are_404s_that_spend_only_the_default(nano: Any, probe: str) -> None:
+    """Spellings of ``/hello`` Django does not route to it are 404s: with no
+    DEFAULT they are unlimited and carry no headers, and they never spend
+    (nor reset) the view's budget; under a DEFAULT they spend it."""
+    client = Client()
+    assert statuses(client, probe, 5) == [404] * 5
+    assert "X-RateLimit-Limit" not in get(client, probe)
+    assert statuses(client, "/hello", 4) == [200, 200, 200, 429]
+    assert statuses(client, "/hello?x=1", 1) == [429]  # the query is not the path
+    nano(DEFAULT="2/hour")
+    assert statuses(client, probe, 3) == [404, 404, 429]
+
+
+def test_append_slash_redirects_never_spend_the_views_budget(nano: Any) -> None:
+    """``/slashed`` is redirected to ``slashed/`` by CommonMiddleware before
+    any view: decided after that response (DEFAULT only), so a flood of
+    redirects neither spends nor escapes the view's own limit."""
+    middleware = ["django.middleware.common.CommonMiddleware", *project.MIDDLEWARE]
+    with override_settings(
+        ROOT_URLCONF="django_project.urls_attack", MIDDLEWARE=middleware, APPEND_SLASH=True
+    ):
+        client = Client()
+        assert statuses(client, "/slashed", 4) == [301] * 4
+        assert statuses(client, "/slashed/", 3) == [200, 200, 429]
+        nano(DEFAULT="2/hour")
+        assert statuses(client, "/slashed", 3) == [301, 301, 429]
+        assert statuses(client, "/slashed/", 3) == [200, 200, 429]  # its own limit, not DEFAULT's
+
+
+def test_a_per_request_urlconf_never_poisons_the_root_urlconfs_limits(nano: Any) -> None:
+    """A middleware routing some requests by another URLconf: ``/hello``
+    there is a 404 (no route), ``/items/1`` a route the root lacks. Neither
+    changes what the root's ``/hello`` answers, whatever comes first."""
+    middleware = ["django_project.middleware.PerRequestUrlconf", *project.MIDDLEWARE]
+    with override_settings(MIDDLEWARE=middleware):
+        client = Client()
+        other = {"HTTP_X_URLCONF": "attack"}
+        assert statuses(client, "/hello", 3, **other) == [404] * 3
+        # bound to ROOT_URLCONF's routes only: the other URLconf's route is unlimited (docs/django.md)
+        assert statuses(client, "/items/1", 3, **other) == [200] * 3
+        assert statuses(client, "/hello", 4) == [200, 200, 200, 429]
+        assert statuses(client, "/hello", 2, **other) == [404, 404]  # still not the root's view
+        assert get(client, "/hello", **other).content != b"hello"
+
+
+def test_async_views_get_the_same_headers_and_429(nano: Any) -> None:
+    async def run() -> list[Any]:
+        client = AsyncClient()
+        return [await client.get("/ahello", REMOTE_ADDR=IP) for _ in range(4)]
+
+    replies = asyncio.run(run())
+    assert [r.status_code for r in replies] == [200, 200, 200, 429]
+    assert _rate_headers(replies[0]) == list(RATE) and _rate_headers(replies[3]) == [*RATE, "Retry-After"]

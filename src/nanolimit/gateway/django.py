@@ -58,7 +58,7 @@ from .django_checks import NanolimitConfig, routes_of
 from .factory import LimiterFactory
 from .headers import RATE_HEADERS
 from .keys import DefaultKeyExtractor
-from .middleware import Outcome
+from .middleware import DICT, WSGI_PAIRS, CostTooHigh, Outcome, render_body
 from .middleware import RateLimitPipeline as Pipeline
 from .registry import RuleSet
 from .request import Request
@@ -331,6 +331,10 @@ class _Live:
                 raise _bad("RULES" if loaded is not None else "DEFAULT", str(exc)) from None
         storage = factory.storage
         self.network = any(type(storage).__module__.startswith(m) for m in _NETWORK_MODULES)
+        # the native lane's headers as (name, value) pairs, written into the
+        # response as they are; a dict where a DENY hook or a handler403
+        # (RAISE) reads ``outcome.headers``
+        self.form = WSGI_PAIRS if conf.deny is None and not conf.raise_ else DICT
         self.bound = False
         self._users: tuple[RuleSet | None, bool] = (None, False)
 
@@ -528,11 +532,18 @@ def _decide(live: _Live, request: Any) -> Outcome | None:
         request.META.get("REMOTE_ADDR") or None,
         None if match is None else match.route or "/",
         _request,
+        live.form,
     )
 
 
 def _json_denial(outcome: Outcome) -> Any:
-    response = HttpResponse(outcome.body(), status=429, content_type="application/json")
+    decision = outcome.decision
+    body = (
+        decision.body(outcome.rule)
+        if type(decision) is CostTooHigh
+        else render_body(outcome.rule, outcome.retry_after)
+    )
+    response = HttpResponse(body, status=429, content_type="application/json")
     _set_headers(response, outcome.headers)
     # nanolimit's denial log (one record per rule per interval) has it:
     # django.request need not log every 429 of a flood again
@@ -555,25 +566,52 @@ def _header_store() -> bool:
         return False
 
 
+class _Lower(dict[str, str]):
+    """Header name -> its store key: nanolimit's own names looked up, any
+    other (a rename) lower-cased."""
+
+    def __missing__(self, name: str) -> str:
+        return name.lower()
+
+
 _STORE = _header_store()
-_LOWER = {name: name.lower() for name in (*RATE_HEADERS, "Retry-After")}
+_LOWER = _Lower({name: name.lower() for name in (*RATE_HEADERS, "Retry-After")})
+_Headers = Mapping[str, str] | list[tuple[str, str]]
 
 
-def _set_headers(response: Any, headers: Mapping[str, str]) -> None:
+def _set_headers(response: Any, headers: _Headers) -> None:
+    """An outcome's headers on Django's response: the lane's pairs (or a
+    dict's items) straight into the header store, each pair the
+    ``(name, value)`` the store keeps."""
     store = response.headers._store if _STORE else None
     if type(store) is not dict:
-        for name, value in headers.items():
+        for name, value in headers if isinstance(headers, list) else headers.items():
             response[name] = value
         return
     lower = _LOWER
+    if isinstance(headers, list):
+        for pair in headers:
+            store[lower[pair[0]]] = pair
+        return
     for name, value in headers.items():
-        store[lower.get(name) or name.lower()] = (name, value)
+        store[lower[name]] = (name, value)
 
 
-def _add_missing(response: Any, headers: Mapping[str, str]) -> None:
-    for name, value in headers.items():
+def _add_missing(response: Any, headers: _Headers) -> None:
+    for name, value in headers if isinstance(headers, list) else headers.items():
         if name not in response:
             response[name] = value
+
+
+def _finish(request: Any, response: Any, outcome: Outcome) -> Any:
+    """The admitted outcome's headers on the response (settled first by the
+    caller); a ``Ratelimited`` answered by handler403 still says when to
+    come back."""
+    if outcome.allowed:
+        _set_headers(response, outcome.headers)
+    elif getattr(request, _DENIED, None) is outcome:
+        _add_missing(response, outcome.headers)
+    return response
 
 
 class RateLimitMiddleware:
@@ -626,14 +664,42 @@ class RateLimitMiddleware:
             if outcome is not None and not outcome.allowed:
                 setattr(request, _ATTR, outcome)
                 return self._deny(live, request, outcome)
-        if outcome is not None and outcome.charge is not None:
+        if outcome is None:
+            return response
+        if outcome.charge is not None:
             _state().core.settle(outcome, response.status_code)
-        return self._finish(request, response, outcome)
+        headers = outcome.headers
+        if type(headers) is list and outcome.allowed and _STORE:
+            # _set_headers in line, unrolled: the lane's five pairs come in
+            # RATE_HEADERS' order (tests/test_django_limiter.py holds it to
+            # that), each the (name, value) the header store keeps
+            store = response.headers._store
+            if type(store) is dict and len(headers) == 5:
+                limit, remaining, reset, policy, rate = headers
+                store["x-ratelimit-limit"] = limit
+                store["x-ratelimit-remaining"] = remaining
+                store["x-ratelimit-reset"] = reset
+                store["ratelimit-policy"] = policy
+                store["ratelimit"] = rate
+                return response
+        return _finish(request, response, outcome)
 
     def process_view(self, request: Any, view: Any, args: Any, kwargs: Any) -> Any:
-        live = _state()
-        outcome = _decide(live, request)
-        setattr(request, _ATTR, outcome)
+        live = _live
+        if live is None or not live.bound:
+            live = _state()
+        # _decide in line: Django has resolved the request by now
+        match = request.resolver_match
+        outcome = live.core.decide(
+            request,
+            request.method or "GET",
+            request.path,
+            request.META.get("REMOTE_ADDR") or None,
+            match.route or "/",
+            _request,
+            live.form,
+        )
+        request._nanolimit_outcome = outcome  # _ATTR
         if outcome is None:
             return None
         if not outcome.allowed:
@@ -641,18 +707,6 @@ class RateLimitMiddleware:
         if outcome.delay > 0.0:
             time.sleep(outcome.delay)
         return None
-
-    @staticmethod
-    def _finish(request: Any, response: Any, outcome: Outcome | None) -> Any:
-        """The admitted outcome's headers on the response (settled first by
-        the caller); a ``Ratelimited`` answered by handler403 still says
-        when to come back."""
-        if outcome is not None and outcome.allowed:
-            _set_headers(response, outcome.headers)
-        denied = getattr(request, _DENIED, None)
-        if denied is not None:
-            _add_missing(response, denied.headers)
-        return response
 
     def _deny(self, live: _Live, request: Any, outcome: Outcome) -> Any:
         conf = live.conf
@@ -680,13 +734,15 @@ class RateLimitMiddleware:
             if outcome is not None and not outcome.allowed:
                 setattr(request, _ATTR, outcome)
                 return await self._adeny(live, request, outcome)
-        if outcome is not None and outcome.charge is not None:
+        if outcome is None:
+            return response
+        if outcome.charge is not None:
             live = _state()
             if live.network:  # a refund crosses the network too
                 await sync_to_async(live.core.settle, thread_sensitive=False)(outcome, response.status_code)
             else:
                 live.core.settle(outcome, response.status_code)
-        return self._finish(request, response, outcome)
+        return _finish(request, response, outcome)
 
     async def _acheck(self, live: _Live, request: Any) -> Outcome | None:
         user = None
