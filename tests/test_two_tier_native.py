@@ -503,3 +503,82 @@ def test_a_zone_is_refused_as_local(native: Any, redis_server: Any) -> None:
     with pytest.raises(ValidationError, match=r"SharedMemoryStorage as local.*Leave local unset"):
         TwoTierStorage(zone, client, instance_id="zoned", prefix="zoned:")
     assert not list(client.scan_iter(match="*zoned:*"))
+
+
+def test_the_lease_books_key_index_survives_churn(native: Any) -> None:
+    """The book's key index (in C: open addressing, backward-shift deletion)
+    through growth from 16 entries, detaches in random order and slots reused:
+    every attached key, looked up by an equal but distinct str, finds its own
+    slot; no detached key is found."""
+    rng = random.Random(5)
+    gate = native.LeaseGate(lambda: None)
+    book = native.LeaseBook(gate, 10, 1.0, False, 0.05)
+    names = [f"user:{i}" for i in range(1500)] + ["ключ", "é" * 40, "x" * 300, "a", "ab"]
+    slots: dict[str, int] = {}
+
+    def same(key: str) -> str:  # an equal str, not the attached object
+        return "".join(list(key))
+
+    for round_ in range(4):
+        for key in rng.sample(names, len(names) // 2):
+            if key in slots:
+                book.detach(same(key))
+                del slots[key]
+            else:
+                slot = book.attach(key)
+                assert slot not in slots.values()
+                slots[key] = slot
+        assert len(book) == len(slots), round_
+        for key in names:
+            if key in slots:
+                assert book.attach(same(key)) == slots[key], (round_, key)
+            else:
+                book.detach(same(key))  # not there: nothing happens
+        assert len(book) == len(slots)
+    for key in list(slots):
+        book.detach(key)
+    assert len(book) == 0
+    book.detach(7)  # never a key: nothing happens
+
+
+@pytest.mark.parametrize("cls", ["FixedWindowCounter", "SlidingWindowCounter"])
+def test_many_keys_come_and_go_and_c_answers_like_python(native: Any, redis_server: Any, cls: str) -> None:
+    """Hundreds of keys tracked, forgotten and evicted idle (each attach and
+    detach a change to the C key index), keys passed as the attached str and
+    as fresh equal ones: the native fleet decides exactly as the reference
+    one, and most decisions are the C path's."""
+    rng = random.Random(11)
+    (fast,) = fleet(redis_server, "ci:", 1)
+    (slow,) = fleet(redis_server, "cr:", 1)
+    try:
+        clock = FakeClock(50_000.5)
+        lim_fast = getattr(native, cls)(4, 10.0, storage=fast, clock=clock)
+        lim_slow = getattr(reference, cls)(4, 10.0, storage=slow, clock=clock)
+        keys = [f"k{i}" for i in range(400)]
+        for step in range(3000):
+            op = rng.random()
+            if op < 0.02:
+                assert fast.sync_now() == slow.sync_now()
+            elif op < 0.05:
+                key = rng.choice(keys)
+                fast.forget(lim_fast.config, key)
+                slow.forget(lim_slow.config, key)
+            elif op < 0.055:
+                cutoff = clock.now() - rng.choice([0.0, 10.0])
+                assert fast.evict_idle(cutoff) == slow.evict_idle(cutoff)
+            elif op < 0.07:
+                clock.advance(rng.choice([0.5, 3.0, 10.0]))
+            else:
+                key = rng.choice(keys[: rng.choice([20, 400])])
+                if rng.random() < 0.5:
+                    key = "".join(list(key))
+                method = "peek" if op < 0.15 else "allow"
+                got = getattr(lim_fast, method)(key)
+                want = getattr(lim_slow, method)(key)
+                assert got == want, (step, method, key, clock.now())
+        assert len(fast) == len(slow) and len(fast._books[lim_fast.config]) == len(fast)
+        assert fast.metrics()["decisions_native"] > 1000  # of ~2800: the C index found the keys
+        assert slow.metrics()["decisions_native"] == 0
+    finally:
+        fast.close(deregister=False)
+        slow.close(deregister=False)

@@ -29,8 +29,8 @@ one module, so calls across layers stay direct C calls and inline):
 cimport cython
 from cpython.array cimport array, clone
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError, PyDict_SetItem
-from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsSsize_t
+from cpython.dict cimport PyDict_GetItemWithError, PyDict_SetItem
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.object cimport PyTypeObject
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
@@ -61,7 +61,7 @@ from nanolimit._types cimport (
     BatchBlock, batch_alloc, batch_begin, batch_take,
     nl_namespace_seed, nl_set_secrets, nl_add_u64_relaxed, nl_load_u64_relaxed,
     nl_cas_u64, nl_floor_i64, nl_load_pointer_relaxed, nl_load_u64_seq,
-    nl_trylock, nl_unlock, nl_wall_now,
+    nl_trylock, nl_unlock, nl_wall_now, nl_prefetch,
 )
 
 import errno as errno_module

@@ -5,7 +5,11 @@
 # where a native limiter decides a request without leaving C.
 
 # The hot window of one key's lease (TwoTierStorage): enough to decide a
-# request in C exactly as the storage's Python path would.
+# request in C exactly as the storage's Python path would. 192 bytes, the
+# records 64-byte aligned: the first cache line holds all a decision in the
+# current window reads and writes (one line per decision), the second what a
+# window roll, a refusal for want of lease or the key index reads, the third
+# the sync's state.
 ctypedef struct LeaseRecord:
     double last_now                 # the key's own time floor (docs/spec.md §4)
     int64_t window_index            # the window described below; LEASE_NONE: Python decides
@@ -13,21 +17,28 @@ ctypedef struct LeaseRecord:
     int64_t ceiling                 # own + cost must stay <= ceiling: units pushed + the lease
     int64_t others                  # the other instances' units in it, as last read
     int64_t previous                # fleet units of the window before (sliding), else 0
+    int64_t decisions               # committed here since the storage last pulled
+    uint8_t prev_pending            # (flags, 0 or 1) a rolled-away window is not yet pulled
+    uint8_t committed               # committed to since take_dirty (this key, not the slot's last)
+    uint8_t listed                  # its slot is in the book's dirty list
+    uint8_t attached                # a key holds the slot
+    # A fast record: the sync plans and applies this key in C (plan_step,
+    # apply), and the s_ fields, not the storage's dicts, hold window
+    # s_index's sync state (LEASE_NONE: absent from the dict); pull hands them over.
+    uint8_t fast
+    uint8_t solo                    # ... and it has no other window a full sync would send
+    uint8_t _pad[2]
+    # -- line 2
     int64_t next_ceiling            # a later window's ceiling before any sync of it: ceil(L / N)
     int64_t prev_index              # a window C rolled away from, its units not yet pulled
     int64_t prev_own
-    int64_t decisions               # committed here since the storage last pulled
     int64_t want                    # the largest cost refused for want of lease, not budget
-    bint prev_pending
-    bint committed                  # committed to since take_dirty (this key, not the slot's last)
-    bint listed                     # its slot is in the book's dirty list
-    bint attached                   # a key holds the slot
-    # A fast record: the sync plans and applies this key in C (plan_step,
-    # apply), and these fields, not the storage's dicts, hold window s_index's
-    # sync state (LEASE_NONE: absent from the dict); pull hands them over.
-    bint fast
-    bint solo                       # ... and it has no other window a full sync would send
     uint32_t gen                    # bumped by attach and detach: a sync's answer finds its key
+    uint32_t key_len                # the key's UTF-8 bytes (key_data: in the key's str, which
+    const char* key_data            # the book's ``keys`` list keeps alive)
+    uint64_t key_hash               # LeaseBook.hash of them: where the key index holds the slot
+    double touched                  # monotonic time of the last decision folded by plan_step
+    # -- line 3
     int64_t s_index
     int64_t s_pushed
     int64_t s_acked
@@ -36,7 +47,18 @@ ctypedef struct LeaseRecord:
     int64_t s_lease
     int64_t s_claimed               # the default share claimed in window s_index + 1
     int64_t s_want                  # the largest cost refused for want of lease, to ask for
-    double touched                  # monotonic time of the last decision folded by plan_step
+
+# The book's key index: open addressing, linear probing, backward-shift
+# deletion (no tombstones), at most 3/4 full. An entry names a slot (its
+# record) and holds the key's str, so a caller passing the very str that
+# was attached (the common case) is matched without reading any key bytes.
+ctypedef struct LeaseKey:
+    uint32_t tag                    # the key hash's high 32 bits
+    uint32_t slot                   # the record's slot + 1; 0: empty
+    PyObject* key                   # borrowed: the book's ``keys`` list holds it
+
+cdef Py_ssize_t LEASE_MAX_SLOTS = 0xFFFFFFFE    # slot + 1 fits the index's uint32
+
 
 cdef int64_t LEASE_NONE = INT64_MIN
 cdef Py_ssize_t RECONCILE_KEYS = 128  # keys per reconcile call (two_tier RECONCILE_CHUNK)
@@ -186,8 +208,12 @@ cdef class LeaseBook:
     ``decide`` must be called with the gate closed."""
 
     cdef LeaseGate gate
-    cdef dict index                 # key -> slot
-    cdef LeaseRecord* records
+    cdef LeaseKey* kindex           # key -> slot (see LeaseKey); NULL until the first attach
+    cdef size_t kmask               # its entries - 1
+    cdef Py_ssize_t kcount          # keys attached
+    cdef uint64_t seed              # the key hash's seed (under the per-process secrets)
+    cdef LeaseRecord* records       # 64-byte aligned, in records_block
+    cdef void* records_block
     cdef Py_ssize_t* dirty          # slots committed to since take_dirty; one entry each
     cdef Py_ssize_t dirty_len
     cdef Py_ssize_t used
@@ -231,7 +257,7 @@ cdef class LeaseBook:
 
     def __cinit__(self, LeaseGate gate not None, limit, window, sliding, sync_interval):
         self.gate = gate
-        self.index = {}
+        self.seed = nl_namespace_seed(0x1EA5E)
         self.free_slots = []
         self.keys = []
         self.owners = []
@@ -239,6 +265,8 @@ cdef class LeaseBook:
         self.window = window
         self.sliding = bool(sliding)
         self.sync_interval = sync_interval
+        if sizeof(LeaseRecord) % 64 != 0:   # the layout above: whole cache lines
+            raise SystemError(f"LeaseRecord is {sizeof(LeaseRecord)} bytes, not whole cache lines")
         if not (1 <= self.limit and self.window > 0.0 and self.sync_interval > 0.0):
             raise ValidationError("LeaseBook needs limit >= 1, window > 0 and sync_interval > 0")
         if not MAX_TIME_C / self.window < 4.611686018427388e18:  # 2**62: window indexes fit int64
@@ -251,7 +279,8 @@ cdef class LeaseBook:
                 free(self.bases[i])
         free(self.bases)
         free(self.base_lens)
-        free(self.records)
+        free(self.records_block)
+        free(self.kindex)
         free(self.dirty)
         self.plan_free()
 
@@ -264,11 +293,91 @@ cdef class LeaseBook:
             raise IndexError(f"lease slot {slot} out of range")
         return &self.records[slot]
 
+    cdef inline uint64_t hash(self, const char* data, Py_ssize_t n) noexcept nogil:
+        """The key index's hash of a key's UTF-8: the in-memory table's seeded
+        hash (per-process secrets), so keys chosen offline cannot collide on
+        purpose."""
+        return nl_hash_seeded(self.seed, data, <size_t>n)
+
+    cdef inline Py_ssize_t find(self, object key, const char* data, Py_ssize_t klen,
+                                uint64_t h) noexcept nogil:
+        """The slot of ``key`` (its UTF-8 ``data``, ``klen`` bytes; ``h``:
+        ``hash`` of them), or -1. Reads no Python object but a str's
+        bytes: safe under the gate's spinlock."""
+        cdef LeaseKey* table = self.kindex
+        cdef size_t i
+        cdef uint32_t tag = <uint32_t>(h >> 32)
+        cdef LeaseRecord* r
+        if table == NULL:
+            return -1
+        i = <size_t>h & self.kmask
+        while table[i].slot != 0:
+            if table[i].tag == tag:
+                r = &self.records[table[i].slot - 1]
+                if (table[i].key == <PyObject*>key
+                        or (r.key_len == klen and memcmp(r.key_data, data, <size_t>klen) == 0)):
+                    return table[i].slot - 1
+            i = (i + 1) & self.kmask
+        return -1
+
+    cdef inline void prefetch(self, uint64_t h) noexcept nogil:
+        """Start loading the key's home index entry (a hint: read unlocked,
+        and a stale address is harmless to prefetch)."""
+        cdef const LeaseKey* table = <const LeaseKey*>nl_load_pointer_relaxed(<const void* const*>&self.kindex)
+        if table != NULL:
+            nl_prefetch(&table[<size_t>h & self.kmask])
+
+    cdef int index_grow(self) except -1:
+        """Double the key index (or make the first), rehashing every entry."""
+        cdef size_t size = (self.kmask + 1) * 2 if self.kindex != NULL else 16
+        cdef LeaseKey* table = <LeaseKey*>calloc(size, sizeof(LeaseKey))
+        cdef size_t i, j
+        if table == NULL:
+            raise MemoryError()
+        if self.kindex != NULL:
+            for i in range(self.kmask + 1):
+                if self.kindex[i].slot != 0:
+                    j = <size_t>self.records[self.kindex[i].slot - 1].key_hash & (size - 1)
+                    while table[j].slot != 0:
+                        j = (j + 1) & (size - 1)
+                    table[j] = self.kindex[i]
+            free(self.kindex)
+        self.kindex = table
+        self.kmask = size - 1
+        return 0
+
+    cdef void index_remove(self, Py_ssize_t slot) noexcept nogil:
+        """Take ``slot``'s entry out of the key index (backward-shift deletion:
+        every later member of its probe run stays reachable from its home)."""
+        cdef LeaseKey* table = self.kindex
+        cdef size_t mask = self.kmask
+        cdef size_t hole = <size_t>self.records[slot].key_hash & mask
+        cdef size_t j, home
+        while table[hole].slot != <uint32_t>(slot + 1):
+            hole = (hole + 1) & mask
+        j = hole
+        while True:
+            j = (j + 1) & mask
+            if table[j].slot == 0:
+                break
+            home = <size_t>self.records[table[j].slot - 1].key_hash & mask
+            # j's entry may fill the hole unless its home lies cyclically in (hole, j]
+            if (j > hole and (home <= hole or home > j)) or (j < hole and home <= hole and home > j):
+                table[hole] = table[j]
+                hole = j
+        table[hole].slot = 0
+        table[hole].tag = 0
+        table[hole].key = NULL
+
     def attach(self, key, owner=None, bytes base=b""):
         """A slot for ``key`` (empty until ``load``); ``take_dirty`` hands
         ``owner`` back (the storage's own record of the key). ``base``: the
         encoded prefix of the key's window hashes, for the sync planned in C."""
-        cdef Py_ssize_t slot, size
+        cdef Py_ssize_t slot, size, klen, found
+        cdef const char* data
+        cdef uint64_t h
+        cdef size_t i
+        cdef void* block
         cdef LeaseRecord* grown
         cdef Py_ssize_t* grown_dirty
         cdef char** grown_bases
@@ -279,8 +388,18 @@ cdef class LeaseBook:
         self.check_closed()
         if type(key) is not str:  # lookups run under the gate's spinlock: no Python __eq__
             raise TypeError(f"LeaseBook keys are str, not {type(key).__name__}")
-        if key in self.index:
-            return self.index[key]
+        try:
+            data = PyUnicode_AsUTF8AndSize(key, &klen)   # cached in the str: valid while it lives
+        except UnicodeEncodeError:
+            raise ValidationError("LeaseBook keys encode to UTF-8 (no lone surrogate)") from None
+        if klen > 0xFFFFFFFF:
+            raise ValidationError("LeaseBook keys are under 4 GiB of UTF-8")
+        h = self.hash(data, klen)
+        found = self.find(key, data, klen, h)
+        if found >= 0:
+            return found
+        if (self.kcount + 1) * 4 > <Py_ssize_t>(self.kmask + 1) * 3 or self.kindex == NULL:
+            self.index_grow()
         if self.free_slots:
             slot = self.free_slots.pop()
             gen = self.records[slot].gen
@@ -289,11 +408,19 @@ cdef class LeaseBook:
             self.keys[slot] = key
             self.owners[slot] = owner
         else:
+            if self.used == LEASE_MAX_SLOTS:
+                raise MemoryError("LeaseBook: 4,294,967,294 keys")
             if self.used == self.allocated:
-                size = self.allocated * 2 + 16
-                grown = <LeaseRecord*>realloc(self.records, <size_t>size * sizeof(LeaseRecord))
-                if grown == NULL:
+                size = min(self.allocated * 2 + 16, LEASE_MAX_SLOTS)
+                # aligned by hand (realloc keeps no alignment): one record, whole cache lines
+                block = malloc(<size_t>size * sizeof(LeaseRecord) + 63)
+                if block == NULL:
                     raise MemoryError()
+                grown = <LeaseRecord*>((<uintptr_t>block + 63) & ~(<uintptr_t>63))
+                if self.used:
+                    memcpy(grown, self.records, <size_t>self.used * sizeof(LeaseRecord))
+                free(self.records_block)
+                self.records_block = block
                 self.records = grown
                 # the dirty list holds each slot at most once: it never outgrows the records
                 grown_dirty = <Py_ssize_t*>realloc(self.dirty, <size_t>size * sizeof(Py_ssize_t))
@@ -326,17 +453,38 @@ cdef class LeaseBook:
         self.records[slot].listed = listed
         self.records[slot].attached = True
         self.records[slot].gen = gen + 1
-        self.index[key] = slot
+        self.records[slot].key_data = data
+        self.records[slot].key_len = <uint32_t>klen
+        self.records[slot].key_hash = h
+        i = <size_t>h & self.kmask
+        while self.kindex[i].slot != 0:
+            i = (i + 1) & self.kmask
+        self.kindex[i].tag = <uint32_t>(h >> 32)
+        self.kindex[i].slot = <uint32_t>(slot + 1)
+        self.kindex[i].key = <PyObject*>key
+        self.kcount += 1
         return slot
 
     def detach(self, key):
+        cdef Py_ssize_t klen, slot
+        cdef const char* data
         self.check_closed()
-        slot = self.index.pop(key, None)
-        if slot is not None:
-            self.records[<Py_ssize_t>slot].window_index = LEASE_NONE
-            self.records[<Py_ssize_t>slot].attached = False
-            self.records[<Py_ssize_t>slot].fast = False
-            self.records[<Py_ssize_t>slot].gen += 1
+        if type(key) is not str:
+            return
+        try:
+            data = PyUnicode_AsUTF8AndSize(key, &klen)
+        except UnicodeEncodeError:
+            return                  # never attached: attach refuses such a key
+        slot = self.find(key, data, klen, self.hash(data, klen))
+        if slot >= 0:
+            self.index_remove(slot)
+            self.kcount -= 1
+            self.records[slot].window_index = LEASE_NONE
+            self.records[slot].attached = False
+            self.records[slot].fast = False
+            self.records[slot].gen += 1
+            self.records[slot].key_data = NULL
+            self.records[slot].key_len = 0
             self.keys[slot] = None
             self.owners[slot] = None
             self.free_slots.append(slot)
@@ -703,104 +851,109 @@ cdef class LeaseBook:
         return pushed, rest
 
     def __len__(self):
-        return len(self.index)
+        return self.kcount
 
-    cdef int decide(self, object key, int64_t cost, double now, bint commit, Verdict* v) except -1:
-        """1 when decided here (``v`` filled), 0 when the Python path must.
-        Mirrors ``TwoTierStorage._decide`` operation for operation."""
-        cdef LeaseGate gate = self.gate
-        cdef PyObject* found
-        cdef LeaseRecord* r
-        cdef int64_t k, current, previous, own, ceiling, others
-        cdef double start, weight, estimate, reset_after, retry_after, end, room
-        cdef bint fits, ok, rolls = False, wake = False
-        nl_lock_spin(&gate.lock)
-        if not gate.is_open:
-            nl_unlock(&gate.lock)
-            return 0
-        found = PyDict_GetItem(self.index, key)
-        if found == NULL:
-            nl_unlock(&gate.lock)
-            return 0
-        r = &self.records[PyLong_AsSsize_t(<object>found)]
-        if r.last_now > now:
-            now = r.last_now
-        k = nl_floor_i64(now / self.window)
-        if k == r.window_index:
-            own = r.own
-            ceiling = r.ceiling
-            others = r.others
-            previous = r.previous
-        elif k > r.window_index != LEASE_NONE and not r.prev_pending:
-            # a later window, not yet synced: nobody's units seen, the default
-            # share; the window just left is the sliding estimate's previous
-            rolls = True
-            own = 0
-            ceiling = r.next_ceiling
-            others = 0
-            previous = r.others + r.own if (self.sliding and k == r.window_index + 1) else 0
-        else:
-            nl_unlock(&gate.lock)
-            return 0
-        gate.decided += 1
-        if commit:
-            r.last_now = now
-            r.decisions += 1
-            if not r.committed:
-                r.committed = True
-                if not r.listed:
-                    r.listed = True
-                    self.dirty[self.dirty_len] = r - self.records
-                    self.dirty_len += 1
-            if rolls:  # keep the left window's units for the sync until pulled
-                r.prev_index = r.window_index
-                r.prev_own = r.own
-                r.prev_pending = True
-                r.window_index = k
-                r.own = 0
-                r.ceiling = ceiling
-                r.others = 0
-                r.previous = previous
-        start = <double>k * self.window
-        current = others + own
-        weight = 1.0 - (now - start) / self.window
-        estimate = <double>previous * weight + <double>current
-        fits = estimate + <double>cost <= <double>self.limit
-        ok = fits and own <= ceiling - cost
-        if fits and not ok:
-            if commit and cost > r.want:
-                r.want = cost           # the next sync asks a lease this big (a cost above ceil(L/N))
-            gate.early += 1
-            if not gate.wake_pending:
-                gate.wake_pending = True
-                wake = True
-        end = start + self.window - now
-        reset_after = end if (current > 0 or previous > 0) else 0.0
-        if current > 0 and self.sliding:
-            reset_after = start + 2 * self.window - now
-        v.storage_full = False
-        v.delay = 0.0
-        v.at = now                      # the key's time, as TwoTierStorage._judge says it
-        v.allowed = ok
-        if ok:
-            if commit:
-                r.own += cost
-            v.remaining = <double>self.limit - estimate - <double>cost
-            v.retry_after = 0.0
-            v.reset_after = end if end > reset_after else reset_after
-        else:
-            retry_after = end
-            if fits:
-                if self.sync_interval < retry_after:
-                    retry_after = self.sync_interval
-            elif self.sliding and previous > 0:
-                room = <double>(self.limit - current - cost)
-                if room >= 0:
-                    retry_after = start + self.window * (1 - room / <double>previous) - now
-            v.remaining = <double>self.limit - estimate
-            v.retry_after = retry_after if retry_after > 0.0 else 0.0
-            v.reset_after = reset_after
+
+cdef inline int lease_decide(LeaseBook book, object key, const char* data, Py_ssize_t klen, uint64_t h,
+                            int64_t cost, double now, bint commit, Verdict* v) except -1:
+    """``LeaseBook``'s decision: 1 when decided here (``v`` filled), 0 when
+    the Python path must. A function, not a method: its one caller
+    (``_Limiter.decide_leased``) gets it inlined, no call in between.
+    ``data``, ``klen``: the key's UTF-8; ``h``: ``book.hash`` of it.
+    Mirrors ``TwoTierStorage._decide`` operation for operation."""
+    cdef LeaseGate gate = book.gate
+    cdef Py_ssize_t found
+    cdef LeaseRecord* r
+    cdef int64_t k, current, previous, own, ceiling, others
+    cdef double start, weight, estimate, reset_after, retry_after, end, room
+    cdef bint fits, ok, rolls = False, wake = False
+    nl_lock_spin(&gate.lock)
+    if not gate.is_open:
         nl_unlock(&gate.lock)
-        if wake:
-            gate.wake()
-        return 1
+        return 0
+    found = book.find(key, data, klen, h)
+    if found < 0:
+        nl_unlock(&gate.lock)
+        return 0
+    r = &book.records[found]
+    if r.last_now > now:
+        now = r.last_now
+    k = nl_floor_i64(now / book.window)
+    if k == r.window_index:
+        own = r.own
+        ceiling = r.ceiling
+        others = r.others
+        previous = r.previous
+    elif k > r.window_index != LEASE_NONE and not r.prev_pending:
+        # a later window, not yet synced: nobody's units seen, the default
+        # share; the window just left is the sliding estimate's previous
+        rolls = True
+        own = 0
+        ceiling = r.next_ceiling
+        others = 0
+        previous = r.others + r.own if (book.sliding and k == r.window_index + 1) else 0
+    else:
+        nl_unlock(&gate.lock)
+        return 0
+    gate.decided += 1
+    if commit:
+        r.last_now = now
+        r.decisions += 1
+        if not r.committed:
+            r.committed = True
+            if not r.listed:
+                r.listed = True
+                book.dirty[book.dirty_len] = r - book.records
+                book.dirty_len += 1
+        if rolls:  # keep the left window's units for the sync until pulled
+            r.prev_index = r.window_index
+            r.prev_own = r.own
+            r.prev_pending = True
+            r.window_index = k
+            r.own = 0
+            r.ceiling = ceiling
+            r.others = 0
+            r.previous = previous
+    start = <double>k * book.window
+    current = others + own
+    weight = 1.0 - (now - start) / book.window
+    estimate = <double>previous * weight + <double>current
+    fits = estimate + <double>cost <= <double>book.limit
+    ok = fits and own <= ceiling - cost
+    if fits and not ok:
+        if commit and cost > r.want:
+            r.want = cost           # the next sync asks a lease this big (a cost above ceil(L/N))
+        gate.early += 1
+        if not gate.wake_pending:
+            gate.wake_pending = True
+            wake = True
+    end = start + book.window - now
+    reset_after = end if (current > 0 or previous > 0) else 0.0
+    if current > 0 and book.sliding:
+        reset_after = start + 2 * book.window - now
+    v.storage_full = False
+    v.delay = 0.0
+    v.at = now                      # the key's time, as TwoTierStorage._judge says it
+    v.allowed = ok
+    if ok:
+        if commit:
+            r.own += cost
+        v.remaining = <double>book.limit - estimate - <double>cost
+        v.retry_after = 0.0
+        v.reset_after = end if end > reset_after else reset_after
+    else:
+        retry_after = end
+        if fits:
+            if book.sync_interval < retry_after:
+                retry_after = book.sync_interval
+        elif book.sliding and previous > 0:
+            room = <double>(book.limit - current - cost)
+            if room >= 0:
+                retry_after = start + book.window * (1 - room / <double>previous) - now
+        v.remaining = <double>book.limit - estimate
+        v.retry_after = retry_after if retry_after > 0.0 else 0.0
+        v.reset_after = reset_after
+    nl_unlock(&gate.lock)
+    if wake:
+        gate.wake()
+    return 1

@@ -124,6 +124,8 @@ cdef class _Limiter:
         cdef double now = 0.0  # set below on either clock path; this quiets -Wmaybe-uninitialized
         cdef int status
         if self.store is None:
+            if self.book is not None:
+                return self.decide_leased(key, cost, commit)
             return self.decide_elsewhere(key, cost, commit)
         # The system clock first: its TSC read is ordered (it waits for every
         # earlier instruction), so work placed before it, such as the hash
@@ -145,25 +147,45 @@ cdef class _Limiter:
             raise_status(status)
         return make_decision(&v, self.p.capacity, self._rule, self.p.window)
 
-    cdef Decision decide_elsewhere(self, object key, object cost, bint commit):
-        """A storage other than InMemoryStorage: a lease in C (TwoTierStorage),
-        the storage's own kernels (KernelStorage), or the reference glue.
-        Kept out of ``decide`` so the in-memory path stays compact."""
+    cdef Decision decide_leased(self, object key, object cost, bint commit):
+        """A TwoTierStorage: against the key's lease in C (``LeaseBook.decide``)
+        while it holds, else the storage's ``run_kernel``. The checks come in
+        ``decide``'s order (the system clock first: see there); the key is
+        hashed early, to start its index entry's load under the cost check."""
         cdef Verdict v
         cdef Py_ssize_t klen
+        cdef const char* data
+        cdef uint64_t h
         cdef int64_t units
-        cdef double now
+        cdef double now = 0.0
+        if self.system_clock:
+            now = nl_wall_now()
+        data = key_bytes(key, self.max_key_bytes, &klen)
+        h = self.book.hash(data, klen)
+        self.book.prefetch(h)
+        units = cost_value(cost, self.p.capacity)
+        if type(key) is not str:    # a str subclass may compare in Python: not under the gate's lock
+            return self.from_verdict(self.kernel_run(
+                self._config, key, units, None if self.system_clock else self.read_clock(), commit))
+        if not self.system_clock:
+            now = clock_value(self._clock.now())
+        if lease_decide(self.book, key, data, klen, h, units, now, commit, &v):
+            return make_decision(&v, self.p.capacity, self._rule, self.p.window)
+        return self.from_verdict(self.kernel_run(self._config, key, units, now, commit))
+
+    cdef Decision decide_elsewhere(self, object key, object cost, bint commit):
+        """A storage other than InMemoryStorage and TwoTierStorage: a
+        shared-memory zone, the storage's own kernels (KernelStorage), or the
+        reference glue. Kept out of ``decide`` so the in-memory path stays
+        compact."""
+        cdef Py_ssize_t klen
+        cdef int64_t units
         if self.zone is not None:
             return self.decide_zone(key, cost, commit)
         if self.kernel_run is None:
             return self.foreign(key, cost, commit)
         key_bytes(key, self.max_key_bytes, &klen)
         units = cost_value(cost, self.p.capacity)
-        if self.book is not None and type(key) is str:
-            now = self.read_clock()
-            if self.book.decide(key, units, now, commit, &v):
-                return make_decision(&v, self.p.capacity, self._rule, self.p.window)
-            return self.from_verdict(self.kernel_run(self._config, key, units, now, commit))
         return self.from_verdict(self.kernel_run(
             self._config, key, units, None if self.system_clock else self.read_clock(), commit))
 
