@@ -225,9 +225,9 @@ def settle_outcome(outcome: Any, status: object) -> int: ...
 class PipelineLanes:
     """The native twin of RateLimitPipeline.decide and decide_scope."""
 
-    def __init__(
-        self, pipeline: Any, registry: Any, peer_keys: dict[str, str] | None, unlimited: Any
-    ) -> None: ...
+    def __new__(
+        cls, pipeline: Any, registry: Any, peer_keys: dict[str, str] | None, unlimited: Any
+    ) -> PipelineLanes: ...
     def decide(
         self,
         native: Any,
