@@ -664,6 +664,7 @@ cdef class PipelineLanes:
     cdef object lookup(self, native, method, path, client, route, request_factory, int form):
         cdef PyObject* hit
         cdef PyObject* key
+        cdef RuleLane lane
         pipeline = self.pipeline
         ruleset = self.registry.ruleset
         cdef tuple routes = pipeline._routes
@@ -676,18 +677,19 @@ cdef class PipelineLanes:
                 hit = NULL
             if hit != NULL:
                 b = <object>hit
-                lane = b.lane
-                if lane is not None:
+                found = b.lane
+                if found is not None:
+                    lane = <RuleLane?>found
                     if b.peer:
                         key = NULL if client is None else PyDict_GetItemWithError(<dict>self.peer_keys, client)
                         if key != NULL:
-                            return (<RuleLane?>lane).admit_c(<object>key, form, native, request_factory)
+                            return lane.admit_c(<object>key, form, native, request_factory)
                     else:
                         fixed = b.fixed_key
                         if fixed is not None:
-                            return (<RuleLane?>lane).admit_c(fixed, form, native, request_factory)
+                            return lane.admit_c(fixed, form, native, request_factory)
                     request = request_factory(native)
-                    return (<RuleLane?>lane).admit_c(pipeline._key(request, b.scope), form, request, None)
+                    return lane.admit_c(pipeline._key(request, b.scope), form, request, None)
                 if b is self.unlimited:
                     return None
         return pipeline.check(request_factory(native))

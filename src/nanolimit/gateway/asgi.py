@@ -39,7 +39,7 @@ from .metrics import Metrics
 from .middleware import ASGI_PAIRS, AWAIT, DICT, INLINE, CostTooHigh, Outcome, decide_mode, render_body
 from .middleware import RateLimitPipeline as Core
 from .registry import RuleRegistry
-from .request import Request
+from .request import Request, under_root
 from .routes import RouteLimits, registry_and_limits
 
 __all__ = ["ASGIApp", "RateLimitMiddleware", "request_from_scope"]
@@ -121,8 +121,7 @@ def request_from_scope(scope: Scope) -> Request:
         if isinstance(raw, bytes):
             path = unquote(raw.decode("latin-1")) or "/"
     if root and not path.startswith(root):
-        # rules are written against the public URL
-        path = root + path if path[:1] == "/" else f"{root}/{path}"
+        path = under_root(root, path)
     return Request(
         scope.get("method", "GET") if scope["type"] == "http" else "GET",
         path,

@@ -45,3 +45,9 @@ class Request:
     cost: int = 1
     route: str | None = None
     native: Any = None
+
+
+def under_root(root: str, path: str) -> str:
+    """``path`` under an ASGI ``root_path`` it does not start with: rules are
+    written against the public URL, where a mount's prefix is part of it."""
+    return root + path if path[:1] == "/" else f"{root}/{path}"
