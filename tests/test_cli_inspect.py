@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,15 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _inside_a_fixed_window(window: float, margin: float) -> None:
+    """Wait out the end of the current wall-clock window when fewer than
+    ``margin`` seconds of it are left: a fixed-window key read by a CLI
+    subprocess after the boundary is a new, empty window (CI met it)."""
+    left = window - time.time() % window
+    if left < margin:
+        time.sleep(left + 0.05)
+
+
 def _gateway_limiter(storage: Any, rule: RateLimitRule) -> Any:
     """The limiter the gateway builds for ``rule`` on ``storage``."""
     return LimiterFactory(storage).for_rule(rule)
@@ -55,12 +65,13 @@ def _one_line_error(done: subprocess.CompletedProcess[str], code: int, *named: s
 def test_inspect_reads_a_key_on_redis_without_spending(redis_server: Server) -> None:
     uri = f"redis://{HOST}:{redis_server.port}/0?prefix=gw:"
     storage = storage_from_uri(uri, on_error="raise")
-    rule = RateLimitRule.from_rate("api", "5/minute", scope="ip", algorithm="fixed_window")
+    rule = RateLimitRule.from_rate("api", "5/hour", scope="ip", algorithm="fixed_window")
     limiter = _gateway_limiter(storage, rule)
     key = "ip:203.0.113.7"  # what the gateway keys that client under
+    _inside_a_fixed_window(3600.0, margin=60.0)  # four CLI runs read this window
     assert limiter.allow(key).allowed and limiter.allow(key).allowed
     try:
-        args = ("--storage", uri, "--rule", "api", "--rate", "5/minute", "--algorithm", "fixed_window")
+        args = ("--storage", uri, "--rule", "api", "--rate", "5/hour", "--algorithm", "fixed_window")
         done = cli("inspect", "203.0.113.7", *args, "--scope", "ip", "--json")
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
