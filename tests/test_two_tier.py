@@ -827,6 +827,51 @@ def test_long_windows_outlive_the_hour(backend: Any, redis_server: Any) -> None:
             client.delete(key)
 
 
+def test_a_hash_gets_its_expiry_when_it_is_made(backend: Any, redis_server: Any) -> None:
+    """A window of the wall clock has one end, so its hash's expiry is
+    written once, when the hash is made (not by every sync: that was a tenth
+    of the script's time); a window of an injected clock has none on the
+    wall's, so its hash's expiry is refreshed by every sync, as before."""
+    import nanolimit
+
+    tier = make_tier(redis_server, "expiry", start=False)
+    client = redis_server.client()
+    try:
+        tier.sync_now()
+        wall = backend.FixedWindowCounter(1000, 600.0, storage=tier, rule="wallexp")  # the system clock
+        clock = nanolimit.FakeClock(1000.0)
+        fake = backend.FixedWindowCounter(1000, 600.0, storage=tier, rule="fakeexp", clock=clock)
+        assert wall.allow("k").allowed and fake.allow("k").allowed
+        tier.sync_now()
+        now = time.time()
+        window_end = (math.floor(now / 600.0) + 1) * 600.0
+
+        def current(match: str, k: int) -> bytes:  # the window's hash, not the next one's claim
+            (name,) = [n for n in client.scan_iter(match=match) if n.endswith(b":tt:%d" % k)]
+            return bytes(name)
+
+        made = current("*wallexp*", math.floor(now / 600.0))
+        injected = current("*fakeexp*", 1)
+        assert client.pttl(made) / 1000.0 >= window_end - now + 600.0 - 5.0
+        assert client.pttl(injected) >= 3_590_000  # two windows, with the hour's floor
+        client.pexpire(made, 120_000)
+        client.pexpire(injected, 120_000)
+        assert wall.allow("k").allowed and fake.allow("k").allowed
+        tier.sync_now()
+        assert 0 < client.pttl(made) <= 120_000  # written when it was made: kept
+        assert client.pttl(injected) >= 3_590_000  # refreshed
+        assert client.hget(made, "expiry") == b"2"  # the count still written
+        client.delete(made)  # the server lost it: the next sync makes it, and its expiry, again
+        assert wall.allow("k").allowed
+        tier.sync_now()
+        assert client.hget(made, "expiry") == b"3"
+        assert client.pttl(made) / 1000.0 >= window_end - time.time() + 600.0 - 5.0
+    finally:
+        tier.close()
+        for key in [*client.scan_iter(match="*wallexp*"), *client.scan_iter(match="*fakeexp*")]:
+            client.delete(key)
+
+
 def test_a_flushed_script_cache_costs_no_partition(redis_server: Any) -> None:
     """A server that lost its scripts (restart, failover, SCRIPT FLUSH) answers
     NOSCRIPT: the sync loads the script and sends again (the reconcile writes

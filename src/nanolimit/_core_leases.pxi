@@ -146,6 +146,18 @@ cdef bint buf_bulk_int(SyncBuf* b, int64_t v) noexcept nogil:
     return buf_bulk_head(b, n) and buf_put(b, tmp, n) and buf_put(b, "\r\n", 2)
 
 
+cdef bint buf_f64(SyncBuf* b, double v) noexcept nogil:
+    # one of the reconcile spec's fields: an IEEE double, little-endian
+    # whatever this host's order (the script reads '<d')
+    cdef uint64_t bits
+    cdef char tmp[8]
+    cdef int i
+    memcpy(&bits, &v, 8)
+    for i in range(8):
+        tmp[i] = <char>((bits >> (8 * i)) & 0xFF)
+    return buf_put(b, tmp, 8)
+
+
 cdef bint buf_key(SyncBuf* b, const char* base, Py_ssize_t base_len, int64_t k) noexcept nogil:
     # RESP bulk string of the window's hash key: base + decimal k
     cdef char tmp[24]
@@ -699,10 +711,11 @@ cdef class LeaseBook:
                 if fabs(r.last_now - self.plan_wall) < 86400.0:
                     x = <double>(k + 2) * self.window - self.plan_wall
                     it.ms = <int64_t>ceil((x if x > 0.0 else 0.0) * 1000) + 1000
-                else:
+                else:   # negative: the script refreshes it on every sync
                     it.ms = <int64_t>ceil(2 * self.window * 1000) + 1000
                     if it.ms < 3600000:
                         it.ms = 3600000
+                    it.ms = -it.ms
                 it.held = (0 if r.s_acked == LEASE_NONE else r.s_acked) + (
                     self.plan_share if r.s_lease == LEASE_NONE else r.s_lease)
                 it.claim = 0
@@ -729,22 +742,18 @@ cdef class LeaseBook:
             it = &self.items[i]
             if it.claim:
                 claims += 1
-            if i > self.chunk_start:
-                buf_put(w, " ", 1)
             # count, limit, previous, expiry, current, wanted; before, weight, held, claim at, claim
-            buf_int(w, it.value)
-            buf_put(w, " ", 1)
-            buf_int(w, self.limit)
-            buf_put(w, " 0.0 ", 5)
-            buf_int(w, it.ms)
-            buf_put(w, " 1 ", 3)
-            buf_int(w, it.want)
-            buf_put(w, " 0 0.0 ", 7)
-            buf_int(w, it.held)
-            buf_put(w, " ", 1)
-            buf_int(w, size + claims if it.claim else 0)
-            buf_put(w, " ", 1)
-            buf_int(w, it.claim)
+            buf_f64(w, <double>it.value)
+            buf_f64(w, <double>self.limit)
+            buf_f64(w, 0.0)
+            buf_f64(w, <double>it.ms)
+            buf_f64(w, 1.0)
+            buf_f64(w, <double>it.want)
+            buf_f64(w, 0.0)
+            buf_f64(w, 0.0)
+            buf_f64(w, <double>it.held)
+            buf_f64(w, <double>(size + claims) if it.claim else 0.0)
+            buf_f64(w, <double>it.claim)
         ok = (buf_put(out, "*", 1) and buf_int(out, 6 + size + claims + self.plan_tail_count)
               and buf_put(out, "\r\n", 2)
               and buf_put(out, self.head_p, self.head_n)

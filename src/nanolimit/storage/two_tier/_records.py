@@ -98,7 +98,7 @@ class _Work:
     value: int  # our cumulative units in the window
     current: bool  # the key's current window: a lease is granted
     hash_key: str
-    spec: str  # the script's first six words: count, limit, previous window, expiry ms, current?, wanted cost
+    spec: tuple[float, ...]  # count, limit, previous window, expiry ms, current?, wanted cost
     weight: float = 0.0  # a sliding current window: the weight of window - 1 in the estimate
     held: int = 0  # current: the most our count may reach before the reply lands (the ceiling in use)
     claim_key: str | None = None  # current: the next window's hash, to claim our default share in

@@ -38,14 +38,17 @@ def _read(name: str) -> str:
 HEARTBEAT: Final = _read("heartbeat")
 
 # Per (key, window), atomically, for each of the first n KEYS (ARGV: id, N,
-# one string of eleven words per key, then "members rank rank ..." and the
-# ids of the members whose blind shares are reserved; the words: count,
-# limit, weighted previous window, expiry ms, current?, wanted cost, the
-# position of the same key's previous window among KEYS (0: not sent) and
-# its weight, the ceiling in use (the most our count may reach before the
-# reply lands), the position among KEYS of the next window's hash to claim
-# our default share in (0: no claim) and that share — one argument, not 11
-# per key, to keep the client's packing cheap):
+# one binary string of eleven little-endian doubles per key, then "members
+# rank rank ..." and the ids of the members whose blind shares are reserved;
+# the fields: count, limit, weighted previous window, expiry ms (positive:
+# set when the hash is made; negative: refreshed on every call), current?,
+# wanted cost, the position of the same key's previous window among KEYS (0:
+# not sent) and its weight, the ceiling in use (the most our count may reach
+# before the reply lands), the position among KEYS of the next window's hash
+# to claim our default share in (0: no claim) and that share — one argument,
+# not 11 per key, read by struct.unpack in C: parsing words with gmatch and
+# tonumber was a third of the script's time, and an expiry written on every
+# call another tenth):
 # write this instance's absolute count, sum every instance's count and every
 # *other* instance's lease field (units it may still admit before its next
 # sync: a lease, held, or a claim), and grant this instance a lease of

@@ -13,9 +13,10 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import struct
 import threading
 import time
-from typing import Any
+from typing import Any, Final
 
 from ..._limiter_config import LimiterConfig
 from ..redis import is_noscript
@@ -34,6 +35,21 @@ from ._records import (
 from ._scripts import HEARTBEAT, RECONCILE
 
 _log = logging.getLogger("nanolimit.two_tier")
+
+
+#: A key's reconcile spec: eleven little-endian doubles (the script's
+#: ``struct.unpack``), every integer in them exact (below 2**53).
+_SPEC: Final = struct.Struct("<11d")
+
+
+def _expiry_ms(window_index: int, window: float, wall: float, wall_clock: bool) -> int:
+    """A window's hash lives until the window can no longer matter, by the
+    wall clock: set once, when the hash is made. A window of an injected
+    clock cannot be placed on the wall's, so it lives two windows with an
+    hour's floor, as RedisStorage does, refreshed on every sync: negative."""
+    if wall_clock:
+        return math.ceil(max((window_index + 2) * window - wall, 0.0) * 1000) + 1000
+    return -max(3_600_000, math.ceil(2 * window * 1000) + 1000)
 
 
 class _FleetSync:
@@ -587,18 +603,12 @@ class _FleetSync:
                 and track.settled.get(w, 0) >= SETTLE_READS
             ):
                 continue  # a past window, pushed, its total read often enough for late pushes to land
-            # alive until the window can no longer matter, by the wall clock; a window
-            # of an injected clock cannot be placed on it, so it lives two windows
-            # with an hour's floor, as RedisStorage does
-            if wall_clock:
-                ms = math.ceil(max((w + 2) * window - wall, 0.0) * 1000) + 1000
-            else:
-                ms = max(3_600_000, math.ceil(2 * window * 1000) + 1000)
+            ms = _expiry_ms(w, window, wall, wall_clock)
             current = w == k
             value = own.get(w, 0)
             if current and not self._leaving:
-                previous = repr(self._previous_weighted(track, w)) if track.sliding else "0.0"
-                spec = f"{value} {track.limit} {previous} {ms} 1 {track.want.get(w, 0)}"
+                previous = self._previous_weighted(track, w) if track.sliding else 0.0
+                spec: tuple[float, ...] = (value, track.limit, previous, ms, 1, track.want.get(w, 0))
                 weight = 0.0
                 if track.sliding:
                     weight = min(1.0, max(0.0, 1.0 - (track.last_now - w * window) / window))
@@ -614,17 +624,13 @@ class _FleetSync:
                     # never unseen by the others' leases
                     item.claim_key, item.claim = self._hash_key(track, w + 1), share
             else:
-                spec = f"{value} {track.limit} 0.0 {ms} 0 0"
+                spec = (value, track.limit, 0.0, ms, 0, 0)
                 item = _Work(track, w, value, current, self._hash_key(track, w), spec)
             work.append(item)
         if self._leaving:
             # close(): the claims on later windows go back too (a count of 0, no lease)
             for w in [w for w in track.claimed if w > k and w not in own]:
-                if wall_clock:
-                    ms = math.ceil(max((w + 2) * window - wall, 0.0) * 1000) + 1000
-                else:
-                    ms = max(3_600_000, math.ceil(2 * window * 1000) + 1000)
-                spec = f"0 {track.limit} 0.0 {ms} 0 0"
+                spec = (0, track.limit, 0.0, _expiry_ms(w, window, wall, wall_clock), 0, 0)
                 work.append(_Work(track, w, 0, False, self._hash_key(track, w), spec))
 
     def _exchange(
@@ -659,14 +665,15 @@ class _FleetSync:
         for members in groups.values():
             for c in range(0, len(members), RECONCILE_CHUNK):
                 part = members[c : c + RECONCILE_CHUNK]
-                # five more words per key: where in this call the same key's
+                # five more fields per key: where in this call the same key's
                 # previous window is (0: not here) and its weight, so the
                 # script weighs that window's fresh total, not our last read;
                 # the ceiling in use; where the next window's hash is among
                 # KEYS (0: no claim) and the share claimed there
                 at: dict[tuple[int, int], int] = {}
                 keys = [work[i].hash_key for i in part]
-                words = []
+                fields = []
+                pack = _SPEC.pack
                 for pos, i in enumerate(part, 1):
                     item = work[i]
                     before = at.get((id(item.track), item.window - 1), 0) if item.weight > 0.0 else 0
@@ -675,7 +682,7 @@ class _FleetSync:
                     if item.claim_key is not None:
                         keys.append(item.claim_key)
                         claim_at = len(keys)
-                    words.append(f"{item.spec} {before} {item.weight!r} {item.held} {claim_at} {item.claim}")
+                    fields.append(pack(*item.spec, before, item.weight, item.held, claim_at, item.claim))
                 calls.append(
                     (
                         "EVALSHA",
@@ -684,7 +691,7 @@ class _FleetSync:
                         *keys,
                         self.instance_id,
                         n,
-                        " ".join(words),
+                        b"".join(fields),
                         *(reserve or [""]),
                     )
                 )

@@ -1,8 +1,8 @@
 local id = ARGV[1]
 local lid = 'lease:' .. id
 local n = tonumber(ARGV[2])
-local spec = {}
-for word in string.gmatch(ARGV[3], '%S+') do spec[#spec + 1] = word end
+local blob = ARGV[3]
+local pos = 1
 local shape = {}
 for word in string.gmatch(ARGV[4], '%S+') do shape[#shape + 1] = tonumber(word) end
 local all = shape[1] or 1
@@ -20,12 +20,12 @@ local function reserved(limit, seen)  -- the blind shares of the silent members 
 end
 local out = {}
 local totals = {}
-for i = 1, #spec / 11 do
+local nkeys = #blob / 88
+for i = 1, nkeys do
   local h = KEYS[i]
-  local b = (i - 1) * 11
-  local mine = tonumber(spec[b + 1])
-  local limit = tonumber(spec[b + 2])
-  local prev = tonumber(spec[b + 3])
+  local mine, limit, prev, ms, current, want, before, weight, ceiling, at, share
+  mine, limit, prev, ms, current, want, before, weight, ceiling, at, share, pos =
+    struct.unpack('<ddddddddddd', blob, pos)
   local counts, leases, seen = mine, 0, nil
   if #silent > 0 then seen = {} end  -- who has a field here: a silent member with one has its own
   local flat = redis.call('HGETALL', h)
@@ -42,34 +42,33 @@ for i = 1, #spec / 11 do
     end
   end
   totals[i] = counts
-  local before = tonumber(spec[b + 7])
   if before > 0 then  -- the previous window, read in this very call: its fleet total now
-    local weighted = totals[before] * tonumber(spec[b + 8])
+    local weighted = totals[before] * weight
     if weighted > prev then prev = weighted end
   end
   local lease, held = 0, 0
-  if spec[b + 5] == '1' then
+  if current == 1 then
     local rem = limit - prev - counts - leases
     if seen then rem = rem - reserved(limit, seen) end
     if rem > 0 then
       lease = math.ceil(rem / n)
-      local want = tonumber(spec[b + 6])
       if want > lease then lease = math.min(want, rem) end
     end
     -- until this reply lands we may still admit up to the ceiling in use: held
     -- for us until our next sync, which reports the lease granted here instead
-    held = tonumber(spec[b + 9]) - mine
+    held = ceiling - mine
     if lease > held then held = lease end
   end
-  redis.call('HSET', h, id, spec[b + 1], lid, held)
-  redis.call('PEXPIRE', h, spec[b + 4])
+  redis.call('HSET', h, id, mine, lid, held)
+  -- the expiry is the window's end by the wall clock: set once, when the hash
+  -- is made (a negative ms, a window of an injected clock, refreshes it)
+  if ms < 0 then redis.call('PEXPIRE', h, -ms) elseif #flat == 0 then redis.call('PEXPIRE', h, ms) end
   local claimed = 0
-  local at = tonumber(spec[b + 10])
   if at > 0 then  -- our default share of the next window, reserved before we spend it there
     local nh = KEYS[at]
     if redis.call('HEXISTS', nh, id) == 0 then
-      redis.call('HSET', nh, lid, spec[b + 11])
-      redis.call('PEXPIRE', nh, 2 * tonumber(spec[b + 4]))  -- it outlives one more window
+      redis.call('HSET', nh, lid, share)
+      redis.call('PEXPIRE', nh, 2 * math.abs(ms))  -- it outlives one more window
     end
     claimed = 1
   end
