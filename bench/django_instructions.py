@@ -41,7 +41,7 @@ sys.path.insert(0, sys.argv[1])
 import warnings
 warnings.simplefilter("ignore")
 import asgi_inprocess
-call = asgi_inprocess._django_calls()[sys.argv[2]]
+call = getattr(asgi_inprocess, sys.argv[4])()[sys.argv[2]]
 for _ in range(3):  # the first request binds; the denied rows spend their one admission
     call()
 def instrument(state):
@@ -56,8 +56,9 @@ instrument("off")
 """
 
 
-def count(row: str, requests: int) -> int:
-    """Instructions of one driver run (callgrind's ``summary``)."""
+def count(row: str, requests: int, calls: str = "_django_calls") -> int:
+    """Instructions of one driver run (callgrind's ``summary``): ``row`` of
+    ``asgi_inprocess``'s ``calls()`` (``_django_calls``, ``_flask_calls``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "callgrind.out"
         driver = Path(tmp) / "driver.py"
@@ -74,6 +75,7 @@ def count(row: str, requests: int) -> int:
                 str(HERE),
                 row,
                 str(requests),
+                calls,
             ],
             check=True,
             env=env,
@@ -87,9 +89,13 @@ def count(row: str, requests: int) -> int:
     raise RuntimeError(f"{row}: callgrind reported no count:\n{run.stderr[-2000:]}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("rows", nargs="*", help=f"of {', '.join(ROWS)} (default: all)")
+def main(
+    argv: list[str] | None = None, rows: tuple[str, ...] = ROWS, calls: str = "_django_calls", doc: str = ""
+) -> int:
+    """The command line of this script and of ``flask_instructions.py``
+    (``rows`` of ``asgi_inprocess``'s ``calls()``)."""
+    parser = argparse.ArgumentParser(description=(doc or __doc__ or "").split("\n\n")[0])
+    parser.add_argument("rows", nargs="*", help=f"of {', '.join(rows)} (default: all)")
     parser.add_argument("--n1", type=int, default=1000)
     parser.add_argument("--n2", type=int, default=2000)
     parser.add_argument("--jobs", type=int, default=2)
@@ -99,13 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 < args.n1 < args.n2:
         parser.error("need 0 < n1 < n2")
-    unknown = sorted(set(args.rows) - set(ROWS))
+    unknown = sorted(set(args.rows) - set(rows))
     if unknown:
-        parser.error(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
-    args.rows = args.rows or list(ROWS)
+        parser.error(f"unknown rows {unknown}: choose from {', '.join(rows)}")
+    args.rows = args.rows or list(rows)
     jobs = [(row, n) for row in args.rows for n in (args.n1, args.n2)]
     with ThreadPoolExecutor(args.jobs) as pool:
-        counts = dict(zip(jobs, pool.map(lambda job: count(*job), jobs)))
+        counts = dict(zip(jobs, pool.map(lambda job: count(*job, calls), jobs)))
     per = {
         row: round((counts[row, args.n2] - counts[row, args.n1]) / (args.n2 - args.n1)) for row in args.rows
     }

@@ -330,15 +330,15 @@ def asgi_slowapi_base(framework: str, limit: int) -> Any:
 # Flask (under gunicorn, sync worker)
 
 
-def _flask() -> Any:
+def _flask(decorate: Callable[[Any], Any] | None = None) -> Any:
     from flask import Flask, Response
 
     app = Flask("bench")
 
-    @app.get("/")
     def index() -> Response:
         return Response("ok", mimetype="text/plain")
 
+    app.get("/")(decorate(index) if decorate is not None else index)
     return app
 
 
@@ -358,15 +358,21 @@ def wsgi_nanolimit(framework: str, limit: int) -> Any:
     return app
 
 
-def wsgi_nanolimit_flask(framework: str, limit: int) -> Any:
+def wsgi_nanolimit_flask(framework: str, limit: int, count_when: frozenset[int] | None = None) -> Any:
     """nanolimit's Flask extension (``nanolimit.flask.Limiter``), the same
     rule as a default limit: decided in ``before_request``, its headers
-    written in ``after_request``, a 429 answered without Flask's error
-    handling (the app has no handler of its own)."""
+    written at ``start_response``, a 429 answered without Flask's error
+    handling (the app has no handler of its own). ``count_when``: the
+    same rule declared on the view, counting only those statuses."""
     from nanolimit.flask import Limiter
 
-    app = _flask()
-    Limiter(app, default_limits=peer_rate(limit), algorithm="fixed_window", log_denials=None)
+    if count_when is None:
+        app = _flask()
+        Limiter(app, default_limits=peer_rate(limit), algorithm="fixed_window", log_denials=None)
+        return app
+    limiter = Limiter(algorithm="fixed_window", log_denials=None)
+    app = _flask(limiter.limit(peer_rate(limit), count_when=count_when))
+    limiter.init_app(app)
     return app
 
 

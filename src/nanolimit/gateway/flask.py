@@ -33,10 +33,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
-from flask import Flask, current_app, g, has_app_context, request_started
+from flask import Flask, after_this_request, current_app, has_app_context, request_started
 from flask import request as flask_request
 from flask.wrappers import Response as FlaskResponse
-from werkzeug.datastructures import Headers
 from werkzeug.exceptions import TooManyRequests
 
 from .._limiter_config import Algorithm
@@ -44,14 +43,16 @@ from .._protocols import Storage
 from ..errors import UnenforcedLimitWarning, ValidationError
 from .config import load_rules
 from .factory import LimiterFactory
+from .headers import RATE_HEADERS
 from .keys import DefaultKeyExtractor
 from .metrics import Metrics
-from .middleware import Outcome, RateLimitPipeline
+from .middleware import WSGI_PAIRS, Outcome, RateLimitPipeline
 from .rates import parse_rates
 from .registry import ExemptRoute, RuleRegistry, RuleSet
 from .request import Request
 from .routes import Limit, RouteInfo, RouteLimits, declarations, refuse_foreign, view_name
 from .rules import KeyScope, RateLimitRule
+from .wsgi import _status_code
 
 __all__ = ["CONFIG_KEYS", "Limiter", "RateLimitExceeded"]
 
@@ -89,7 +90,6 @@ _ARGUMENTS = {
 }
 EXTENSION = "nanolimit"
 log = logging.getLogger("nanolimit.flask")
-_OUTCOME = "_nanolimit_outcome"  # on flask.g: the request's outcome, until settled
 DEFAULT_RULE = "default_limit"
 
 # flask-login is optional: its current_user is the user scope's id when present
@@ -501,12 +501,15 @@ class Limiter:
         )
         if isinstance(rules_source, RuleRegistry):
             self._registries.append(rules_source)
-        app.extensions[EXTENSION] = _AppState(
+        state = _AppState(
             pipeline, _AppRoutes(self._limits, registry, scope, algorithm, defaults), enabled, self._deny
         )
-        app.before_request(self._before_request)
-        app.after_request(self._after_request)
-        app.teardown_request(self._teardown_request)
+        app.extensions[EXTENSION] = state
+        slot = f"nanolimit.flask.{id(state):x}"  # this app's outcome, in the environ of each request
+        app.before_request(self._decider(app, state, slot))
+        # the headers and the settlement at start_response, around whatever
+        # the app's wsgi_app is now (middleware added later wraps this)
+        app.wsgi_app = _Answers(app.wsgi_app, slot, pipeline, _names_written(pipeline))  # type: ignore[method-assign]
         self._apps += 1
         self._unwatch()
 
@@ -579,65 +582,79 @@ class Limiter:
         return infos
 
     # -- the request hooks ---------------------------------------------------------------
-    def _before_request(self) -> Any:
-        app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
-        state: _AppState = app.extensions[EXTENSION]
-        if not state.enabled:
-            return None
-        if not state.ready:
-            with state.lock:
-                if not state.ready:
-                    state.routes.bind(self._route_infos(app), known=_templates(app))
-                    state.ready = True
-        native = flask_request._get_current_object()  # type: ignore[attr-defined]
-        url_rule = native.url_rule
-        # the pipeline's decide(): the Request is built only if a rule needs it
-        outcome = state.pipeline.decide(
-            native,
-            native.method,
-            (native.root_path + native.path) or "/",
-            native.remote_addr or None,
-            _template(url_rule) if url_rule is not None else None,
-            self._request_of,
-        )
-        if outcome is None:
-            return None
-        if outcome.allowed:
-            setattr(g._get_current_object(), _OUTCOME, outcome)
-            if outcome.delay > 0.0:
-                time.sleep(outcome.delay)  # a shaping leaky bucket: this worker waits its turn
-            return None
-        if state.deny is not None:
-            setattr(g._get_current_object(), _OUTCOME, outcome)
-            return state.deny(self._request_of(native), outcome)
-        handler = state.handler(app, native)
-        if handler is _UNHANDLED:
-            # no handler of the app's own: the 429 as RateLimitExceeded
-            # answers it, without raising through Flask's error handling
-            response = app.response_class(outcome.body(), 429, mimetype="application/json")
-            _add_missing(response.headers, outcome.headers)
-            return response
-        setattr(g._get_current_object(), _OUTCOME, outcome)
-        exc = RateLimitExceeded(outcome)
-        if handler is None:
-            raise exc  # trapped, or an app that handles HTTP errors its own way: as Flask raises them
-        return app.ensure_sync(handler)(exc)  # the app's errorhandler, as Flask would call it
+    def _decider(self, app: Flask, state: _AppState, slot: str) -> Callable[[], Any]:
+        """The app's one ``before_request`` hook: a plain function over the
+        app and its state (Flask's ``ensure_sync`` checks a plain function
+        cheapest, and no proxy is asked which app this is). It decides,
+        and leaves the outcome in the request's slot (``environ[slot]``),
+        where :class:`_Answers` writes its headers and settles its charge
+        as the response starts."""
+        pipeline = state.pipeline
+        route_infos = self._route_infos
 
-    def _request_of(self, native: Any) -> Request:
-        """The gateway's view of Flask's request (its user read only when a
-        rule asks for one)."""
-        app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
-        state: _AppState = app.extensions[EXTENSION]
-        url_rule = native.url_rule
-        return Request(
-            native.method,
-            (native.root_path + native.path) or "/",
-            _Headers(native.headers),
-            native.remote_addr or None,
-            self._user(app, state, native) if _needs_user(state, state.pipeline.registry.ruleset) else None,
-            route=_template(url_rule) if url_rule is not None else None,
-            native=native,
-        )
+        def request_of(native: Any) -> Request:
+            """The gateway's view of Flask's request (its user read only
+            when a rule asks for one)."""
+            url_rule = native.url_rule
+            return Request(
+                native.method,
+                (native.root_path + native.path) or "/",
+                _Headers(native.headers),
+                native.remote_addr or None,
+                self._user(app, state, native) if _needs_user(state, pipeline.registry.ruleset) else None,
+                route=_template(url_rule) if url_rule is not None else None,
+                native=native,
+            )
+
+        def nanolimit_before_request() -> Any:
+            if not state.enabled:
+                return None
+            if not state.ready:
+                with state.lock:
+                    if not state.ready:
+                        state.routes.bind(route_infos(app), known=_templates(app))
+                        state.ready = True
+            native = flask_request._get_current_object()  # type: ignore[attr-defined]
+            url_rule = native.url_rule
+            # the pipeline's decide(): the Request is built only if a rule needs it
+            outcome = pipeline.decide(
+                native,
+                native.method,
+                (native.root_path + native.path) or "/",
+                native.remote_addr or None,
+                None if url_rule is None else _template(url_rule),
+                request_of,
+                WSGI_PAIRS,
+            )
+            if outcome is None:
+                return None
+            held: list[Outcome] | None = native.environ.get(slot)
+            if type(held) is not list:  # no _Answers around this request: Flask writes them
+                held = _written_by_flask(pipeline)
+            if outcome[0]:  # allowed
+                held.append(outcome)
+                delay = outcome[2]
+                if delay > 0.0:
+                    time.sleep(delay)  # a shaping leaky bucket: this worker waits its turn
+                return None
+            if state.deny is not None:
+                outcome = _with_dict(outcome)
+                held.append(outcome)
+                return state.deny(request_of(native), outcome)
+            handler = state.handler(app, native)
+            if handler is _UNHANDLED:
+                # no handler of the app's own: the 429 as RateLimitExceeded
+                # answers it, without raising through Flask's error handling
+                held.append(outcome)
+                return app.response_class(outcome.body(), 429, mimetype="application/json")
+            outcome = _with_dict(outcome)
+            held.append(outcome)
+            exc = RateLimitExceeded(outcome)
+            if handler is None:
+                raise exc  # trapped, or an app that handles HTTP errors its own way: as Flask raises them
+            return app.ensure_sync(handler)(exc)  # the app's errorhandler, as Flask would call it
+
+        return nanolimit_before_request
 
     @staticmethod
     def _user(app: Flask, state: _AppState, native: Any) -> str | None:
@@ -652,70 +669,118 @@ class Limiter:
         remote: str | None = native.environ.get("REMOTE_USER") or None
         return remote
 
-    def _after_request(self, response: FlaskResponse) -> FlaskResponse:
-        held = g._get_current_object()
-        outcome: Outcome | None = held.__dict__.pop(_OUTCOME, None)
-        if outcome is None:
-            return response
-        if outcome.allowed and outcome.charge is not None:
-            _settle(self._state().pipeline, outcome, response.status_code)
-        # the outcome's headers on whatever answered, a 429 built by the
-        # app's own handler or deny included, unless it wrote them itself
-        if outcome.headers:
-            _add_missing(response.headers, outcome.headers)
-        return response
-
-    def _teardown_request(self, exc: BaseException | None) -> None:
-        outcome: Outcome | None = g._get_current_object().__dict__.pop(_OUTCOME, None)
-        if outcome is not None and outcome.allowed and outcome.charge is not None:
-            # after_request never ran: the view raised past every handler
-            _settle(self._state().pipeline, outcome, 500)
-
     def __repr__(self) -> str:
         return f"<nanolimit.flask.Limiter rules={self._rules!r}>"
 
 
-def _pairs_list() -> bool:
-    """Whether Werkzeug's ``Headers`` keep their pairs in the ``_list`` it
-    reads: then the limiter's headers (checked when they were rendered) go
-    straight into it, not through ``add``'s regex per value."""
-    try:
-        headers = Headers([("A", "1")])
-        headers._list.append(("B", "2"))
-        return headers.get("b") == "2" and headers.to_wsgi_list() == [("A", "1"), ("B", "2")]
-    except Exception:  # noqa: BLE001 - another Werkzeug: its public API, then
-        return False
+class _Answers:
+    """The app's ``wsgi_app``, wrapped: each request gets a slot in its
+    environ, where the ``before_request`` hook leaves its outcome; when the
+    response starts, the outcome's headers go straight into the WSGI
+    header list (after Werkzeug has checked and copied the app's own, and
+    not where the app set one itself), and a ``count_when`` charge is
+    settled with the status the response starts with, or as a 500 if the
+    app raises before it starts (past every error handler)."""
+
+    __slots__ = ("app", "names", "pipeline", "slot")
+
+    def __init__(self, app: Any, slot: str, pipeline: RateLimitPipeline, names: frozenset[str]) -> None:
+        self.app = app  # the wsgi_app it wraps
+        self.slot = slot
+        self.pipeline = pipeline
+        self.names = names  # every header name the pipeline may write, lower-cased
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        held: list[Any] = []
+        environ[self.slot] = held
+        try:
+            return self.app(environ, _starting(start_response, held, self.pipeline, self.names))
+        except BaseException:
+            if len(held) == 1:  # decided, and the response never started
+                outcome = held[0]
+                held.append(None)
+                if outcome[0] and outcome[6] is not None:
+                    _settle(self.pipeline, outcome, 500)
+            raise
 
 
-_PAIRS_LIST = _pairs_list()
-_LOWERED: dict[tuple[str, ...], frozenset[str]] = {}  # an outcome's header names, lower-cased
+def _starting(
+    start_response: Callable[..., Any], held: list[Any], pipeline: RateLimitPipeline, names: frozenset[str]
+) -> Callable[..., Any]:
+    """``start_response`` writing the held outcome's headers and settling
+    its charge (made apart from ``__call__``: a closure there would make
+    its names cells on every request)."""
+
+    def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        if held:
+            outcome = held[0]
+            if len(held) == 1:  # the first start: settle once, a restart after an error refunds nothing
+                held.append(None)
+                if outcome[0] and outcome[6] is not None:
+                    _settle(pipeline, outcome, _status_code(status))
+            ours = outcome[1]
+            if ours:
+                if type(ours) is not list:
+                    ours = list(ours.items())
+                for name, _ in headers:  # usually two: Content-Type, Content-Length
+                    if name.lower() in names:
+                        _extend_missing(headers, ours)
+                        break
+                else:
+                    headers += ours  # none set by the app: all of them, in one call
+        if exc_info is not None:
+            return start_response(status, headers, exc_info)
+        return start_response(status, headers)
+
+    return start
 
 
-def _add_missing(out: Headers, headers: Mapping[str, str]) -> None:
-    """``headers`` added to a response's, but those it set itself."""
-    pairs = out._list if _PAIRS_LIST else None
-    if type(pairs) is not list:
-        present = {name.lower() for name, _ in out.items()}
-        for name, value in headers.items():
-            if name.lower() not in present:
-                out.add(name, value)
-        return
-    names = tuple(headers)
-    lowered = _LOWERED.get(names)
-    if lowered is None:
-        lowered = frozenset(name.lower() for name in names)
-        if len(_LOWERED) < 64:  # a few sets of names: with or without Retry-After, renamed
-            _LOWERED[names] = lowered
-    for name, _ in pairs:  # usually two: Content-Type, Content-Length
-        if name.lower() in lowered:
-            break
-    else:
-        pairs.extend(headers.items())  # none set by the app: all of them, in one call
-        return
-    present = {name.lower() for name, _ in pairs}  # one pass, not one per header
-    for name, value in headers.items():
-        if name.lower() not in present:
-            pairs.append((name, value))
+def _extend_missing(headers: list[tuple[str, str]], ours: list[tuple[str, str]]) -> None:
+    """``ours`` added to a response's headers, but those it set itself."""
+    present = {name.lower() for name, _ in headers}
+    headers += [(name, value) for name, value in ours if name.lower() not in present]
+
+
+def _names_written(pipeline: RateLimitPipeline) -> frozenset[str]:
+    """Every header name the pipeline may write, lower-cased (renames
+    applied): a response carrying none of them takes all of an outcome's
+    headers in one ``extend``."""
+    renames = pipeline.header_names
+    return frozenset(renames.get(name, name).lower() for name in (*RATE_HEADERS, "Retry-After"))
+
+
+def _with_dict(outcome: Outcome) -> Outcome:
+    """The outcome as a hook or handler of the app's own is given it: its
+    headers a dict (the native lane answers WSGI's pairs)."""
+    headers = outcome[1]
+    if type(headers) is list:
+        return outcome._replace(headers=dict(headers))
+    return outcome
+
+
+def _written_by_flask(pipeline: RateLimitPipeline) -> list[Any]:
+    """A request the app's ``wsgi_app`` did not carry through
+    :class:`_Answers` (a request context pushed by hand, an app whose
+    ``wsgi_app`` was replaced after ``init_app``): the held outcome's
+    headers and settlement go through ``after_this_request``, on the
+    response object, as Flask finalises it."""
+    held: list[Any] = []
+
+    def nanolimit_after_request(response: FlaskResponse) -> FlaskResponse:
+        if held:
+            outcome = held[0]
+            if outcome[0] and outcome[6] is not None:
+                _settle(pipeline, outcome, response.status_code)
+            ours = outcome[1]
+            if ours:
+                present = {name.lower() for name, _ in response.headers.items()}
+                for name, value in ours if type(ours) is list else ours.items():
+                    if name.lower() not in present:
+                        response.headers.add(name, value)
+        return response
+
+    after_this_request(nanolimit_after_request)
+    return held
 
 
 def _settle(pipeline: RateLimitPipeline, outcome: Outcome, status: int) -> None:
