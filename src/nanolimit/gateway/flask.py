@@ -198,7 +198,7 @@ class _Headers(Mapping[str, str]):
         return len(self._headers)
 
 
-@dataclass
+@dataclass(slots=True)
 class _AppState:
     """What one app's limiter holds: its pipeline and its binding."""
 
@@ -505,13 +505,15 @@ class Limiter:
             pipeline, _AppRoutes(self._limits, registry, scope, algorithm, defaults), enabled, self._deny
         )
         app.extensions[EXTENSION] = state
+        self._apps += 1
+        self._unwatch()
+        if not enabled:
+            return  # no limits at all: no hook, nothing around the app
         slot = f"nanolimit.flask.{id(state):x}"  # this app's outcome, in the environ of each request
         app.before_request(self._decider(app, state, slot))
         # the headers and the settlement at start_response, around whatever
         # the app's wsgi_app is now (middleware added later wraps this)
         app.wsgi_app = _Answers(app.wsgi_app, slot, pipeline, _names_written(pipeline))  # type: ignore[method-assign]
-        self._apps += 1
-        self._unwatch()
 
     def _ruleset(
         self, source: str | RuleRegistry | None, storage: Storage | str | None
@@ -607,8 +609,6 @@ class Limiter:
             )
 
         def nanolimit_before_request() -> Any:
-            if not state.enabled:
-                return None
             if not state.ready:
                 with state.lock:
                     if not state.ready:
@@ -616,13 +616,19 @@ class Limiter:
                         state.ready = True
             native = flask_request._get_current_object()  # type: ignore[attr-defined]
             url_rule = native.url_rule
+            if url_rule is None:
+                route = None
+            elif url_rule.host or url_rule.subdomain:
+                route = _template(url_rule)
+            else:
+                route = url_rule.rule  # _template() of a rule on no host, in line
             # the pipeline's decide(): the Request is built only if a rule needs it
             outcome = pipeline.decide(
                 native,
                 native.method,
                 (native.root_path + native.path) or "/",
                 native.remote_addr or None,
-                None if url_rule is None else _template(url_rule),
+                route,
                 request_of,
                 WSGI_PAIRS,
             )
@@ -682,19 +688,20 @@ class _Answers:
     settled with the status the response starts with, or as a 500 if the
     app raises before it starts (past every error handler)."""
 
-    __slots__ = ("app", "names", "pipeline", "slot")
+    __slots__ = ("app", "clean", "names", "pipeline", "slot")
 
     def __init__(self, app: Any, slot: str, pipeline: RateLimitPipeline, names: frozenset[str]) -> None:
         self.app = app  # the wsgi_app it wraps
         self.slot = slot
         self.pipeline = pipeline
         self.names = names  # every header name the pipeline may write, lower-cased
+        self.clean: set[str] = set()  # names seen on responses that are none of those, as spelt
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
         held: list[Any] = []
         environ[self.slot] = held
         try:
-            return self.app(environ, _starting(start_response, held, self.pipeline, self.names))
+            return self.app(environ, _starting(start_response, held, self.pipeline, self.names, self.clean))
         except BaseException:
             if len(held) == 1:  # decided, and the response never started
                 outcome = held[0]
@@ -705,7 +712,11 @@ class _Answers:
 
 
 def _starting(
-    start_response: Callable[..., Any], held: list[Any], pipeline: RateLimitPipeline, names: frozenset[str]
+    start_response: Callable[..., Any],
+    held: list[Any],
+    pipeline: RateLimitPipeline,
+    names: frozenset[str],
+    clean: set[str],
 ) -> Callable[..., Any]:
     """``start_response`` writing the held outcome's headers and settling
     its charge (made apart from ``__call__``: a closure there would make
@@ -714,20 +725,22 @@ def _starting(
     def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
         if held:
             outcome = held[0]
-            if len(held) == 1:  # the first start: settle once, a restart after an error refunds nothing
-                held.append(None)
-                if outcome[0] and outcome[6] is not None:
+            if outcome[6] is not None and len(held) == 1:
+                held.append(None)  # settled once: a restart after an error refunds nothing more
+                if outcome[0]:
                     _settle(pipeline, outcome, _status_code(status))
             ours = outcome[1]
             if ours:
                 if type(ours) is not list:
                     ours = list(ours.items())
                 for name, _ in headers:  # usually two: Content-Type, Content-Length
-                    if name.lower() in names:
-                        _extend_missing(headers, ours)
-                        break
-                else:
-                    headers += ours  # none set by the app: all of them, in one call
+                    if name not in clean:
+                        if name.lower() in names:
+                            ours = _missing(headers, ours)
+                            break
+                        if len(clean) < 256:
+                            clean.add(name)
+                headers = headers + ours  # a new list: the app's may be one it reuses
         if exc_info is not None:
             return start_response(status, headers, exc_info)
         return start_response(status, headers)
@@ -735,10 +748,10 @@ def _starting(
     return start
 
 
-def _extend_missing(headers: list[tuple[str, str]], ours: list[tuple[str, str]]) -> None:
-    """``ours`` added to a response's headers, but those it set itself."""
+def _missing(headers: list[tuple[str, str]], ours: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``ours``, but those a response's ``headers`` set already."""
     present = {name.lower() for name, _ in headers}
-    headers += [(name, value) for name, value in ours if name.lower() not in present]
+    return [(name, value) for name, value in ours if name.lower() not in present]
 
 
 def _names_written(pipeline: RateLimitPipeline) -> frozenset[str]:
@@ -752,7 +765,7 @@ def _names_written(pipeline: RateLimitPipeline) -> frozenset[str]:
 def _with_dict(outcome: Outcome) -> Outcome:
     """The outcome as a hook or handler of the app's own is given it: its
     headers a dict (the native lane answers WSGI's pairs)."""
-    headers = outcome[1]
+    headers: Any = outcome[1]  # typed a dict: the pairs are decide()'s WSGI_PAIRS form
     if type(headers) is list:
         return outcome._replace(headers=dict(headers))
     return outcome
