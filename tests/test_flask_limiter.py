@@ -420,9 +420,10 @@ def test_throttle_failed_logins_only(backend: types.SimpleNamespace) -> None:
 
 
 def test_a_view_that_raises_is_settled_as_500(backend: types.SimpleNamespace) -> None:
-    """In testing mode the exception passes every handler (after_request
-    never runs): teardown settles it. Served normally, Flask answers 500
-    and after_request settles it. Neither counts under ``count_when={401}``."""
+    """In testing mode the exception passes every handler (the response
+    never starts): the extension settles it as a 500 as it passes. Served
+    normally, Flask answers 500 and the start of that response settles it.
+    Neither counts under ``count_when={401}``."""
     limiter = _limiter(backend)
     app = Flask("raises")
 
@@ -793,10 +794,13 @@ def test_ratelimit_enabled_false_turns_every_limit_off(backend: types.SimpleName
     def home() -> str:
         return "home"
 
+    wsgi_app = app.wsgi_app
     limiter.init_app(app)
     reply_statuses = _statuses(app.test_client(), "/", 5)
     assert reply_statuses == [200] * 5
     assert "RateLimit-Policy" not in app.test_client().get("/").headers
+    # off costs nothing: no hook, nothing around the app
+    assert app.wsgi_app == wsgi_app and not any(app.before_request_funcs.values())
 
 
 @pytest.mark.parametrize(
@@ -1048,7 +1052,7 @@ def test_the_429_body_is_the_pipelines(backend: types.SimpleNamespace) -> None:
 
 def test_abort_401_counts_and_head_spends_the_get_budget(backend: types.SimpleNamespace) -> None:
     """A failure answered by ``abort(401)`` (an HTTPException Flask turns
-    into the response) is the status after_request settles on; a ``GET``
+    into the response) is the status the response starts with; a ``GET``
     limit covers ``HEAD``, which Flask answers with the GET view."""
     from flask import abort
 
@@ -1065,3 +1069,107 @@ def test_abort_401_counts_and_head_spends_the_get_budget(backend: types.SimpleNa
     assert client.head("/token").status_code == 401
     assert client.get("/token").status_code == 401
     assert client.get("/token").status_code == 429
+
+
+def test_a_rate_header_the_app_sets_itself_is_kept_and_not_repeated(backend: types.SimpleNamespace) -> None:
+    """The limiter writes its headers as the response starts, but not one a
+    response already carries, however the app spelt it; responses between
+    them (whose names the extension remembers as none of its own) get all."""
+    limiter = _limiter(backend)
+    app = Flask("own-headers")
+
+    @app.get("/<name>")
+    @limiter.limit("100/hour")
+    def own(name: str) -> Any:
+        if name == "plain":
+            return "plain", 200, {"X-Other": "1"}
+        return "own", 200, {name: "mine", "X-Other": "1"}
+
+    limiter.init_app(app)
+    client = app.test_client()
+    names = ("plain", "X-RateLimit-Remaining", "plain", "x-ratelimit-remaining", "X-RATELIMIT-LIMIT", "plain")
+    for name in names:
+        pairs = [(k.lower(), v) for k, v in client.get(f"/{name}").headers.items()]
+        rate = [pair for pair in pairs if pair[0].startswith("x-ratelimit-")]
+        if name == "plain":
+            assert {k for k, _ in rate} == {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"}
+        else:
+            assert (name.lower(), "mine") in rate and len(rate) == 3, pairs  # theirs, and our other two
+        assert len({k for k, _ in pairs}) == len(pairs), pairs  # no header twice
+
+
+def test_the_status_that_counts_is_the_one_the_client_gets(backend: types.SimpleNamespace) -> None:
+    """An ``after_request`` hook of the app's own may change the status: the
+    charge is settled with the status the response starts with."""
+    limiter = _limiter(backend)
+    app = Flask("after-hook")
+
+    @app.get("/login")
+    @limiter.limit("2/hour", count_when={401})
+    def login() -> str:
+        return "ok"
+
+    @app.after_request
+    def deny_bad_passwords(response: Any) -> Any:
+        if response.status_code == 200 and request.args.get("password") != "right":
+            response.status_code = 401
+        return response
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert _statuses(client, "/login?password=right", 4) == [200] * 4  # refunded: 200 does not count
+    assert _statuses(client, "/login", 3) == [401, 401, 429]
+
+
+def _counting_app(backend: types.SimpleNamespace, name: str) -> Flask:
+    """An app whose one route allows one uncounted-by-200 request an hour:
+    a second 200 in a row is answered only if the first was settled."""
+    limiter = _limiter(backend)
+    app = Flask(name)
+
+    @app.get("/")
+    @limiter.limit("1/hour", count_when={401})
+    def home() -> str:
+        return "home"
+
+    limiter.init_app(app)
+    return app
+
+
+def test_middleware_added_around_the_app_keeps_headers_and_settlement(backend: types.SimpleNamespace) -> None:
+    app = _counting_app(backend, "wrapped-after")
+    inner = app.wsgi_app
+    seen: list[str] = []
+
+    def outer(environ: dict[str, Any], start_response: Any) -> Any:
+        def start(status: str, headers: list[tuple[str, str]], *exc_info: Any) -> Any:
+            seen.append(dict(headers)["X-RateLimit-Limit"])  # ours, before this middleware's turn
+            return start_response(status, [*headers, ("X-Outer", "1")], *exc_info)
+
+        return inner(environ, start)
+
+    app.wsgi_app = outer  # type: ignore[method-assign]
+    client = app.test_client()
+    replies = [client.get("/") for _ in range(3)]
+    assert [r.status_code for r in replies] == [200] * 3
+    assert seen == ["1"] * 3 and all(r.headers["X-Outer"] == "1" for r in replies)
+
+
+def test_a_request_outside_the_apps_wsgi_app_is_still_answered_and_settled(
+    backend: types.SimpleNamespace,
+) -> None:
+    """A request context pushed by hand, or a ``wsgi_app`` replaced by one
+    that never calls the extension's: the headers and the settlement go
+    through the response object as Flask finalises it."""
+    app = _counting_app(backend, "by-hand")
+    for _ in range(3):
+        with app.test_request_context("/", environ_base=IP_A):
+            response = app.full_dispatch_request()
+        assert response.status_code == 200 and response.headers["X-RateLimit-Limit"] == "1"
+
+    replaced = _counting_app(backend, "replaced")
+    replaced.wsgi_app = lambda environ, start: Flask.wsgi_app(replaced, environ, start)  # type: ignore[method-assign]
+    client = replaced.test_client()
+    replies = [client.get("/") for _ in range(3)]
+    assert [r.status_code for r in replies] == [200] * 3
+    assert all(r.headers["X-RateLimit-Remaining"] == "0" for r in replies)

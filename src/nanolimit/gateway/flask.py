@@ -7,10 +7,12 @@ Why an extension and not the WSGI middleware: Flask routes a request before
 its ``before_request`` hooks run, so the matched template
 (``request.url_rule.rule``) is known, and limits declared next to routes
 (:mod:`nanolimit.gateway.routes`) match it directly; a denial raised as an
-HTTP error reaches ``@app.errorhandler(429)``; and ``after_request`` sees the
-response status that count-by-response rules settle on. The decision itself
-is the pipeline's (:meth:`RateLimitPipeline.check`), the one every front
-end shares.
+HTTP error reaches ``@app.errorhandler(429)``; and the status a
+count-by-response rule settles on is the one the response starts with, after
+the app's own ``after_request`` hooks (headers and settlement are written in
+a ``wsgi_app`` wrapper, :class:`_Answers`). The decision itself is the
+pipeline's (:meth:`RateLimitPipeline.decide`), the one every front end
+shares.
 
 Each app has its own state (``app.extensions["nanolimit"]``): its config, its
 ruleset, its storage and its pipeline, so one ``Limiter`` serves the apps of
