@@ -26,7 +26,7 @@ import redis
 import redis.asyncio
 from redis_servers import Server, free_port, require_binary, timed
 
-from nanolimit import ValidationError
+from nanolimit import FakeClock, ValidationError, reference
 from nanolimit.storage.redis import REASON_STORE_UNAVAILABLE_LOCAL, AsyncRedisStorage, RedisStorage
 from nanolimit.storage.uri import storage_from_uri
 
@@ -387,3 +387,39 @@ def test_the_async_store_falls_back_and_hands_over(
         await storage.close()
 
     asyncio.run(main())
+
+
+def test_a_decision_routed_to_a_node_that_left_the_map_spends_its_old_share() -> None:
+    """The race a failover opens (a cluster's refresh thread prunes the dead
+    node and hands its episode over while a decision routed to it is still
+    failing): that stale decision is charged to the node's last episode, so
+    its share is not granted twice, and it begins no outage that nothing
+    would end. The same name behind a fresh breaker (the node back in the
+    map and failing again) is a new outage with a share of its own."""
+    from nanolimit.storage.redis._local import LocalFallback
+    from nanolimit.storage.redis._resilience import _Breaker
+
+    config = reference.FixedWindowCounter(10, 3600.0, clock=FakeClock(T0), rule="f").config
+    fallback = LocalFallback(0.5, 2, 1000, 256, 1.0)
+    node = "127.0.0.1:7000"
+    stale = _Breaker(3, 0.2, node)
+    admitted = [fallback.decide(config, "k", 1, T0, True, node, stale)[0] for _ in range(7)]
+    assert admitted == [True] * 5 + [False] * 2
+    assert fallback.metrics()["local_active"] == 1
+    stale.retired = True  # what NodeRoutes._prune does, before the storage's handover
+    fallback.handover(node)
+    late = fallback.decide(config, "k", 1, T0, True, node, stale)
+    assert not late[0] and late[6] == LOCAL
+    assert fallback.decide_all([(config, "k", 1, T0)], True, node, stale)[0][0] is False
+    m = fallback.metrics()
+    assert m["local_active"] == 0 and m["local_episodes"] == 1
+    # a stale decision on a node whose outage had no episode yet: one share, never active
+    other = _Breaker(3, 0.2, "127.0.0.1:7001")
+    other.retired = True
+    assert [fallback.decide(config, "k", 1, T0, True, other.name, other)[0] for _ in range(6)] == [
+        True
+    ] * 5 + [False]
+    assert fallback.metrics()["local_active"] == 0
+    fresh = _Breaker(3, 0.2, node)
+    assert fallback.decide(config, "k", 1, T0, True, node, fresh)[0]
+    assert fallback.metrics()["local_active"] == 1

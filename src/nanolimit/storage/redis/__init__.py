@@ -370,7 +370,7 @@ class RedisStorage(_RedisBase):
             commit = all(v is None or v[0] for v in out)
             self._count("degraded", len(mine))
             scope = (breaker or self._breaker).name
-            for i, v in zip(mine, local.decide_all([items[i] for i in mine], commit, scope)):
+            for i, v in zip(mine, local.decide_all([items[i] for i in mine], commit, scope, breaker)):
                 out[i] = v
         return [v for v in out if v is not None]
 

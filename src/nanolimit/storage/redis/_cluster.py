@@ -271,7 +271,9 @@ class NodeRoutes:
         with self._lock:
             gone = [name for name in self._breakers if name != UNCOVERED and name not in owners]
             for name in gone:
-                del self._breakers[name]
+                # retired before the storage hands the episode over: a decision
+                # that took this route before the new map must see it
+                self._breakers.pop(name).retired = True
         for name in gone:
             self.pruned += 1
             log.info("nanolimit: cluster node %s owns no slot any more; its breaker is dropped", name)

@@ -38,6 +38,7 @@ from ..._limiter_config import LIMITER_CLASS_NAMES, LimiterConfig
 from ..._select import twin
 from ..._validation import MAX_KEYS, check_int_option
 from ...errors import ValidationError
+from ._resilience import _Breaker
 
 # Decision.reason of a decision the local store made during an outage.
 REASON_STORE_UNAVAILABLE_LOCAL = "store_unavailable_local"
@@ -124,10 +125,20 @@ class LocalFallback:
         """The standalone server's episode (scope ``""``)."""
         return self._episodes.get("")
 
-    def _begin(self, scope: str) -> _Episode:
+    def _begin(self, scope: str, route: _Breaker | None = None) -> _Episode:
+        """``scope``'s episode, begun now if none is going on. A decision
+        whose ``route`` was retired (its cluster node left the map while the
+        decision was under way) is stale: it is decided in that node's last
+        episode, its share spent as it was, and begins no outage that nothing
+        would end."""
         with self._lock:
             episode = self._episodes.get(scope)
-            if episode is None:
+            if episode is None and route is not None and route.retired:
+                episode = self._lasts.get(scope)
+                if episode is None:
+                    episode = self._lasts[scope] = _Episode(self.max_keys, self.max_key_bytes)
+                    self._counts["local_episodes"] += 1
+            elif episode is None:
                 episode = self._episodes[scope] = _Episode(self.max_keys, self.max_key_bytes)
                 self._lasts.pop(scope, None)  # the previous outage's state is gone for good
                 self._counts["local_episodes"] += 1
@@ -203,12 +214,20 @@ class LocalFallback:
             self._counts["local_denials"] += sum(1 for v in verdicts if not v[0])
 
     def decide(
-        self, cfg: LimiterConfig, key: str, cost: int, now: float | None, commit: bool, scope: str = ""
+        self,
+        cfg: LimiterConfig,
+        key: str,
+        cost: int,
+        now: float | None,
+        commit: bool,
+        scope: str = "",
+        route: _Breaker | None = None,
     ) -> KernelVerdict:
         """One decision at ``cfg``'s share (``now``: None for this host's
         wall clock, as Redis's ``TIME`` would be, else the injected reading),
-        in the episode of ``scope``'s outage."""
-        episode = self._episodes.get(scope) or self._begin(scope)
+        in the episode of ``scope``'s outage (``route``: the breaker the
+        decision was routed by, see :meth:`_begin`)."""
+        episode = self._episodes.get(scope) or self._begin(scope, route)
         shadow = self._shadow(episode, cfg)
         if shadow is None or cost > shadow.capacity:
             verdict = self._denied()
@@ -222,12 +241,16 @@ class LocalFallback:
         return verdict
 
     def decide_all(
-        self, items: Sequence[tuple[LimiterConfig, str, int, float | None]], commit: bool, scope: str = ""
+        self,
+        items: Sequence[tuple[LimiterConfig, str, int, float | None]],
+        commit: bool,
+        scope: str = "",
+        route: _Breaker | None = None,
     ) -> list[KernelVerdict]:
         """A compound's limits, all-or-nothing in the local store (its
         ``allow_all``); ``commit=False`` (another limit of the compound was
         denied by its own policy) only looks."""
-        episode = self._episodes.get(scope) or self._begin(scope)
+        episode = self._episodes.get(scope) or self._begin(scope, route)
         shadows = [self._shadow(episode, cfg) for cfg, _, _, _ in items]
         if not commit or any(s is None or cost > s.capacity for s, (_, _, cost, _) in zip(shadows, items)):
             out = [

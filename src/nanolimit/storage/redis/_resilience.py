@@ -162,6 +162,7 @@ class _Breaker:
         "cooldown",
         "name",
         "opened",
+        "retired",
         "threshold",
     )
 
@@ -177,6 +178,9 @@ class _Breaker:
         self._lock = threading.Lock()
         self.opened = 0
         self._down = False  # in an outage: from its first failure until closed again
+        # its node left the cluster's map (``_cluster``): a decision still
+        # routed here is stale, and must not open a fresh local episode
+        self.retired = False
 
     def allow_call(self) -> bool:
         if not self._tripped:
