@@ -482,6 +482,41 @@ def test_async_cluster_follows_ask_and_moved_mid_migration(
     _run(main)
 
 
+@pytest.mark.parametrize("batch", ["script", "pipeline"])
+def test_async_cluster_batch_follows_ask_and_moved_mid_migration(
+    backend: types.SimpleNamespace, redis_cluster: Any, batch: str
+) -> None:
+    """The async batch while a key's slot migrates: ``ASK`` sends that
+    key's calls once more to the importing node after ``ASKING``, then the
+    stale map meets ``MOVED`` and the batch follows it; every answer is
+    Redis's own (``on_error="raise"``), nothing is charged twice."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    async def main() -> None:
+        user = RedisCluster(startup_nodes=[ClusterNode(HOST, redis_cluster.nodes[0].port)])
+        storage = AsyncRedisStorage(user, timeout=2.0, on_error="raise", batch=batch)
+        limiter = backend.TokenBucket(8, 3600.0, storage, backend.FakeClock(50.0), rule="bmove")
+        cfg, now = limiter.config, 50.0
+        others = [f"o{i}" for i in range(12)]
+        first = await storage.run_kernel_many_async(cfg, ["mover", *others], [1] * 13, now)
+        assert first[0][1] == 7
+        slot = storage.client.keyslot(storage.redis_key(cfg, "mover"))
+        _, target = redis_cluster.migrate(slot)
+        try:
+            keys = ["mover", *others, "mover"]
+            asked = await storage.run_kernel_many_async(cfg, keys, [1] * len(keys), now)
+            assert not any(v[5] for v in asked), asked  # none degraded
+            assert (asked[0][1], asked[-1][1]) == (6, 5)
+        finally:
+            redis_cluster.assign(slot, target)
+        moved = await storage.run_kernel_many_async(cfg, ["mover", *others], [1] * 13, now)
+        assert not any(v[5] for v in moved) and moved[0][1] == 4 and moved[1][1] == 5
+        await storage.close()
+        await user.aclose()
+
+    _run(main)
+
+
 @pytest.mark.parametrize(
     ("keys", "costs", "now"),
     [

@@ -138,3 +138,43 @@ def test_a_slot_moving_loses_and_double_charges_nothing(backend: types.SimpleNam
         n.close()
     storage.client.close()
     client.close()
+
+
+@pytest.mark.parametrize("batch", ["script", "pipeline"])
+def test_a_batch_follows_ask_and_moved_mid_migration(
+    backend: types.SimpleNamespace, cluster: Any, batch: str
+) -> None:
+    """``allow_many`` while a key's slot migrates: mid-migration the old
+    owner answers ``ASK`` (the script did not run there) and the batch sends
+    that key's calls once more to the importing node after ``ASKING``; after
+    the move the client's stale map meets ``MOVED`` and the batch follows it.
+    Every answer is Redis's own (``on_error="deny"`` would show a failure as
+    a degraded denial), nothing is charged twice, and no breaker counts a
+    redirect as a failure."""
+    client = cluster.client()
+    storage = RedisStorage(client, timeout=2.0, on_error="deny", batch=batch, breaker_threshold=1)
+    limiter = backend.TokenBucket(8, 3600.0, storage, backend.FakeClock(50.0), rule="bmove")
+    others = [f"o{i}" for i in range(12)]
+    first = limiter.allow_many(["mover", *others])
+    assert not first.degraded and first[0].remaining == 7
+    slot = client.keyslot(storage.redis_key(limiter.config, "mover"))
+    owner, target = cluster.migrate(slot)
+    try:
+        asked = limiter.allow_many(["mover", *others, "mover"])
+        assert not asked.degraded, [d.reason for d in asked]
+        assert (asked[0].remaining, asked[-1].remaining) == (6, 5)  # the moved state, charged once each
+        assert all(d.remaining == 6 for d in asked[1:-1])
+    finally:
+        cluster.assign(slot, target)
+    moved = limiter.allow_many(["mover", *others])
+    assert not moved.degraded and moved[0].remaining == 4 and moved[1].remaining == 5
+    nodes = storage.metrics()["nodes"]
+    assert all(n["breaker_opened"] == 0 and n["breaker_state"] == "closed" for n in nodes.values()), nodes
+    target_client = cluster.nodes[target].client(socket_timeout=5.0)
+    owner_client = cluster.nodes[owner].client(socket_timeout=5.0)
+    assert target_client.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 1
+    assert owner_client.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 0
+    target_client.close()
+    owner_client.close()
+    storage.client.close()
+    client.close()

@@ -60,7 +60,7 @@ from ..._decision_py import (
 from ..._limiter_config import LimiterConfig, LimiterState
 from ..._validation import DUPLICATE_COMPOUND, check_batch, check_cost, check_key, compound_items
 from ...errors import ValidationError
-from ._base import _BatchRun, _RedisBase, decision_maker, kernel_now, limiter_config
+from ._base import _BatchRun, _Call, _RedisBase, decision_maker, kernel_now, limiter_config
 from ._connections import _refused_connect, client_package, connect_timeout, derive_client
 from ._local import REASON_STORE_UNAVAILABLE_LOCAL
 from ._resilience import ON_ERROR_POLICIES, _Breaker, is_noscript
@@ -278,17 +278,38 @@ class RedisStorage(_RedisBase):
         routes = self._routes
         assert routes is not None
         for breaker, node, calls in run.by_node():
-            try:
-                for attempt in range(2):
-                    commands = [("EVALSHA", c[0].sha, len(c[1]), *c[1], *c[2]) for c in calls]
-                    calls = run.absorb_calls(calls, routes.pipeline(node, commands), attempt, breaker)
-                    if not calls:
-                        break
-                    for script in {c[0] for c in calls}:
-                        self._load(script, node)
-            except self._errors as exc:
-                run.node_failed(breaker, calls, exc)
+            self._node_batch(run, breaker, node, calls, False)
+        redirects = run.take_redirects()
+        if redirects:
+            groups, lost = routes.redirect_groups(redirects)
+            for breaker, node, asking, calls in groups:
+                if breaker.allow_call():
+                    run.redirected(breaker, node, calls)
+                    self._node_batch(run, breaker, node, calls, asking)
+                else:
+                    run.policy_for(calls, None, breaker)
+            for call, exc in lost:
+                run.policy_for([call], exc, None)
         return run.result()
+
+    def _node_batch(
+        self, run: _BatchRun, breaker: _Breaker, node: Any, calls: list[_Call], asking: bool
+    ) -> None:
+        """One node's part of a cluster's batch: one pipeline (a second
+        after a script load)."""
+        routes = self._routes
+        assert routes is not None
+        try:
+            for attempt in range(2):
+                commands = [("EVALSHA", c[0].sha, len(c[1]), *c[1], *c[2]) for c in calls]
+                replies = routes.pipeline(node, commands, asking)
+                calls = run.absorb_calls(calls, replies, attempt, breaker)
+                if not calls:
+                    break
+                for script in {c[0] for c in calls}:
+                    self._load(script, node)
+        except self._errors as exc:
+            run.node_failed(breaker, calls, exc)
 
     def run_kernel_all(
         self, items: Sequence[tuple[LimiterConfig, str, int]], now: float | None
@@ -631,18 +652,37 @@ class AsyncRedisStorage(_RedisBase):
         routes = self._routes
         assert routes is not None
         for breaker, node, calls in run.by_node():
-            try:
-                for attempt in range(2):
-                    commands = [("EVALSHA", c[0].sha, len(c[1]), *c[1], *c[2]) for c in calls]
-                    replies = await routes.pipeline_async(node, commands)
-                    calls = run.absorb_calls(calls, replies, attempt, breaker)
-                    if not calls:
-                        break
-                    for script in {c[0] for c in calls}:
-                        await self._load(script, node)
-            except self._errors as exc:
-                run.node_failed(breaker, calls, exc)
+            await self._node_batch(run, breaker, node, calls, False)
+        redirects = run.take_redirects()
+        if redirects:
+            groups, lost = routes.redirect_groups(redirects)
+            for breaker, node, asking, calls in groups:
+                if breaker.allow_call():
+                    run.redirected(breaker, node, calls)
+                    await self._node_batch(run, breaker, node, calls, asking)
+                else:
+                    run.policy_for(calls, None, breaker)
+            for call, exc in lost:
+                run.policy_for([call], exc, None)
         return run.result()
+
+    async def _node_batch(
+        self, run: _BatchRun, breaker: _Breaker, node: Any, calls: list[_Call], asking: bool
+    ) -> None:
+        """``RedisStorage._node_batch``, awaited."""
+        routes = self._routes
+        assert routes is not None
+        try:
+            for attempt in range(2):
+                commands = [("EVALSHA", c[0].sha, len(c[1]), *c[1], *c[2]) for c in calls]
+                replies = await routes.pipeline_async(node, commands, asking)
+                calls = run.absorb_calls(calls, replies, attempt, breaker)
+                if not calls:
+                    break
+                for script in {c[0] for c in calls}:
+                    await self._load(script, node)
+        except self._errors as exc:
+            run.node_failed(breaker, calls, exc)
 
     async def refund_kernel_async(
         self, config: LimiterConfig, key: str, units: int, at: float | None, now: float | None

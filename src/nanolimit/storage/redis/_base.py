@@ -74,6 +74,7 @@ def _digest(text: str, salt: bytes) -> str:
 
 # One script call of a batch: script, its keys, its arguments, the batch positions it decides.
 _Call = tuple[LuaScript, list[str], list[str], list[int]]
+_REDIRECT_CODES = frozenset({"MOVED", "ASK"})
 
 
 class _RedisBase:
@@ -814,6 +815,7 @@ class _BatchRun:
         "keys",
         "now",
         "out",
+        "redirects",
         "route_of",
         "storage",
         "todo",
@@ -841,6 +843,9 @@ class _BatchRun:
         # position, and the breakers whose node failed in this batch
         self.route_of: dict[int, tuple[_Breaker, Any]] = {}
         self.bad: set[str] = set()
+        # a cluster's calls a node answered MOVED or ASK (the script did not
+        # run there): sent once more, to the node the redirect names
+        self.redirects: list[tuple[_Call, BaseException]] | None = None
 
     def route(self, routes: NodeRoutes) -> None:
         """A cluster's batch: each call to its node. A node behind an open
@@ -866,6 +871,20 @@ class _BatchRun:
             self.route_of[call[3][0]] = (breaker, node)
             todo.append(call)
         self.todo = todo
+        self.redirects = []
+
+    def take_redirects(self) -> list[tuple[_Call, BaseException]]:
+        """The redirected calls, once: a call redirected again is not
+        followed a second time (its node's failure)."""
+        out = self.redirects or []
+        self.redirects = None
+        return out
+
+    def redirected(self, breaker: _Breaker, node: Any, calls: list[_Call]) -> None:
+        """``calls`` go to ``node`` now (a redirect): its breaker is the one
+        their answer feeds."""
+        for call in calls:
+            self.route_of[call[3][0]] = (breaker, node)
 
     def by_node(self) -> list[tuple[_Breaker, Any, list[_Call]]]:
         """The calls still to send, grouped by node (a cluster's batch)."""
@@ -882,6 +901,12 @@ class _BatchRun:
             self.out[i] = storage._unavailable(
                 self.config, self.keys[i], self.costs[i], self.now, True, exc, breaker
             )
+
+    def policy_for(self, calls: list[_Call], exc: BaseException | None, breaker: _Breaker | None) -> None:
+        """``calls`` answered by policy without a round trip (a redirect to
+        a node behind an open breaker, or to one the client does not know)."""
+        for call in calls:
+            self._policy(call[3], exc, breaker)
 
     def node_failed(self, breaker: _Breaker, calls: list[_Call], exc: BaseException) -> None:
         """One node's round trip failed (a cluster's batch): its breaker is
@@ -913,6 +938,9 @@ class _BatchRun:
             if isinstance(reply, BaseException):
                 if attempt == 0 and is_noscript(reply):
                     again.append(call)
+                    continue
+                if self.redirects is not None and error_code(reply) in _REDIRECT_CODES:
+                    self.redirects.append((call, reply))
                     continue
                 self.failed += len(members)
                 key_error = storage._key_error(reply)

@@ -163,16 +163,41 @@ class NodeRoutes:
         finally:
             pool.release(conn)
 
-    def pipeline(self, node: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    def pipeline(self, node: Any, commands: list[tuple[Any, ...]], asking: bool = False) -> list[Any]:
         """Commands on ``node``'s own connection, one round trip; each reply
-        or error reply in order (the round trip's own failure raises)."""
+        or error reply in order (the round trip's own failure raises).
+        ``asking``: each command after an ``ASKING`` (an ``ASK`` redirect)."""
         client = getattr(node, "redis_connection", None) or getattr(node, "valkey_connection", None)
         if client is None:
             client = self._node_client(node)
         pipe = client.pipeline(transaction=False)
         for command in commands:
+            if asking:
+                pipe.execute_command("ASKING")
             pipe.execute_command(*command)
-        return list(pipe.execute(raise_on_error=False))
+        replies = pipe.execute(raise_on_error=False)
+        return list(replies[1::2] if asking else replies)
+
+    def redirect_groups(
+        self, redirects: list[tuple[Any, BaseException]]
+    ) -> tuple[list[tuple[_Breaker, Any, bool, list[Any]]], list[tuple[Any, BaseException]]]:
+        """A batch's redirected calls by the node to send them to: (its
+        breaker, the node, whether ``ASKING``, the calls); and the calls
+        whose redirect names a node the client does not know. A ``MOVED``
+        is learnt as :meth:`call` learns it."""
+        groups: dict[tuple[str, bool], tuple[_Breaker, Any, bool, list[Any]]] = {}
+        lost = []
+        for call, exc in redirects:
+            target = self._redirected(exc)
+            if target is None:
+                lost.append((call, exc))
+                continue
+            asking = self._asked(exc)
+            group = groups.get((target.name, asking))
+            if group is None:
+                group = groups[(target.name, asking)] = (self.breaker(target.name), target, asking, [])
+            group[3].append(call)
+        return list(groups.values()), lost
 
     # -- asyncio calls ---------------------------------------------------------------
     async def initialize(self) -> None:
@@ -209,12 +234,17 @@ class NodeRoutes:
                 raise replies[1] from None
             return replies[1]
 
-    async def pipeline_async(self, node: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    async def pipeline_async(
+        self, node: Any, commands: list[tuple[Any, ...]], asking: bool = False
+    ) -> list[Any]:
         """:meth:`pipeline` on an asyncio cluster node."""
         command_type = inspect.getmodule(type(self.client))
+        if asking:
+            commands = [c for command in commands for c in (("ASKING",), command)]
         made = [command_type.PipelineCommand(i, *c) for i, c in enumerate(commands)]  # type: ignore[union-attr]
         await node.execute_pipeline(made)
-        return [c.result for c in made]
+        replies = [c.result for c in made]
+        return replies[1::2] if asking else replies
 
     # -- the topology, off the decision path -----------------------------------------
     def refresh_soon(self) -> None:
