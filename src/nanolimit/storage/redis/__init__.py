@@ -279,17 +279,8 @@ class RedisStorage(_RedisBase):
         assert routes is not None
         for breaker, node, calls in run.by_node():
             self._node_batch(run, breaker, node, calls, False)
-        redirects = run.take_redirects()
-        if redirects:
-            groups, lost = routes.redirect_groups(redirects)
-            for breaker, node, asking, calls in groups:
-                if breaker.allow_call():
-                    run.redirected(breaker, node, calls)
-                    self._node_batch(run, breaker, node, calls, asking)
-                else:
-                    run.policy_for(calls, None, breaker)
-            for call, exc in lost:
-                run.policy_for([call], exc, None)
+        for breaker, node, asking, calls in run.follow_redirects(routes):
+            self._node_batch(run, breaker, node, calls, asking)
         return run.result()
 
     def _node_batch(
@@ -653,17 +644,8 @@ class AsyncRedisStorage(_RedisBase):
         assert routes is not None
         for breaker, node, calls in run.by_node():
             await self._node_batch(run, breaker, node, calls, False)
-        redirects = run.take_redirects()
-        if redirects:
-            groups, lost = routes.redirect_groups(redirects)
-            for breaker, node, asking, calls in groups:
-                if breaker.allow_call():
-                    run.redirected(breaker, node, calls)
-                    await self._node_batch(run, breaker, node, calls, asking)
-                else:
-                    run.policy_for(calls, None, breaker)
-            for call, exc in lost:
-                run.policy_for([call], exc, None)
+        for breaker, node, asking, calls in run.follow_redirects(routes):
+            await self._node_batch(run, breaker, node, calls, asking)
         return run.result()
 
     async def _node_batch(

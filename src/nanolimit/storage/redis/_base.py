@@ -873,18 +873,30 @@ class _BatchRun:
         self.todo = todo
         self.redirects = []
 
-    def take_redirects(self) -> list[tuple[_Call, BaseException]]:
-        """The redirected calls, once: a call redirected again is not
-        followed a second time (its node's failure)."""
-        out = self.redirects or []
+    def follow_redirects(self, routes: NodeRoutes) -> list[tuple[_Breaker, Any, bool, list[_Call]]]:
+        """The calls a node redirected (``MOVED``, ``ASK``), by the node to
+        send them to now: (its breaker, the node, whether ``ASKING``, the
+        calls). Once: a call redirected again is its node's failure. A
+        target behind an open breaker, or one the client does not know, is
+        answered by policy here."""
+        redirects = self.redirects or []
         self.redirects = None
+        if not redirects:
+            return []
+        groups, lost = routes.redirect_groups(redirects)
+        out = []
+        for breaker, node, asking, calls in groups:
+            if not breaker.allow_call():
+                self.storage._count("breaker_open_skips")
+                for call in calls:
+                    self._policy(call[3], None, breaker)
+                continue
+            for call in calls:
+                self.route_of[call[3][0]] = (breaker, node)  # its answer feeds this breaker
+            out.append((breaker, node, asking, calls))
+        for call, exc in lost:
+            self._policy(call[3], exc, None)
         return out
-
-    def redirected(self, breaker: _Breaker, node: Any, calls: list[_Call]) -> None:
-        """``calls`` go to ``node`` now (a redirect): its breaker is the one
-        their answer feeds."""
-        for call in calls:
-            self.route_of[call[3][0]] = (breaker, node)
 
     def by_node(self) -> list[tuple[_Breaker, Any, list[_Call]]]:
         """The calls still to send, grouped by node (a cluster's batch)."""
@@ -901,12 +913,6 @@ class _BatchRun:
             self.out[i] = storage._unavailable(
                 self.config, self.keys[i], self.costs[i], self.now, True, exc, breaker
             )
-
-    def policy_for(self, calls: list[_Call], exc: BaseException | None, breaker: _Breaker | None) -> None:
-        """``calls`` answered by policy without a round trip (a redirect to
-        a node behind an open breaker, or to one the client does not know)."""
-        for call in calls:
-            self._policy(call[3], exc, breaker)
 
     def node_failed(self, breaker: _Breaker, calls: list[_Call], exc: BaseException) -> None:
         """One node's round trip failed (a cluster's batch): its breaker is
