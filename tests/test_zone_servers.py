@@ -115,13 +115,18 @@ class Server(NamedTuple):
 
 
 def _alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie its parent has not reaped yet."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 def _health(port: int) -> dict[str, Any]:
@@ -362,8 +367,14 @@ def _zone_run(
         tally = load(srv.port)
         after = _probe_workers(srv.port, time.monotonic() + 10.0, lambda: srv.proc.poll() is None)
         attached = _attach(native, zone)
-        # the workers that answered /health and were still alive after the
-        # attach: alive all through it (a recycled one may have exited since)
+        # the workers that answered /health and are still alive after the
+        # attach. A recycled worker (--max-requests, the probes count) closes
+        # its zone before it exits: one missing from the zone's list is
+        # given a few seconds to finish exiting; one that stays is missing.
+        registered = set(attached["attached_pids"] or after)
+        deadline = time.monotonic() + 5.0
+        while any(_alive(pid) and pid not in registered for pid in after) and time.monotonic() < deadline:
+            time.sleep(0.05)
         attached["live_workers"] = sorted(pid for pid in after if _alive(pid))
     return srv, tally, attached, after
 
