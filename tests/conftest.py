@@ -86,6 +86,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="skip the native twin (nanolimit._core) and test the pure-Python twin only",
     )
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="run only every N-th test from the I-th (0-based): N processes split one run (.ci/memcheck.py)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -187,6 +193,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             dropped.append(item)
         else:
             kept.append(item)
+    shard = config.getoption("--shard")
+    if shard is not None:
+        index, _, count = shard.partition("/")
+        if not (index.isdigit() and count.isdigit() and int(index) < int(count)):
+            raise pytest.UsageError(f"--shard wants I/N with 0 <= I < N, not {shard!r}")
+        # by the sorted node ids, not the run's order: a shuffled order
+        # (pytest-randomly seeds each process apart) would split differently
+        n, i = int(count), int(index)
+        rank = {item.nodeid: k for k, item in enumerate(sorted(kept, key=lambda item: item.nodeid))}
+        dropped += [item for item in kept if rank[item.nodeid] % n != i]
+        kept = [item for item in kept if rank[item.nodeid] % n == i]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
