@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+from _helpers import clear_of_window_edge as _clear_of_window_edge
 from _helpers import needs_shared_memory
 from adversarial_servers import SRC, TESTS, free_port, raw_request
 from zone_apps import ALGORITHM_ENV, LIMIT_ENV, MAX_KEYS, STORAGE_ENV, WINDOW, ZONE_ENV
@@ -274,9 +275,7 @@ def load(port: int, total: int = TOTAL, clients: int = CLIENTS) -> Tally:
 
 def clear_of_window_edge(window: float = WINDOW, margin: float = EDGE_MARGIN) -> None:
     """Sleep past the next window boundary when it is under ``margin`` away."""
-    left = window - time.time() % window
-    if left < margin:
-        time.sleep(left + 0.5)
+    _clear_of_window_edge(window, margin)
 
 
 def record(test: str, server: Server, tally: Tally, **extra: Any) -> dict[str, Any]:
