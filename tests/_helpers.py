@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -127,8 +128,6 @@ def clear_of_window_edge(window: float, margin: float) -> None:
     """Sleep past the next wall-clock window boundary when it is under
     ``margin`` seconds away: a fixed window on the real clock restarts
     there, and a test counting to its limit would see a fresh budget."""
-    import time
-
     left = window - time.time() % window
     if left < margin:
         time.sleep(left + 0.5)

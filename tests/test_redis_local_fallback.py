@@ -403,23 +403,21 @@ def test_a_decision_routed_to_a_node_that_left_the_map_spends_its_old_share() ->
     fallback = LocalFallback(0.5, 2, 1000, 256, 1.0)
     node = "127.0.0.1:7000"
     stale = _Breaker(3, 0.2, node)
-    admitted = [fallback.decide(config, "k", 1, T0, True, node, stale)[0] for _ in range(7)]
+    admitted = [fallback.decide(config, "k", 1, T0, True, stale)[0] for _ in range(7)]
     assert admitted == [True] * 5 + [False] * 2
     assert fallback.metrics()["local_active"] == 1
     stale.retired = True  # what NodeRoutes._prune does, before the storage's handover
     fallback.handover(node)
-    late = fallback.decide(config, "k", 1, T0, True, node, stale)
+    late = fallback.decide(config, "k", 1, T0, True, stale)
     assert not late[0] and late[6] == LOCAL
-    assert fallback.decide_all([(config, "k", 1, T0)], True, node, stale)[0][0] is False
+    assert fallback.decide_all([(config, "k", 1, T0)], True, stale)[0][0] is False
     m = fallback.metrics()
     assert m["local_active"] == 0 and m["local_episodes"] == 1
     # a stale decision on a node whose outage had no episode yet: one share, never active
     other = _Breaker(3, 0.2, "127.0.0.1:7001")
     other.retired = True
-    assert [fallback.decide(config, "k", 1, T0, True, other.name, other)[0] for _ in range(6)] == [
-        True
-    ] * 5 + [False]
+    assert [fallback.decide(config, "k", 1, T0, True, other)[0] for _ in range(6)] == [True] * 5 + [False]
     assert fallback.metrics()["local_active"] == 0
     fresh = _Breaker(3, 0.2, node)
-    assert fallback.decide(config, "k", 1, T0, True, node, fresh)[0]
+    assert fallback.decide(config, "k", 1, T0, True, fresh)[0]
     assert fallback.metrics()["local_active"] == 1

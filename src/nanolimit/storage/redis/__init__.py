@@ -381,8 +381,8 @@ class RedisStorage(_RedisBase):
         if mine:
             commit = all(v is None or v[0] for v in out)
             self._count("degraded", len(mine))
-            scope = (breaker or self._breaker).name
-            for i, v in zip(mine, local.decide_all([items[i] for i in mine], commit, scope, breaker)):
+            route = breaker or self._breaker
+            for i, v in zip(mine, local.decide_all([items[i] for i in mine], commit, route)):
                 out[i] = v
         return [v for v in out if v is not None]
 

@@ -412,7 +412,7 @@ class _RedisBase:
         if local is None or self._policy(cfg.rule) != "local":
             return self._fallback(cfg, exc)
         self._count("degraded")
-        return local.decide(cfg, key, cost, now, commit, (breaker or self._breaker).name, breaker)
+        return local.decide(cfg, key, cost, now, commit, breaker or self._breaker)
 
     def _route(self, rkey: str) -> tuple[_Breaker, Any]:
         """The breaker guarding ``rkey``'s server, and its cluster node

@@ -220,13 +220,13 @@ class LocalFallback:
         cost: int,
         now: float | None,
         commit: bool,
-        scope: str = "",
         route: _Breaker | None = None,
     ) -> KernelVerdict:
         """One decision at ``cfg``'s share (``now``: None for this host's
         wall clock, as Redis's ``TIME`` would be, else the injected reading),
-        in the episode of ``scope``'s outage (``route``: the breaker the
-        decision was routed by, see :meth:`_begin`)."""
+        in the episode of the outage of ``route``, the breaker the decision
+        was routed by (None: the standalone server; see :meth:`_begin`)."""
+        scope = "" if route is None else route.name
         episode = self._episodes.get(scope) or self._begin(scope, route)
         shadow = self._shadow(episode, cfg)
         if shadow is None or cost > shadow.capacity:
@@ -244,12 +244,12 @@ class LocalFallback:
         self,
         items: Sequence[tuple[LimiterConfig, str, int, float | None]],
         commit: bool,
-        scope: str = "",
         route: _Breaker | None = None,
     ) -> list[KernelVerdict]:
         """A compound's limits, all-or-nothing in the local store (its
         ``allow_all``); ``commit=False`` (another limit of the compound was
         denied by its own policy) only looks."""
+        scope = "" if route is None else route.name
         episode = self._episodes.get(scope) or self._begin(scope, route)
         shadows = [self._shadow(episode, cfg) for cfg, _, _, _ in items]
         if not commit or any(s is None or cost > s.capacity for s, (_, _, cost, _) in zip(shadows, items)):
