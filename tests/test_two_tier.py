@@ -648,9 +648,13 @@ def test_blind_shares_add_up_to_the_limit(backend: Any, own_server: Any) -> None
             limiters = [cls(limit, 60.0, storage=t, clock=clock, rule=f"s{limit}") for t in tiers]
             if limit == 2:
                 own_server.kill()
+                cut_at = time.monotonic()
                 for tier in tiers:
                     tier.sync_now()
                 assert all(t.partitioned for t in tiers)
+                for tier in tiers:
+                    _wait_out_heartbeat(tier, cut_at)
+                clock.advance(60.0)  # a window begun once every instance is silent
             got = [sum(lim.allow("k").allowed for _ in range(5)) for lim in limiters]
             assert sum(got) == limit, got
             assert got == sorted(got, reverse=True)  # ranks by id: share-a first
@@ -697,8 +701,10 @@ def test_a_cut_instance_admits_what_the_others_keep_out_for_it(backend: Any, own
     still reaching Redis keep out of their leases for it. Where Redis holds a
     ceiling for it, that ceiling: in the window of the cut its count plus its
     lease (30 + 35, so 35 more), in the next one the default share it claimed
-    there (50). Elsewhere its blind share, less what it admitted in that
-    window before the cut: a key it had not synced yet, 30 then 20 more."""
+    there (50). In a window begun before its heartbeat lapsed, nothing more:
+    the others were leasing it with no share kept out for it (a key it had
+    not synced yet: 30, then none; it took 20 more, which the others may
+    have leased). In a window begun after, its blind share."""
     client = own_server.client()
     with synced(own_server, "cut-a", "cut-b") as (a, b):
         clock = backend.FakeClock(6_000.0)  # window 200 of 30 s
@@ -709,12 +715,14 @@ def test_a_cut_instance_admits_what_the_others_keep_out_for_it(backend: Any, own
         assert held == {200: {b"cut-b": b"30", b"lease:cut-b": b"35"}, 201: {b"lease:cut-b": b"50"}}
         assert sum(on_b.allow("fresh").allowed for _ in range(30)) == 30  # its default share, not synced
         own_server.kill()
+        cut_at = time.monotonic()
         assert not b.sync_now() and b.partitioned
         assert sum(on_b.allow("k").allowed for _ in range(60)) == 35
-        assert sum(on_b.allow("fresh").allowed for _ in range(60)) == 20
+        assert sum(on_b.allow("fresh").allowed for _ in range(60)) == 0
         clock.advance(30.0)
         assert sum(on_b.allow("k").allowed for _ in range(60)) == 50
-        clock.advance(30.0)  # nothing held here: the blind share, which the others reserve once b is silent
+        _wait_out_heartbeat(b, cut_at)
+        clock.advance(30.0)  # begun after: the blind share, which the others reserve for silent b
         assert sum(on_b.allow("k").allowed for _ in range(60)) == 50
 
 
@@ -732,7 +740,9 @@ def test_a_blind_sliding_counter_weighs_its_previous_window(backend: Any, own_se
         assert sum(on_b.allow("fresh").allowed for _ in range(40)) == 40
         clock.set(9_010.0)  # the next window's first instant: window 900 weighs 1.0
         own_server.kill()
+        cut_at = time.monotonic()
         assert not b.sync_now() and b.partitioned
+        _wait_out_heartbeat(b, cut_at)  # the window, on the fake clock, begins once b is silent
         assert sum(on_b.allow("fresh").allowed for _ in range(60)) == 10
         assert sum(on_b.allow("k").allowed for _ in range(60)) == 50
 
@@ -746,11 +756,20 @@ def _keep_syncing(tier: Any, seconds: float) -> None:
     tier.sync_now()
 
 
+def _wait_out_heartbeat(tier: Any, cut_at: float) -> None:
+    """Until the heartbeat of ``tier``, cut off at ``cut_at`` (monotonic), has
+    lapsed for the others with the margin for the fleet's clocks (its
+    timeout): a window begun after that is one they reserve its share in."""
+    lapse = cut_at + tier.metrics()["heartbeat_ttl_last"] + tier.timeout + 0.05
+    time.sleep(max(0.0, lapse - time.monotonic()))
+
+
 def test_a_partial_partition_keeps_the_fleet_within_the_limit(backend: Any, own_server: Any) -> None:
     """One of two instances loses Redis (its ACL user is switched off) while
     the other keeps it. The cut one admits its blind share, 50 of 100; once
-    its heartbeat lapses the other reserves that share, so a fresh window
-    holds 100 (it held 150 when a silent member simply stopped counting).
+    its heartbeat lapses the other reserves that share, so a window begun
+    after that holds 100 (it held 150 when a silent member simply stopped
+    counting).
     After ``partition_grace`` the silent member is dropped and its share is
     handed out again."""
     from nanolimit.storage.two_tier import TwoTierStorage
@@ -769,7 +788,7 @@ def test_a_partial_partition_keeps_the_fleet_within_the_limit(backend: Any, own_
         admin.execute_command("ACL", "SETUSER", "cut", "off")
         admin.execute_command("CLIENT", "KILL", "USER", "cut")
         assert not b.sync_now() and b.partitioned and not a.partitioned
-        _keep_syncing(a, 0.45)  # past b's heartbeat: a counts it silent, no longer live
+        _keep_syncing(a, 0.6)  # past b's heartbeat and timeout: a counts it silent, no longer live
         assert (a.instances, a.metrics()["silent_instances"]) == (1, 1)
         clock = backend.FakeClock(3_000.0)  # a window neither instance has seen
         on_a = backend.FixedWindowCounter(100, 30.0, storage=a, clock=clock, rule="pp")
@@ -997,3 +1016,51 @@ def test_forget_waits_for_the_sync_in_flight(backend: Any, redis_server: Any) ->
     finally:
         release.set()
         tier.close()
+
+
+def test_a_window_that_begins_before_a_cut_instance_lapses_holds_the_limit(
+    backend: Any, own_server: Any
+) -> None:
+    """The hole behind a 334-of-300 window in the fleet test: an instance
+    cut off before it claimed the next window is still live to the others
+    when that window begins, so they lease all of it, and its blind share
+    there would come on top (150 of 100). It admits nothing in a window that
+    began before the others are sure to reserve its share, and its blind
+    share in one that began after; a member the others' last heartbeat still
+    saw live is reserved as soon as the server's clock passes its expiry."""
+    from nanolimit.storage.two_tier import TwoTierStorage
+
+    admin = own_server.client()
+    admin.execute_command("ACL", "SETUSER", "cut", "on", ">pw", "~*", "&*", "+@all")
+    timing = {"start": False, "heartbeat_ttl": 2.0, "partition_grace": 5.0}
+    a = make_tier(own_server, "a", **timing)
+    b = TwoTierStorage(
+        None, own_server.client(username="cut", password="pw"), instance_id="b", sync_interval=SYNC, **timing
+    )
+    try:
+        for tier in (a, b, a, b):
+            assert tier.sync_now()
+        cut_at = time.monotonic()
+        ttl = b.metrics()["heartbeat_ttl_last"]
+        assert ttl >= 1.0  # no sync gap measured yet: four of (sync_interval + timeout)
+        admin.execute_command("ACL", "SETUSER", "cut", "off")
+        admin.execute_command("CLIENT", "KILL", "USER", "cut")
+        assert not b.sync_now() and b.partitioned
+        clock = backend.FakeClock(6_000.0)  # a fresh window, begun while b is live to a
+        on_a = backend.FixedWindowCounter(100, 30.0, storage=a, clock=clock, rule="early")
+        on_b = backend.FixedWindowCounter(100, 30.0, storage=b, clock=clock, rule="early")
+        blind = sum(on_b.allow("k").allowed for _ in range(120))
+        leased = _drain(on_a, a)
+        assert time.monotonic() < cut_at + ttl, "too slow to drain before b lapsed"
+        assert (a.instances, a.metrics()["silent_instances"]) == (2, 0)
+        assert (blind, leased) == (0, 100)
+        _wait_out_heartbeat(b, cut_at)
+        clock.advance(30.0)  # a window begun after b lapsed
+        blind = sum(on_b.allow("k").allowed for _ in range(120))
+        # a's last heartbeat still saw b live; its reconcile reserves b's share
+        # once the server's clock is past b's expiry all the same
+        leased = _drain(on_a, a)
+        assert (blind, leased) == (50, 50)
+    finally:
+        a.close()
+        b.close(deregister=False)

@@ -27,9 +27,10 @@ interval, ``r_j`` = the rate instance ``j`` admits a key at)::
 An instance had claimed a window when it admitted the key in the window
 before: in steady state the fleet admits at most ``L``, under load exactly
 ``L``; a key's first window on an instance is the one left open. A cut
-instance admits what Redis holds for it, and its blind share where nothing
-is held, which the others reserve once its heartbeat lapses (a few of its
-own sync periods). See ``docs/two_tier.md``.
+instance admits what Redis holds for it, and its blind share in windows
+that begin after its heartbeat lapsed (a few of its own sync periods),
+which the others reserve for it; nothing more in a window begun before.
+See ``docs/two_tier.md``.
 
 The package's modules, by what they hold: ``_records`` (the per-key records
 and the shared constants), ``_scripts`` (the Lua, read from ``lua/*.lua`` once

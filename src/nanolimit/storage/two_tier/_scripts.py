@@ -28,7 +28,8 @@ def _read(name: str) -> str:
 # live until then, then *silent* (partitioned or dead: nobody can tell) for
 # ``partition_grace``, then dropped. Returns {live, 1 if this instance was
 # not a member, its rank among all members by id, all members, the silent
-# members' ranks, every member's id in rank order}: after our first sync, a
+# members' ranks, every member's id in rank order, their expiries, the
+# server's clock (ms)}: after our first sync, a
 # missing member means the server restarted or was flushed (or we were
 # silent past the grace), and our counts may be gone with it. A blind
 # instance admits its share, L // all plus one of the remainder's units by
@@ -39,7 +40,10 @@ HEARTBEAT: Final = _read("heartbeat")
 
 # Per (key, window), atomically, for each of the first n KEYS (ARGV: id, N,
 # one binary string of eleven little-endian doubles per key, then "members
-# rank rank ..." and the ids of the members whose blind shares are reserved;
+# rank expiry rank expiry ..." and the ids of the members whose blind shares
+# are reserved once the server's clock is past their heartbeat's expiry (ms;
+# 0: at once), judged in the script, so a member the caller's last heartbeat
+# saw live is reserved from the moment it lapses, not one sync later;
 # the fields: count, limit, weighted previous window, expiry ms (positive:
 # set when the hash is made; negative: refreshed on every call), current?,
 # wanted cost, the position of the same key's previous window among KEYS (0:

@@ -62,9 +62,11 @@ class TwoTierStorage(_FleetSync):
     docstring).
 
     Partitions: when a sync fails, the instance admits per window what Redis
-    holds for it there (its count plus its lease, or its claim) and
-    elsewhere its blind share (``L // M`` plus the remainder by rank, ``M``
-    the members last seen) with the native kernel, on top of the fleet total
+    holds for it there (its count plus its lease, or its claim), in a
+    window it admitted in unsynced or that began before its heartbeat
+    lapsed nothing more (the others leased it around no share of ours),
+    and elsewhere its blind share (``L // M`` plus the remainder by rank,
+    ``M`` the members last seen) with the native kernel, on top of the fleet total
     it last saw; it keeps counting what it admits, and the first successful
     sync re-writes its cumulative per-window counts (``HSET`` of an absolute
     value per instance field: idempotent, so a retried or lost reply never
@@ -161,6 +163,9 @@ class TwoTierStorage(_FleetSync):
         self._members = 0  # live and silent members at the last sync: the blind shares' N (0: none yet)
         self._silent: tuple[int, ...] = ()  # the silent members' ranks, whose blind shares are reserved
         self._member_ids: tuple[str, ...] = ()  # every member at the last sync, by id (rank = index)
+        self._expiries: tuple[int, ...] = ()
+        self._beat_clock: tuple[int, float] = (0, 0.0)
+        self._lapses_at = 0.0  # never registered: nobody leases around us, nobody reserves for us
         # after an outage, for heartbeat_ttl: the members, our rank and the ids
         # we knew before it, and until when (see _reserve)
         self._recovery: tuple[int, int, tuple[str, ...], float] | None = None
@@ -439,6 +444,8 @@ class TwoTierStorage(_FleetSync):
         if self._blind:
             degraded = True
             cap = track.blind_cap.get(k)
+            if cap is None and not self._reserved_for_us(now, start):
+                cap = track.blind_cap[k] = track.own.get(k, 0)  # what we admitted there: no more
             if cap is not None:  # a window Redis holds a ceiling for us in: that ceiling
                 ok = fits and track.own.get(k, 0) + cost <= cap
             else:
@@ -485,6 +492,20 @@ class TwoTierStorage(_FleetSync):
             "",
             0.0 if degraded else now,
         )
+
+    def _reserved_for_us(self, now: float, start: float) -> bool:
+        """Whether the others keep our blind share out of every lease of the
+        window that began at ``start`` (the key's clock, now ``now``): it
+        began after our heartbeat lapsed, so no lease there was granted
+        while we still counted as live, with no share reserved for us and
+        no field of ours to stand in for it. ``timeout`` covers the fleet's
+        clocks disagreeing on when a window begins. A window of an injected
+        clock is placed on ours by how far into it the key is. Alone in the
+        fleet as last seen, nobody leases around us."""
+        if self._members <= 1:
+            return True
+        began = time.monotonic() - (now - start)
+        return began >= self._lapses_at + self.timeout
 
     def _blind_allow(self, track: _Track, cost: int, now: float, commit: bool) -> bool:
         """While Redis is unreachable: the native kernel with this instance's

@@ -88,6 +88,9 @@ class _FleetSync:
     _members: int
     _silent: tuple[int, ...]
     _member_ids: tuple[str, ...]
+    _expiries: tuple[int, ...]  # each member's heartbeat expiry (server ms), as our last heartbeat saw it
+    _beat_clock: tuple[int, float]  # (the server's clock in ms, our monotonic) at that heartbeat's reply
+    _lapses_at: float  # when our heartbeat expires, on our monotonic clock
     _recovery: tuple[int, int, tuple[str, ...], float] | None
     _gaps: collections.deque[float]
     _periods: collections.deque[float]
@@ -306,24 +309,36 @@ class _FleetSync:
 
     def _reserve(self) -> list[str]:
         """The members whose shares the reconcile keeps out of leases where
-        they have no field: "members rank rank ...", then their ids. Those
-        the last heartbeat saw silent; for ``heartbeat_ttl`` after an outage
+        they have no field: "members rank expiry ...", then their ids. Each
+        other member whose heartbeat, as our last one saw it, may have
+        lapsed by the time this sync's reconcile runs: the script reserves
+        it once the server's clock is past that expiry (a later heartbeat
+        only extends it), so a member cut off since our last heartbeat is
+        reserved from its lapse on. For ``heartbeat_ttl`` after an outage
         (our partition, or a server that came back empty), every other
-        member we knew before it: each may have admitted its blind share in
-        this window, which a restarted server has not seen."""
+        member we knew before it, at once (expiry 0): each may have admitted
+        its blind share in this window, which a restarted server has not seen."""
         recovery = self._recovery
         if self._blind and self._member_ids:  # this sync may be the first one back
             recovery = (self._members, self._rank, self._member_ids, math.inf)
         if recovery is not None and time.monotonic() < recovery[3]:
             members, _, ids, _ = recovery
-            ranks = [r for r, member in enumerate(ids) if member != self.instance_id]
-        elif self._silent:
-            members, ids, ranks = self._members, self._member_ids, list(self._silent)
+            chosen = [(r, 0) for r, member in enumerate(ids) if member != self.instance_id]
         else:
+            members, ids = self._members, self._member_ids
+            server_ms, at = self._beat_clock
+            # the latest the reconcile can run on the server's clock: now, plus
+            # the round trip's timeout
+            latest = server_ms + (time.monotonic() - at + self.timeout) * 1000.0
+            chosen = [
+                (r, expiry)
+                for r, (member, expiry) in enumerate(zip(ids, self._expiries))
+                if member != self.instance_id and expiry <= latest
+            ]
+        if not chosen:
             return []
-        if not ranks:
-            return []
-        return [" ".join(map(str, (members, *ranks))), *(ids[r] for r in ranks)]
+        shape = " ".join(f"{r} {expiry}" for r, expiry in chosen)
+        return [f"{members} {shape}", *(ids[r] for r, _ in chosen)]
 
     def _sync(self, full: bool) -> bool:
         with self._lock:
@@ -382,6 +397,9 @@ class _FleetSync:
                     raise
                 replies, answers = self._exchange(work, n, ttl_ms, grace_ms, reserve, True, native)
         except self._errors:
+            # the heartbeat may have run all the same (a lost reply): we may
+            # count as live for one more ttl from about now
+            self._lapses_at = max(self._lapses_at, time.monotonic() + ttl)
             self._script_loaded = False
             self._last_beat = None  # the gap across an outage is no sync period
             self._failed()
@@ -401,6 +419,10 @@ class _FleetSync:
             words = beat[4].decode() if isinstance(beat[4], bytes) else str(beat[4])
             silent = tuple(int(r) for r in words.split())
             ids = tuple(i.decode() if isinstance(i, bytes) else str(i) for i in beat[5])
+            expiries = tuple(int(e) for e in beat[6])
+            # the server's clock against ours, as of this reply (which came after
+            # the heartbeat ran: later expiries on our clock, never earlier)
+            beat_clock = (int(beat[7]), time.monotonic())
             rejoined = bool(int(replies[0][1])) and self._joined and not self._blind
             self._joined = True
             if rejoined:
@@ -468,7 +490,13 @@ class _FleetSync:
             # N, the members and our rank change here, with every record
             # reloaded in the same hold, so the C path and the Python path never
             # divide by different Ns or use different shares
-            self._silent, self._member_ids = silent, ids
+            self._silent, self._member_ids, self._expiries = silent, ids, expiries
+            self._beat_clock = beat_clock
+            if self.instance_id in ids:
+                # when every other member reserves our blind share where we hold
+                # no field: our heartbeat's expiry, on our clock
+                ours = expiries[ids.index(self.instance_id)]
+                self._lapses_at = beat_clock[1] + (ours - beat_clock[0]) / 1000.0
             shape = (instances, members, rank)
             if shape != (self._instances, self._members, self._rank):
                 self._instances, self._members, self._rank = shape
@@ -762,6 +790,10 @@ class _FleetSync:
                     cap = {w: track.acked.get(w, 0) + lease for w, lease in track.lease.items()}
                     for w, share in track.claimed.items():
                         cap.setdefault(w, share)
+                    # a window we admitted in unsynced (a new key's default share):
+                    # the others lease it around no field of ours, so no more
+                    for w, units in track.own.items() if self._members > 1 else ():
+                        cap.setdefault(w, units)
                     track.blind_cap = cap
                     # the server may come back empty: re-write every count we hold
                     track.pushed.clear()

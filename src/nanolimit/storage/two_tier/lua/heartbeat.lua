@@ -12,9 +12,10 @@ for i = 1, #flat, 2 do
   expiry[flat[i]] = tonumber(flat[i + 1])
 end
 table.sort(members)
-local rank, silent = 0, {}
+local rank, silent, expiries = 0, {}, {}
 for i = 1, #members do
   if members[i] == ARGV[1] then rank = i - 1 end
   if expiry[members[i]] <= now then silent[#silent + 1] = i - 1 end
+  expiries[i] = expiry[members[i]]
 end
-return {#members - #silent, added, rank, #members, table.concat(silent, ' '), members}
+return {#members - #silent, added, rank, #members, table.concat(silent, ' '), members, expiries, now}

@@ -6,14 +6,28 @@ local pos = 1
 local shape = {}
 for word in string.gmatch(ARGV[4], '%S+') do shape[#shape + 1] = tonumber(word) end
 local all = shape[1] or 1
-local silent = {}  -- the silent members' ids; shape[i + 1] is silent[i]'s rank
-for i = 5, #ARGV do silent[#silent + 1] = ARGV[i] end
+-- the members to reserve for: ARGV[i + 4] has rank shape[2i] and heartbeat
+-- expiry shape[2i + 1] (ms, as the caller's last heartbeat saw it: a later
+-- one only extends it); silent, by this server's clock now, once it passed
+local silent, ranks = {}, {}
+local t = nil
+for i = 5, #ARGV do
+  local expiry = shape[2 * (i - 4) + 1]
+  if expiry > 0 and not t then
+    t = redis.call('TIME')
+    t = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  if expiry <= 0 or expiry <= t then
+    silent[#silent + 1] = ARGV[i]
+    ranks[#ranks + 1] = shape[2 * (i - 4)]
+  end
+end
 local function reserved(limit, seen)  -- the blind shares of the silent members with no field in the hash
   local total = 0
   for i = 1, #silent do
     if not seen[silent[i]] then
       total = total + math.floor(limit / all)
-      if shape[i + 1] < limit % all then total = total + 1 end
+      if ranks[i] < limit % all then total = total + 1 end
     end
   end
   return total
