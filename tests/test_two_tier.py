@@ -764,6 +764,40 @@ def _wait_out_heartbeat(tier: Any, cut_at: float) -> None:
     time.sleep(max(0.0, lapse - time.monotonic()))
 
 
+@contextlib.contextmanager
+def _pair_with_a_cut(server: Any, **timing: float) -> Iterator[tuple[Any, Any, Any]]:
+    """Tiers "a" and "b" (no background thread), each synced twice, and
+    ``cut()``: b reaches Redis as an ACL user that it switches off, its
+    connections dropped, while a keeps Redis. Both closed at the end, b
+    without leaving (it cannot reach Redis)."""
+    from nanolimit.storage.two_tier import TwoTierStorage
+
+    admin = server.client()
+    admin.execute_command("ACL", "SETUSER", "cut", "on", ">pw", "~*", "&*", "+@all")
+    a = make_tier(server, "a", start=False, **timing)
+    b = TwoTierStorage(
+        None,
+        server.client(username="cut", password="pw"),
+        instance_id="b",
+        sync_interval=SYNC,
+        start=False,
+        **timing,
+    )
+
+    def cut() -> None:
+        admin.execute_command("ACL", "SETUSER", "cut", "off")
+        admin.execute_command("CLIENT", "KILL", "USER", "cut")
+
+    try:
+        for tier in (a, b, a, b):
+            assert tier.sync_now()
+        yield a, b, cut
+    finally:
+        a.close()
+        b.close(deregister=False)
+        admin.close()
+
+
 def test_a_partial_partition_keeps_the_fleet_within_the_limit(backend: Any, own_server: Any) -> None:
     """One of two instances loses Redis (its ACL user is switched off) while
     the other keeps it. The cut one admits its blind share, 50 of 100; once
@@ -772,21 +806,9 @@ def test_a_partial_partition_keeps_the_fleet_within_the_limit(backend: Any, own_
     counting).
     After ``partition_grace`` the silent member is dropped and its share is
     handed out again."""
-    from nanolimit.storage.two_tier import TwoTierStorage
-
-    admin = own_server.client()
-    admin.execute_command("ACL", "SETUSER", "cut", "on", ">pw", "~*", "&*", "+@all")
-    timing = {"start": False, "heartbeat_ttl": 0.3, "partition_grace": 1.2}
-    a = make_tier(own_server, "a", **timing)
-    b = TwoTierStorage(
-        None, own_server.client(username="cut", password="pw"), instance_id="b", sync_interval=SYNC, **timing
-    )
-    try:
-        for tier in (a, b, a, b):
-            assert tier.sync_now()
+    with _pair_with_a_cut(own_server, heartbeat_ttl=0.3, partition_grace=1.2) as (a, b, cut):
         assert a.instances == b.instances == 2
-        admin.execute_command("ACL", "SETUSER", "cut", "off")
-        admin.execute_command("CLIENT", "KILL", "USER", "cut")
+        cut()
         assert not b.sync_now() and b.partitioned and not a.partitioned
         _keep_syncing(a, 0.6)  # past b's heartbeat and timeout: a counts it silent, no longer live
         assert (a.instances, a.metrics()["silent_instances"]) == (1, 1)
@@ -800,9 +822,6 @@ def test_a_partial_partition_keeps_the_fleet_within_the_limit(backend: Any, own_
         assert (a.instances, a.metrics()["silent_instances"]) == (1, 0)
         clock.advance(30.0)
         assert _drain(on_a, a) == 100
-    finally:
-        a.close()
-        b.close(deregister=False)
 
 
 def test_a_first_lease_weighs_the_previous_window(backend: Any, redis_server: Any) -> None:
@@ -1028,23 +1047,11 @@ def test_a_window_that_begins_before_a_cut_instance_lapses_holds_the_limit(
     began before the others are sure to reserve its share, and its blind
     share in one that began after; a member the others' last heartbeat still
     saw live is reserved as soon as the server's clock passes its expiry."""
-    from nanolimit.storage.two_tier import TwoTierStorage
-
-    admin = own_server.client()
-    admin.execute_command("ACL", "SETUSER", "cut", "on", ">pw", "~*", "&*", "+@all")
-    timing = {"start": False, "heartbeat_ttl": 2.0, "partition_grace": 5.0}
-    a = make_tier(own_server, "a", **timing)
-    b = TwoTierStorage(
-        None, own_server.client(username="cut", password="pw"), instance_id="b", sync_interval=SYNC, **timing
-    )
-    try:
-        for tier in (a, b, a, b):
-            assert tier.sync_now()
+    with _pair_with_a_cut(own_server, heartbeat_ttl=2.0, partition_grace=5.0) as (a, b, cut):
         cut_at = time.monotonic()
         ttl = b.metrics()["heartbeat_ttl_last"]
         assert ttl >= 1.0  # no sync gap measured yet: four of (sync_interval + timeout)
-        admin.execute_command("ACL", "SETUSER", "cut", "off")
-        admin.execute_command("CLIENT", "KILL", "USER", "cut")
+        cut()
         assert not b.sync_now() and b.partitioned
         clock = backend.FakeClock(6_000.0)  # a fresh window, begun while b is live to a
         on_a = backend.FixedWindowCounter(100, 30.0, storage=a, clock=clock, rule="early")
@@ -1061,6 +1068,3 @@ def test_a_window_that_begins_before_a_cut_instance_lapses_holds_the_limit(
         # once the server's clock is past b's expiry all the same
         leased = _drain(on_a, a)
         assert (blind, leased) == (50, 50)
-    finally:
-        a.close()
-        b.close(deregister=False)
