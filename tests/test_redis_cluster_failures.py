@@ -328,7 +328,15 @@ def test_a_failed_over_master_hands_its_keys_and_its_outage_to_the_replica() -> 
                 promoted = True
             time.sleep(0.01)
         else:
-            raise AssertionError("the replica never took the slots over")
+            # what to tell a cluster that stayed down (its bus timing on a loaded
+            # box) from a client that never asked the new owner again
+            probe = cluster.replicas[0].client()
+            info = probe.execute_command("CLUSTER", "INFO")
+            probe.close()
+            info = info.decode() if isinstance(info, bytes) else str(info)
+            state = [row for row in info.splitlines() if row.startswith(("cluster_state", "cluster_slots"))]
+            breakers = storage.metrics()["nodes"]
+            raise AssertionError(f"the replica never took the slots over: {state}, breakers {breakers}")
         assert sum(local) == SHARE_LIMIT // INSTANCES and len(local) > sum(local)  # one share, then denials
         assert d.remaining == 6  # the new master's count: the 3 replicated, and this one
         replica = f"{HOST}:{cluster.replicas[0].port}"
