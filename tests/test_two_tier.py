@@ -759,9 +759,14 @@ def _keep_syncing(tier: Any, seconds: float) -> None:
 def _wait_out_heartbeat(tier: Any, cut_at: float) -> None:
     """Until the heartbeat of ``tier``, cut off at ``cut_at`` (monotonic), has
     lapsed for the others with the margin for the fleet's clocks (its
-    timeout): a window begun after that is one they reserve its share in."""
+    timeout): a window begun after that is one they reserve its share in.
+    Meanwhile it keeps trying to sync, as its background thread would; each
+    attempt fails, and none may push the lapse further out."""
     lapse = cut_at + tier.metrics()["heartbeat_ttl_last"] + tier.timeout + 0.05
-    time.sleep(max(0.0, lapse - time.monotonic()))
+    while time.monotonic() < lapse:
+        assert not tier.sync_now()
+        time.sleep(min(SYNC, max(0.0, lapse - time.monotonic())))
+    assert not tier.sync_now()
 
 
 @contextlib.contextmanager

@@ -397,9 +397,12 @@ class _FleetSync:
                     raise
                 replies, answers = self._exchange(work, n, ttl_ms, grace_ms, reserve, True, native)
         except self._errors:
-            # the heartbeat may have run all the same (a lost reply): we may
-            # count as live for one more ttl from about now
-            self._lapses_at = max(self._lapses_at, time.monotonic() + ttl)
+            if not self._blind:
+                # the heartbeat of the sync that failed first may have run all
+                # the same (a lost reply): we may count as live one more ttl.
+                # The retries of the outage do not move it: each would, and no
+                # window would ever be ours again while Redis stays away
+                self._lapses_at = max(self._lapses_at, time.monotonic() + ttl)
             self._script_loaded = False
             self._last_beat = None  # the gap across an outage is no sync period
             self._failed()
