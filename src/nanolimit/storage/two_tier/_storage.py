@@ -500,9 +500,8 @@ class TwoTierStorage(_FleetSync):
         while we still counted as live, with no share reserved for us and
         no field of ours to stand in for it. ``timeout`` covers the fleet's
         clocks disagreeing on when a window begins. A window of an injected
-        clock is placed on ours by how far into it the key is. Alone in the
-        fleet as last seen, nobody leases around us."""
-        if self._members <= 1:
+        clock is placed on ours by how far into it the key is."""
+        if self._alone:
             return True
         began = time.monotonic() - (now - start)
         return began >= self._lapses_at + self.timeout

@@ -298,6 +298,12 @@ class _FleetSync:
                 picked[id(track)] = track
         return list(picked.values())
 
+    @property
+    def _alone(self) -> bool:
+        """The only member the last heartbeat saw (or none yet): nobody leases
+        around us while we are cut off, so every window is ours to share."""
+        return self._members <= 1
+
     def _heartbeat_ttl(self) -> float:
         """How long our heartbeat keeps us live: ``HEARTBEAT_GAPS`` of our own
         longest recent gaps between syncs (before any, a sync interval plus
@@ -793,10 +799,11 @@ class _FleetSync:
                     cap = {w: track.acked.get(w, 0) + lease for w, lease in track.lease.items()}
                     for w, share in track.claimed.items():
                         cap.setdefault(w, share)
-                    # a window we admitted in unsynced (a new key's default share):
-                    # the others lease it around no field of ours, so no more
-                    for w, units in track.own.items() if self._members > 1 else ():
-                        cap.setdefault(w, units)
+                    if not self._alone:
+                        # a window we admitted in unsynced (a new key's default
+                        # share): the others lease it around no field of ours
+                        for w, units in track.own.items():
+                            cap.setdefault(w, units)
                     track.blind_cap = cap
                     # the server may come back empty: re-write every count we hold
                     track.pushed.clear()

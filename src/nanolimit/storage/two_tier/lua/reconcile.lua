@@ -10,14 +10,14 @@ local all = shape[1] or 1
 -- expiry shape[2i + 1] (ms, as the caller's last heartbeat saw it: a later
 -- one only extends it); silent, by this server's clock now, once it passed
 local silent, ranks = {}, {}
-local t = nil
+local now_ms = nil  -- read once, and only if an expiry needs it
 for i = 5, #ARGV do
   local expiry = shape[2 * (i - 4) + 1]
-  if expiry > 0 and not t then
-    t = redis.call('TIME')
-    t = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if expiry > 0 and not now_ms then
+    local t = redis.call('TIME')
+    now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   end
-  if expiry <= 0 or expiry <= t then
+  if expiry <= 0 or expiry <= now_ms then
     silent[#silent + 1] = ARGV[i]
     ranks[#ranks + 1] = shape[2 * (i - 4)]
   end
