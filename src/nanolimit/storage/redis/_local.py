@@ -144,6 +144,12 @@ class LocalFallback:
                 self._counts["local_episodes"] += 1
             return episode
 
+    def _episode_of(self, route: _Breaker | None) -> _Episode:
+        """The episode a decision routed by ``route`` is decided in (None:
+        the standalone server's)."""
+        scope = "" if route is None else route.name
+        return self._episodes.get(scope) or self._begin(scope, route)
+
     def handover(self, scope: str = "") -> None:
         """``scope``'s server recovered: new decisions go there; this
         episode's state is dropped, never replayed (what is kept is only when
@@ -226,8 +232,7 @@ class LocalFallback:
         wall clock, as Redis's ``TIME`` would be, else the injected reading),
         in the episode of the outage of ``route``, the breaker the decision
         was routed by (None: the standalone server; see :meth:`_begin`)."""
-        scope = "" if route is None else route.name
-        episode = self._episodes.get(scope) or self._begin(scope, route)
+        episode = self._episode_of(route)
         shadow = self._shadow(episode, cfg)
         if shadow is None or cost > shadow.capacity:
             verdict = self._denied()
@@ -249,8 +254,7 @@ class LocalFallback:
         """A compound's limits, all-or-nothing in the local store (its
         ``allow_all``); ``commit=False`` (another limit of the compound was
         denied by its own policy) only looks."""
-        scope = "" if route is None else route.name
-        episode = self._episodes.get(scope) or self._begin(scope, route)
+        episode = self._episode_of(route)
         shadows = [self._shadow(episode, cfg) for cfg, _, _, _ in items]
         if not commit or any(s is None or cost > s.capacity for s, (_, _, cost, _) in zip(shadows, items)):
             out = [
