@@ -203,7 +203,8 @@ def check_cut_fleet(server: Any, reports: list[dict[str, Any]], first: int) -> N
     print("\nadmitted per (key, window):", dict(sorted(per_window.items())), "first", first)
     print("admitted blind per (key, window):", dict(sorted(blind.items())))
     for (key, k), admitted in per_window.items():
-        assert admitted <= LIMIT, (key, k, admitted)
+        each = {r["instance_id"]: r["admitted"].get(key, {}).get(str(k), 0) for r in reports}
+        assert admitted <= LIMIT, (key, k, admitted, each)
     last = max(k for _, k in per_window)
     inside = [v for (_, k), v in per_window.items() if first <= k < last]
     assert len(inside) >= 6 and min(inside) >= LIMIT // 2, inside  # used, not starved
@@ -773,8 +774,8 @@ def _wait_out_heartbeat(tier: Any, cut_at: float) -> None:
 def _pair_with_a_cut(server: Any, **timing: float) -> Iterator[tuple[Any, Any, Any]]:
     """Tiers "a" and "b" (no background thread), each synced twice, and
     ``cut()``: b reaches Redis as an ACL user that it switches off, its
-    connections dropped, while a keeps Redis. Both closed at the end, b
-    without leaving (it cannot reach Redis)."""
+    connections dropped, while a keeps Redis (``cut(restore=True)`` switches
+    it on again). Both closed at the end, b without leaving."""
     from nanolimit.storage.two_tier import TwoTierStorage
 
     admin = server.client()
@@ -789,9 +790,10 @@ def _pair_with_a_cut(server: Any, **timing: float) -> Iterator[tuple[Any, Any, A
         **timing,
     )
 
-    def cut() -> None:
-        admin.execute_command("ACL", "SETUSER", "cut", "off")
-        admin.execute_command("CLIENT", "KILL", "USER", "cut")
+    def cut(restore: bool = False) -> None:
+        admin.execute_command("ACL", "SETUSER", "cut", "on" if restore else "off")
+        if not restore:
+            admin.execute_command("CLIENT", "KILL", "USER", "cut")
 
     try:
         for tier in (a, b, a, b):
@@ -1040,6 +1042,54 @@ def test_forget_waits_for_the_sync_in_flight(backend: Any, redis_server: Any) ->
     finally:
         release.set()
         tier.close()
+
+
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_the_window_after_a_cut_instance_comes_back_holds_the_limit(
+    backend: Any, own_server: Any, when: str
+) -> None:
+    """The hole behind another 334-of-300 window in the fleet test: the cut
+    instance's first sync back is planned in window w, and its heartbeat
+    makes it live to the others again. What it admits in w + 1 (blind while
+    that round trip is in flight, or its default share after it) then has no
+    field of its own there, and a live member is not reserved: the others
+    leased all of w + 1 on top (150 of 100). That sync claims its share of
+    w + 1, as every sync of a live instance does."""
+    with _pair_with_a_cut(own_server, heartbeat_ttl=0.3, partition_grace=5.0) as (a, b, cut):
+        cut_at = time.monotonic()
+        cut()
+        assert not b.sync_now() and b.partitioned
+        _wait_out_heartbeat(b, cut_at)
+        clock = backend.FakeClock(6_000.0)  # a window begun after b lapsed
+        on_a = backend.FixedWindowCounter(100, 30.0, storage=a, clock=clock, rule="back")
+        on_b = backend.FixedWindowCounter(100, 30.0, storage=b, clock=clock, rule="back")
+        assert sum(on_b.allow("k").allowed for _ in range(60)) == 50  # its blind share
+        assert _drain(on_a, a) == 50  # a reserves it
+        cut(restore=True)
+        late: list[int] = []
+        exchange = b._exchange
+
+        def crossing(*args: Any) -> Any:
+            # the first sync back was planned in w; the next window begins
+            # before its reply lands, and b, still blind, admits there
+            clock.advance(30.0)
+            late.append(sum(on_b.allow("k").allowed for _ in range(60)))
+            return exchange(*args)
+
+        if when == "during":
+            b._exchange = crossing  # type: ignore[method-assign]
+        assert b.sync_now() and not b.partitioned
+        b._exchange = exchange  # type: ignore[method-assign]
+        if when == "after":
+            clock.advance(30.0)
+            late.append(sum(on_b.allow("k").allowed for _ in range(60)))  # its default share
+        assert late == [50]
+        a.sync_now()  # a's heartbeat sees b live again: b is no longer reserved
+        leased = _drain(on_a, a)
+        b.sync_now()
+        a.sync_now()
+        assert leased == 50
+        assert a.fleet_counts(on_a.config, "k")[6_030 // 30] == 100
 
 
 def test_a_window_that_begins_before_a_cut_instance_lapses_holds_the_limit(

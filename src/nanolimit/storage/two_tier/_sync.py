@@ -655,10 +655,12 @@ class _FleetSync:
                 else:  # _ceiling, inline: once per key and sync
                     held = track.acked.get(w, 0) + track.lease.get(w, share)
                 item = _Work(track, w, value, True, self._hash_key(track, w), spec, weight, held)
-                if value and track.claimed.get(w + 1) != share and share and not self._blind:
+                if value and track.claimed.get(w + 1) != share and share:
                     # we admit this key now: reserve our default share of the next
                     # window, so what we admit there before our first sync of it is
-                    # never unseen by the others' leases
+                    # never unseen by the others' leases. Blind too: the first sync
+                    # back makes us live again, and what we admit in the next window
+                    # (blind while its reply is in flight) would have no field there
                     item.claim_key, item.claim = self._hash_key(track, w + 1), share
             else:
                 spec = (value, track.limit, 0.0, ms, 0, 0)
