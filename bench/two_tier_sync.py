@@ -55,12 +55,14 @@ def _decide(limiter: Any, keys: list[str], interval: float, until: float, out: l
 def run(server: Server, n: int, interval: float, seconds: float) -> dict[str, float]:
     tier = TwoTierStorage(None, server.client(), sync_interval=interval, instance_id=f"bench-sync-{n}")
     walls: list[tuple[float, int]] = []
+    spreads: list[int] = []
     sync = tier._sync
 
-    def timed(full: bool) -> bool:  # the bench's probe of each sync's wall time
+    def timed(full: bool, background: bool = False) -> bool:  # the bench's probe of each sync's wall time
         t0 = time.perf_counter()
-        ok = sync(full)
+        ok = sync(full, background)
         walls.append((time.perf_counter() - t0, tier._stats["keys_synced_last"]))
+        spreads.append(tier._stats["sync_spread"])
         return ok
 
     tier._sync = timed  # type: ignore[method-assign]
@@ -72,6 +74,7 @@ def run(server: Server, n: int, interval: float, seconds: float) -> dict[str, fl
         tier.sync_now()
         time.sleep(2 * interval)
         walls.clear()
+        spreads.clear()
         before = tier.metrics()["syncs"]
         lat: list[int] = []
         start = time.monotonic()
@@ -93,6 +96,10 @@ def run(server: Server, n: int, interval: float, seconds: float) -> dict[str, fl
         "sync_wall_ms_median": statistics.median(wall) * 1e3,
         "sync_wall_ms_max": max(wall) * 1e3,
         "us_per_key_synced": statistics.median(per_key) * 1e6,
+        # the sync's wall time over the run, per decision the run made
+        "us_per_decided_key": sum(w for w, _ in walls) / max(1, len(lat)) * 1e6,
+        "keys_per_sync_median": statistics.median(k for _, k in walls) if walls else 0,
+        "spread_median": statistics.median(spreads) if spreads else 1,
         "allow_p9999_us": lat[min(len(lat) - 1, int(len(lat) * 0.9999))] / 1e3,
         "allow_max_ms": lat[-1] / 1e6,
         "calls_over_1ms": sum(1 for v in lat if v > 1_000_000),
@@ -150,16 +157,18 @@ def main() -> None:
         return
     try:
         print(
-            "| keys | syncs/s (asked) | sync wall median / max | µs per key synced "
-            "| allow() p99.99 | allow() max | calls > 1 ms |"
+            "| keys | syncs/s (asked) | sync wall median / max | keys per sync (spread) | µs per key synced "
+            "| µs of sync per decided key | allow() p99.99 | allow() max | calls > 1 ms |"
         )
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for n in (int(v) for v in args.keys.split(",")):
             r = run(server, n, args.interval, args.seconds)
             print(
                 f"| {n:,} | {r['syncs_per_s']:.1f} ({r['asked_per_s']:.0f}) "
                 f"| {r['sync_wall_ms_median']:.1f} / {r['sync_wall_ms_max']:.1f} ms "
-                f"| {r['us_per_key_synced']:.1f} | {r['allow_p9999_us']:.0f} µs "
+                f"| {r['keys_per_sync_median']:,.0f} ({r['spread_median']:.0f}) "
+                f"| {r['us_per_key_synced']:.1f} | {r['us_per_decided_key']:.2f} "
+                f"| {r['allow_p9999_us']:.0f} µs "
                 f"| {r['allow_max_ms']:.2f} ms | {r['calls_over_1ms']} of {r['calls']:,} |",
                 flush=True,
             )

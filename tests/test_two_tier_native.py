@@ -255,11 +255,11 @@ def test_a_failing_sync_does_not_end_the_background_syncs(native: Any, redis_ser
     real = tier._sync
     calls: list[bool] = []
 
-    def flaky(full: bool) -> bool:
+    def flaky(full: bool, background: bool = False) -> bool:
         calls.append(full)
         if len(calls) == 1:
             raise RuntimeError("a bug in one sync")
-        return real(full)
+        return real(full, background)
 
     tier._sync = flaky  # type: ignore[method-assign]
     try:

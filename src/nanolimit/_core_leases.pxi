@@ -253,6 +253,9 @@ cdef class LeaseBook:
     cdef double plan_wall
     cdef double plan_mono
     cdef double plan_idle
+    cdef int64_t plan_spread        # a key with room in its lease waits its turn: 1 of this many syncs
+    cdef int64_t plan_turn          # this sync's turn among them
+    cdef readonly int64_t deferred  # keys plan_step left for a later sync (their turn had not come)
     cdef bytes plan_head            # RESP: EVALSHA and the sha
     cdef bytes plan_mid             # RESP: the instance id and N
     cdef bytes plan_tail            # RESP: the reserved members
@@ -614,12 +617,16 @@ cdef class LeaseBook:
         self.cand_len = self.cand_pos = self.py_len = self.items_len = self.chunk_start = self.n_chunks = 0
 
     def plan_begin(self, bint full, int64_t share, double wall, double mono, double idle_after,
-                   bytes head not None, bytes mid not None, bytes tail not None, Py_ssize_t tail_count):
+                   bytes head not None, bytes mid not None, bytes tail not None, Py_ssize_t tail_count,
+                   int64_t spread=1, int64_t turn=0):
         """Start a sync: every key (``full``) or those committed to since the
         last one. ``share``: our default share; ``wall``, ``mono``: the
         clocks at the sync's start; ``idle_after``: a full sync leaves keys
         idle for longer to Python (which may drop them); ``head``, ``mid``,
-        ``tail``: the RESP words around each call's keys and specs."""
+        ``tail``: the RESP words around each call's keys and specs.
+        ``spread`` (a power of two; 1: none): a key that has room in its
+        lease (see ``waits_its_turn``) is sent only in its turn, one sync of
+        ``spread``, ``turn`` being this one's; it stays dirty meanwhile."""
         cdef Py_ssize_t i, slot, n = 0
         self.check_closed()
         self.plan_free()
@@ -649,6 +656,9 @@ cdef class LeaseBook:
         self.plan_wall = wall
         self.plan_mono = mono
         self.plan_idle = idle_after
+        self.plan_spread = spread if spread >= 1 else 1
+        self.plan_turn = turn & (self.plan_spread - 1)
+        self.deferred = 0
         self.plan_head = head
         self.plan_mid = mid
         self.plan_tail = tail
@@ -662,6 +672,26 @@ cdef class LeaseBook:
     def planning(self):
         """Slots left for plan_step."""
         return self.cand_len - self.cand_pos
+
+    @property
+    def pending(self):
+        """Slots committed to since the last plan (what a background sync covers)."""
+        return self.dirty_len
+
+    cdef inline bint waits_its_turn(self, LeaseRecord* r) noexcept nogil:
+        """A key this sync may leave for a later one: it synced in this window
+        and was granted a lease there, less than half of which is spent,
+        asks for no larger one, has claimed the next window (or admitted
+        nothing to claim it for), and this is not its turn. Redis holds its
+        count and its whole ceiling meanwhile, so the bound is the same; what
+        waits is the fleet's view of its count and a smaller lease's return."""
+        if self.plan_spread <= 1 or r.s_acked == LEASE_NONE or r.s_lease == LEASE_NONE:
+            return False
+        if r.want or r.s_want or (r.own and r.s_claimed != self.plan_share) or not self.plan_share:
+            return False
+        if 2 * (r.own - r.s_acked) > r.s_lease:
+            return False
+        return <int64_t>((r.key_hash >> 56) & <uint64_t>(self.plan_spread - 1)) != self.plan_turn
 
     def plan_step(self, Py_ssize_t budget):
         """Plan up to ``budget`` more slots; the owners of those left to the
@@ -695,6 +725,14 @@ cdef class LeaseBook:
                 if full and self.plan_mono - r.touched > self.plan_idle:
                     self.cand[self.py_len] = slot
                     self.py_len += 1
+                    continue
+                if self.waits_its_turn(r):
+                    self.deferred += 1
+                    r.committed = True     # its units go with a later sync
+                    if not r.listed:
+                        r.listed = True
+                        self.dirty[self.dirty_len] = slot
+                        self.dirty_len += 1
                     continue
                 k = r.window_index
                 it = &self.items[self.items_len]

@@ -149,6 +149,8 @@ STORAGE_GAUGES: dict[str, str] = {
     "keys": "Keys held.",
     "keys_tracked": "Keys tracked locally.",
     "keys_synced_last": "Keys covered by the latest sync.",
+    "keys_deferred_last": "Keys the latest sync left for their turn in a later one.",
+    "sync_spread": "Syncs a key with room in its lease waits for its turn (1: every sync).",
     "sync_latency_last": "Seconds the latest sync took.",
     "sync_latency_max": "Seconds the slowest sync took.",
     "sync_latency_avg": "Mean seconds per sync.",

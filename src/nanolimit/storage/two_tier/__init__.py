@@ -44,10 +44,12 @@ from __future__ import annotations
 from ._records import (
     FULL_SYNC_EVERY,
     HEARTBEAT_GAPS,
+    MAX_SPREAD,
     MAX_WINDOW_INDEX,
     RECONCILE_CHUNK,
     SETTLE_READS,
     SUPPORTED_ALGORITHMS,
+    SYNC_BUDGET,
     SYNC_CHUNK,
 )
 from ._storage import TwoTierStorage
@@ -55,10 +57,12 @@ from ._storage import TwoTierStorage
 __all__ = [
     "FULL_SYNC_EVERY",
     "HEARTBEAT_GAPS",
+    "MAX_SPREAD",
     "MAX_WINDOW_INDEX",
     "RECONCILE_CHUNK",
     "SETTLE_READS",
     "SUPPORTED_ALGORITHMS",
+    "SYNC_BUDGET",
     "SYNC_CHUNK",
     "TwoTierStorage",
 ]

@@ -40,6 +40,13 @@ FULL_SYNC_EVERY = 8
 # ... and re-reads a past window's fleet total (the sliding estimate's previous
 # window) this many times after it ends, for the other instances' last pushes.
 SETTLE_READS = 3
+# When the keys decided per interval are more than a sync can cover in
+# SYNC_BUDGET of the interval (at the recent cost per key), a key with room
+# in its lease is sent one sync in ``spread`` (a power of two, at most
+# MAX_SPREAD), in its turn; the others every sync (docs/two_tier.md,
+# "Keeping the interval").
+SYNC_BUDGET = 0.5
+MAX_SPREAD = 16
 # A heartbeat expires this many of the instance's own longest recent sync
 # gaps after it is sent (between 2 * sync_interval and heartbeat_ttl): a
 # live instance that syncs slowly is never taken for silent, a cut one is
@@ -87,6 +94,7 @@ class _Track:
     book: Any = None  # the native LeaseBook holding this key's hot window, if any
     slot: int = -1
     alive: bool = True  # False once dropped (forgotten, evicted, idle)
+    phase: int = 0  # its turn among the syncs a spread sync takes turns over (_plan)
 
 
 @dataclass(slots=True)

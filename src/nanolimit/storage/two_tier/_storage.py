@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -184,6 +185,9 @@ class TwoTierStorage(_FleetSync):
         self._dirty: dict[int, _Track] = {}  # id -> track decided in Python since the last sync
         self._since_full = 0
         self._need_full = False
+        self._cost_per_key = 0.0  # recent background syncs' seconds per key sent (_spread)
+        self._turn = 0  # counts the background syncs: whose turn it is in a spread sync
+        self._plan_spread, self._plan_turn = 1, 0  # the sync being planned
         self._leaving = False  # close(): the last sync asks for no lease
         self._slot_of: Any = None  # a cluster's key -> slot, to group a script's keys
         if getattr(self.remote, "cluster", False):
@@ -212,6 +216,8 @@ class TwoTierStorage(_FleetSync):
             "decisions": 0,
             "full_syncs": 0,
             "keys_synced_last": 0,
+            "keys_deferred_last": 0,
+            "sync_spread": 1,
             "heartbeat_ttl_last": 0.0,
             "sync_period_last": 0.0,
             "sync_duration_last": 0.0,
@@ -391,6 +397,7 @@ class TwoTierStorage(_FleetSync):
             limit, window, sliding = _shape(config)
             base = f"{self.remote.redis_key(config, key)}:{self.prefix}"
             track = _Track(config, key, base, limit, window, sliding, now)
+            track.phase = zlib.crc32(base.encode("utf-8", "surrogatepass")) >> 24
             earlier = self._by_base.get(base)
             if earlier is not None:
                 # the same Redis hashes under another config (a hot reload that
@@ -575,7 +582,9 @@ class TwoTierStorage(_FleetSync):
 
     def metrics(self) -> dict[str, Any]:
         """Counters: syncs (``full_syncs`` of them covering every key,
-        ``keys_synced_last`` keys in the latest; ``sync_failures`` when Redis
+        ``keys_synced_last`` keys in the latest, ``keys_deferred_last`` left
+        for their turn in a later one, one sync of ``sync_spread``;
+        ``sync_failures`` when Redis
         did not answer, ``sync_errors`` when a sync raised anything else),
         sync latency (s), keys
         tracked, units pushed and reconciled after a partition, partition

@@ -24,9 +24,11 @@ from ._records import (
     ABSENT,
     FULL_SYNC_EVERY,
     HEARTBEAT_GAPS,
+    MAX_SPREAD,
     PLAN_STEP,
     RECONCILE_CHUNK,
     SETTLE_READS,
+    SYNC_BUDGET,
     SYNC_CHUNK,
     _Guard,
     _Track,
@@ -78,6 +80,10 @@ class _FleetSync:
     _encode: Any
     _response_error: type[BaseException]
     _since_full: int
+    _cost_per_key: float
+    _turn: int
+    _plan_spread: int
+    _plan_turn: int
     _need_full: bool
     _leaving: bool
     _script_loaded: bool
@@ -256,7 +262,7 @@ class _FleetSync:
             with self._sync_lock:
                 self._since_full += 1
                 try:
-                    self._sync(full=self._since_full >= FULL_SYNC_EVERY)
+                    self._sync(full=self._since_full >= FULL_SYNC_EVERY, background=True)
                 except Exception:  # noqa: BLE001 -- logged; a bug must not end the syncs for good
                     self._stats["sync_errors"] += 1
                     _log.exception("TwoTierStorage sync failed")
@@ -346,8 +352,50 @@ class _FleetSync:
         shape = " ".join(f"{r} {expiry}" for r, expiry in chosen)
         return [f"{members} {shape}", *(ids[r] for r, _ in chosen)]
 
-    def _sync(self, full: bool) -> bool:
+    def _spread(self, pending: int) -> int:
+        """How many syncs a key with room in its lease waits for its turn
+        (1: none): the least power of two, up to ``MAX_SPREAD``, that brings
+        the keys decided since the last sync within what one sync covers in
+        ``SYNC_BUDGET`` of the interval at the recent cost per key. So a
+        sync keeps its interval at many keys, and a key that may run short
+        (half its lease spent, a larger cost refused, the next window not
+        yet claimed) still goes with every sync."""
+        cost = self._cost_per_key
+        if cost <= 0.0 or pending * cost <= SYNC_BUDGET * self.sync_interval:
+            return 1
+        fits = max(1.0, SYNC_BUDGET * self.sync_interval / cost)
+        spread = 1
+        while spread < MAX_SPREAD and pending > fits * spread:
+            spread *= 2
+        return spread
+
+    def _waits_its_turn(self, track: _Track, k: int) -> bool:
+        """``LeaseBook.waits_its_turn`` for a key of the Python plan, window
+        ``k`` its only one to send: Redis holds its count and whole ceiling,
+        so what waits is only the fleet's view of its count."""
+        spread = self._plan_spread
+        share = self._share(track.limit)
+        acked, lease = track.acked.get(k), track.lease.get(k)
+        if spread <= 1 or acked is None or lease is None or not share or track.want.get(k, 0):
+            return False
+        own = track.own.get(k, 0)
+        if own and track.claimed.get(k + 1) != share:
+            return False
+        return 2 * (own - acked) <= lease and (track.phase & (spread - 1)) != self._plan_turn
+
+    def _sync(self, full: bool, background: bool = False) -> bool:
+        began = time.monotonic()
+        synced = self._sync_once(full, background)
+        sent = self._stats["keys_synced_last"]
+        if synced and sent:
+            cost = (time.monotonic() - began) / sent
+            self._cost_per_key = cost if not self._cost_per_key else (self._cost_per_key + cost) / 2
+        return synced
+
+    def _sync_once(self, full: bool, background: bool) -> bool:
         with self._lock:
+            # a spread sync: only the background's, never one that must re-write every count
+            spreading = background and not (self._need_full or self._blind or self._leaving)
             # after a partition every count is re-written and every record reloaded
             full = full or self._need_full or self._blind
             if self._gate is not None:
@@ -364,6 +412,12 @@ class _FleetSync:
             books = (
                 [] if self._blind or self._leaving or not self._native_sync else list(self._books.values())
             )
+            spread = 1
+            if spreading:
+                pending = len(self._tracks) if full else len(self._dirty) + sum(b.pending for b in books)
+                spread = self._spread(pending)
+                self._turn += 1
+            self._plan_spread, self._plan_turn = spread, self._turn & (spread - 1)
             if books:
                 candidates = self._begin_native(books, full, wall, n, reserve)
             else:
@@ -376,6 +430,7 @@ class _FleetSync:
                 with self._lock.lock:
                     candidates += book.plan_step(PLAN_STEP)
         native = [(book, book.take_commands()) for book in books]
+        deferred = sum(book.deferred for book in books)
         if books:
             with self._lock:
                 self._stats["decisions"] += sum(book.folded for book in books)
@@ -387,7 +442,7 @@ class _FleetSync:
             with self._lock:
                 for track in candidates[c : c + SYNC_CHUNK]:
                     if track.alive:
-                        self._plan(track, full, wall, work)
+                        deferred += self._plan(track, full, wall, work)
             time.sleep(0)  # hand the GIL over: a decision waiting on the lock goes first
         ttl = self._heartbeat_ttl()
         ttl_ms = max(1, math.ceil(ttl * 1000))
@@ -527,6 +582,8 @@ class _FleetSync:
             stats["syncs"] += 1
             stats["full_syncs"] += full
             stats["keys_synced_last"] = len({id(item.track) for item in work}) + native_keys
+            stats["keys_deferred_last"] = deferred
+            stats["sync_spread"] = spread
             stats["units_pushed"] += pushed_units
             stats["sync_latency_last"] = latency
             stats["sync_latency_max"] = max(stats["sync_latency_max"], latency)
@@ -594,11 +651,24 @@ class _FleetSync:
         for book in books:
             # a full sync leaves a key that may be idle to _plan, which drops it
             idle = max(3 * book.window, 10.0) - 1.0
-            book.plan_begin(full, self._share(book.limit), wall, mono, idle, head, mid, tail, len(words))
+            book.plan_begin(
+                full,
+                self._share(book.limit),
+                wall,
+                mono,
+                idle,
+                head,
+                mid,
+                tail,
+                len(words),
+                self._plan_spread,
+                self._plan_turn,
+            )
         return python
 
-    def _plan(self, track: _Track, full: bool, wall: float, work: list[_Work]) -> None:
-        """Add ``track``'s windows to a sync (or drop it when idle and pushed)."""
+    def _plan(self, track: _Track, full: bool, wall: float, work: list[_Work]) -> int:
+        """Add ``track``'s windows to a sync (or drop it when idle and pushed);
+        1 when it waits its turn (see _spread) instead, still dirty."""
         self._pull(track)
         own, pushed = track.own, track.pushed
         if (
@@ -607,7 +677,7 @@ class _FleetSync:
             and all(pushed.get(w) == v for w, v in own.items())
         ):
             self._drop((track.config, track.key))  # idle and fully pushed: nothing left to reconcile
-            return
+            return 0
         window = track.window
         k = math.floor(track.last_now / window)
         # the limiter reads the wall clock (SystemClock) when its time is the
@@ -632,6 +702,9 @@ class _FleetSync:
             windows: Any = (k - 1, k) if track.sliding else (k,)
         else:
             windows = sorted({k, k - 1} | own.keys() if track.sliding else {k} | own.keys())
+        if len(windows) == 1 and not self._leaving and self._waits_its_turn(track, k):
+            self._dirty[id(track)] = track  # its units go with a later sync
+            return 1
         for w in windows:
             if (
                 not full
@@ -671,6 +744,7 @@ class _FleetSync:
             for w in [w for w in track.claimed if w > k and w not in own]:
                 spec = (0, track.limit, 0.0, _expiry_ms(w, window, wall, wall_clock), 0, 0)
                 work.append(_Work(track, w, 0, False, self._hash_key(track, w), spec))
+        return 0
 
     def _exchange(
         self,
