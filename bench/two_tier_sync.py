@@ -7,7 +7,11 @@ loopback redis-server this script starts on 127.0.0.1, a native
 N distinct keys every interval (paced: it sleeps the rest of each interval)
 for ``--seconds``. Reported per N: syncs per second achieved (asked:
 1 / interval), the sync's wall time (median, max), µs of sync per key
-synced, ``allow()`` p99.99 and max, and the calls over 1 ms.
+synced, µs of sync wall time per decided key (the run's sync time over
+its decisions), the median keys per sync and spread (docs/two_tier.md,
+Keeping the interval), ``allow()`` p99.99 and max, and the calls over 1 ms.
+``--compare`` runs each size with spread syncs off too (every key, every
+sync), ``--rounds`` times, interleaved.
 
     PYTHONPATH=src python bench/two_tier_sync.py [--keys 1000,10000,50000]
 
@@ -32,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from redis_servers import Server, require_binary
 
 import nanolimit
-from nanolimit.storage.two_tier import TwoTierStorage
+from nanolimit.storage.two_tier import MAX_SPREAD, TwoTierStorage
+from nanolimit.storage.two_tier import _sync as _sync_module
 
 
 def _decide(limiter: Any, keys: list[str], interval: float, until: float, out: list[int]) -> None:
@@ -67,7 +72,9 @@ def run(server: Server, n: int, interval: float, seconds: float) -> dict[str, fl
 
     tier._sync = timed  # type: ignore[method-assign]
     try:
-        limiter = nanolimit.FixedWindowCounter(1 << 30, 60.0, tier)
+        # an hour's window: a rollover (every key on the Python plan for a few
+        # syncs, docs/two_tier.md) falls in a run about once in 900
+        limiter = nanolimit.FixedWindowCounter(1 << 30, 3600.0, tier)
         keys = [f"k:{n}:{i}" for i in range(n)]
         for key in keys:  # every key tracked and leased before the run
             limiter.allow(key)
@@ -146,6 +153,10 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.05)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--vs-memory", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="rounds, spread and not (--compare) interleaved in each"
+    )
+    parser.add_argument("--compare", action="store_true", help="each size also with spread syncs off")
     args = parser.parse_args()
     server = Server(require_binary("redis"), "redis")
     server.start()
@@ -161,10 +172,14 @@ def main() -> None:
             "| µs of sync per decided key | allow() p99.99 | allow() max | calls > 1 ms |"
         )
         print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for n in (int(v) for v in args.keys.split(",")):
+        variants = [True, False] if args.compare else [True]
+        sizes = [int(v) for v in args.keys.split(",")]
+        for n, spread in ((n, s) for _ in range(args.rounds) for n in sizes for s in variants):
+            _sync_module.MAX_SPREAD = MAX_SPREAD if spread else 1  # off: every key, every sync
             r = run(server, n, args.interval, args.seconds)
+            label = "" if not args.compare else (" spread" if spread else " every key")
             print(
-                f"| {n:,} | {r['syncs_per_s']:.1f} ({r['asked_per_s']:.0f}) "
+                f"| {n:,}{label} | {r['syncs_per_s']:.1f} ({r['asked_per_s']:.0f}) "
                 f"| {r['sync_wall_ms_median']:.1f} / {r['sync_wall_ms_max']:.1f} ms "
                 f"| {r['keys_per_sync_median']:,.0f} ({r['spread_median']:.0f}) "
                 f"| {r['us_per_key_synced']:.1f} | {r['us_per_decided_key']:.2f} "

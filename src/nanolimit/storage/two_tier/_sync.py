@@ -704,6 +704,7 @@ class _FleetSync:
             windows = sorted({k, k - 1} | own.keys() if track.sliding else {k} | own.keys())
         if len(windows) == 1 and not self._leaving and self._waits_its_turn(track, k):
             self._dirty[id(track)] = track  # its units go with a later sync
+            self._load(track)  # _pull took its sync state out of C: hand it back
             return 1
         for w in windows:
             if (
