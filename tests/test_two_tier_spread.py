@@ -31,6 +31,15 @@ def held(server: Any, tier: Any, limiter: Any, key: str) -> tuple[int, int]:
     return int(fields.get(ident, 0)), int(fields.get(b"lease:" + ident, 0))
 
 
+def decided_once(backend: Any, tier: Any, prefix: str, n: int) -> tuple[Any, list[str]]:
+    """A limiter of 1,000 a window on ``tier`` and ``n`` keys, each admitted once."""
+    limiter = backend.FixedWindowCounter(1_000, WINDOW, storage=tier, clock=backend.FakeClock(6_000.0))
+    keys = [f"{prefix}{i}" for i in range(n)]
+    for key in keys:
+        assert limiter.allow(key).allowed
+    return limiter, keys
+
+
 def background(tier: Any) -> dict[str, Any]:
     assert tier._sync(full=False, background=True)
     return tier.metrics()
@@ -62,11 +71,7 @@ def test_keys_with_room_wait_their_turn_and_each_goes_once(backend: Any, redis_s
     meanwhile. A foreground sync (``sync_now``) defers nothing."""
     tier = tier_of(redis_server, "spread")
     try:
-        clock = backend.FakeClock(6_000.0)
-        limiter = backend.FixedWindowCounter(1_000, WINDOW, storage=tier, clock=clock)
-        keys = [f"k{i}" for i in range(64)]
-        for key in keys:
-            assert limiter.allow(key).allowed
+        limiter, keys = decided_once(backend, tier, "k", 64)
         assert limiter.allow("hot").allowed
         tier.sync_now()  # each key pushed, leased 999 and its next window claimed
         for key in keys:
@@ -101,11 +106,7 @@ def test_a_key_that_has_not_claimed_the_next_window_is_not_deferred(backend: Any
     next: a key that has not made it goes with every sync, spread or not."""
     tier = tier_of(redis_server, "claims")
     try:
-        clock = backend.FakeClock(6_000.0)
-        limiter = backend.FixedWindowCounter(1_000, WINDOW, storage=tier, clock=clock)
-        keys = [f"c{i}" for i in range(32)]
-        for key in keys:
-            limiter.allow(key)
+        decided_once(backend, tier, "c", 32)
         tier._cost_per_key = SLOW
         m = background(tier)  # their first sync: none was leased or claimed yet
         assert m["sync_spread"] == 16 and m["keys_deferred_last"] == 0 and m["keys_synced_last"] == 32
@@ -157,11 +158,7 @@ def test_no_sync_that_must_rewrite_every_count_is_spread(
     re-written, and close() hands every lease back: neither defers a key."""
     tier = tier_of(redis_server, "whole")
     try:
-        clock = backend.FakeClock(6_000.0)
-        limiter = backend.FixedWindowCounter(1_000, WINDOW, storage=tier, clock=clock)
-        keys = [f"w{i}" for i in range(32)]
-        for key in keys:
-            limiter.allow(key)
+        limiter, keys = decided_once(backend, tier, "w", 32)
         tier.sync_now()
         for key in keys:
             limiter.allow(key)
