@@ -42,7 +42,8 @@ def decided_once(backend: Any, tier: Any, prefix: str, n: int) -> tuple[Any, lis
 
 def background(tier: Any) -> dict[str, Any]:
     assert tier._sync(full=False, background=True)
-    return tier.metrics()
+    metrics: dict[str, Any] = tier.metrics()
+    return metrics
 
 
 def test_the_spread_keeps_one_sync_within_half_the_interval() -> None:
