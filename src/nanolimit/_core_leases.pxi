@@ -585,16 +585,6 @@ cdef class LeaseBook:
                 self.dirty[self.dirty_len] = slot
                 self.dirty_len += 1
 
-    def rejoin(self):
-        """The server lost our membership: as the storage clears its dicts'
-        pushed counts and claims, the fast records forget theirs."""
-        cdef Py_ssize_t i
-        self.check_closed()
-        for i in range(self.used):
-            if self.records[i].fast:
-                self.records[i].s_pushed = LEASE_NONE
-                self.records[i].s_claimed = LEASE_NONE
-
     # -- the sync planned in C -------------------------------------------------------
     # plan_begin takes the slots a sync covers; plan_step, a few hundred at a
     # time under the gate's spinlock with the GIL released, writes the fast

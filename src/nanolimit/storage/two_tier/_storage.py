@@ -185,7 +185,9 @@ class TwoTierStorage(_FleetSync):
         self._dirty: dict[int, _Track] = {}  # id -> track decided in Python since the last sync
         self._since_full = 0
         self._need_full = False
-        self._cost_per_key = 0.0  # recent background syncs' seconds per key sent (_spread)
+        self._cost_per_key = 0.0  # recent syncs' seconds per key sent, past the floor (_spread)
+        self._sync_floor = 0.0  # the shortest recent sync: what one costs whatever it sends
+        self._durations: collections.deque[float] = collections.deque(maxlen=GAPS_KEPT)
         self._turn = 0  # counts the background syncs: whose turn it is in a spread sync
         self._plan_spread, self._plan_turn = 1, 0  # the sync being planned
         self._leaving = False  # close(): the last sync asks for no lease
@@ -288,7 +290,8 @@ class TwoTierStorage(_FleetSync):
     ) -> None:
         """Give back what a decision made at ``at`` (None: the key's latest)
         charged, from this instance's own count of that window: the next
-        sync writes the lower absolute count, which is how a unit reaches
+        sync of the key (a spread sync's, in its turn) writes the lower
+        absolute count, which is how a unit reaches
         the fleet here (the fleet's counts are these per-instance hash
         fields, not the Redis store's kernel keys, so the store's own
         ``refund_kernel`` would find nothing to credit). Until that sync the

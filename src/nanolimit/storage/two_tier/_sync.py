@@ -81,6 +81,8 @@ class _FleetSync:
     _response_error: type[BaseException]
     _since_full: int
     _cost_per_key: float
+    _sync_floor: float
+    _durations: collections.deque[float]
     _turn: int
     _plan_spread: int
     _plan_turn: int
@@ -278,7 +280,7 @@ class _FleetSync:
             last = start
             due = start + interval
             floor = start + gap - time.monotonic()
-            if floor > 0:
+            if floor > 0 and not self._need_full:  # a rejoin's re-write goes at once
                 self._stop.wait(floor)
 
     def sync_now(self) -> bool:
@@ -356,14 +358,18 @@ class _FleetSync:
         """How many syncs a key with room in its lease waits for its turn
         (1: none): the least power of two, up to ``MAX_SPREAD``, that brings
         the keys decided since the last sync within what one sync covers in
-        ``SYNC_BUDGET`` of the interval at the recent cost per key. So a
+        ``SYNC_BUDGET`` of the interval, less what any sync costs (the
+        shortest recent one), at the recent cost per key sent. So a
         sync keeps its interval at many keys, and a key that may run short
         (half its lease spent, a larger cost refused, the next window not
         yet claimed) still goes with every sync."""
         cost = self._cost_per_key
-        if cost <= 0.0 or pending * cost <= SYNC_BUDGET * self.sync_interval:
+        budget = SYNC_BUDGET * self.sync_interval - self._sync_floor
+        if budget <= 0.0:  # a round trip longer than the budget: spread only what keys add
+            budget = SYNC_BUDGET * self.sync_interval
+        if cost <= 0.0 or pending * cost <= budget:
             return 1
-        fits = max(1.0, SYNC_BUDGET * self.sync_interval / cost)
+        fits = max(1.0, budget / cost)
         spread = 1
         while spread < MAX_SPREAD and pending > fits * spread:
             spread *= 2
@@ -386,10 +392,17 @@ class _FleetSync:
     def _sync(self, full: bool, background: bool = False) -> bool:
         began = time.monotonic()
         synced = self._sync_once(full, background)
-        sent = self._stats["keys_synced_last"]
-        if synced and sent:
-            cost = (time.monotonic() - began) / sent
-            self._cost_per_key = cost if not self._cost_per_key else (self._cost_per_key + cost) / 2
+        if synced:
+            took = time.monotonic() - began
+            durations = self._durations
+            durations.append(took)
+            # what a sync costs whatever it sends (the heartbeat's round trip):
+            # the shortest of the recent ones; the rest is per key sent
+            self._sync_floor = floor = min(durations)
+            sent = self._stats["keys_synced_last"]
+            if sent:
+                cost = max(0.0, took - floor) / sent
+                self._cost_per_key = cost if not self._cost_per_key else (self._cost_per_key + cost) / 2
         return synced
 
     def _sync_once(self, full: bool, background: bool) -> bool:
@@ -497,10 +510,16 @@ class _FleetSync:
                 self._stats["rejoins"] += 1
                 self._need_full = True
                 for track in self._tracks.values():
+                    self._pull(track)
                     track.pushed.clear()
                     track.claimed.clear()
-                for book in self._books.values():
-                    book.rejoin()
+                    # the leases Redis held for us are gone with it (a key this sync
+                    # did not send, or left for its turn): nothing more on them
+                    # until the next sync re-writes our counts and grants again
+                    for w in track.lease:
+                        track.lease[w] = 0
+                    self._load(track)
+                self._wake.set()  # that sync: at once, not an interval on
             now = time.monotonic()
             if self._blind or rejoined:
                 # a restarted server knows only the instances that synced since: keep
