@@ -6,6 +6,8 @@ native plan in C, the reference limiters' Python plan)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -20,6 +22,21 @@ def tier_of(server: Any, instance_id: str) -> Any:
     from nanolimit.storage.two_tier import TwoTierStorage
 
     return TwoTierStorage(None, server.client(), instance_id=instance_id, sync_interval=0.05, start=False)
+
+
+@contextmanager
+def fleet_of_two(backend: Any, server: Any) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """Instances "a" and "b", each with a limiter of 100 a window on one
+    fake clock; both closed after."""
+    a, b = tier_of(server, "a"), tier_of(server, "b")
+    try:
+        clock = backend.FakeClock(6_000.0)
+        on_a = backend.FixedWindowCounter(100, WINDOW, storage=a, clock=clock)
+        on_b = backend.FixedWindowCounter(100, WINDOW, storage=b, clock=clock)
+        yield a, b, on_a, on_b
+    finally:
+        a.close()
+        b.close()
 
 
 def held(server: Any, tier: Any, limiter: Any, key: str) -> tuple[int, int]:
@@ -141,11 +158,7 @@ def test_a_spreading_instance_keeps_the_fleet_within_the_limit(backend: Any, red
     syncs (a measured cost of 10 ms a key), each admitting 3 a key per
     round until the limit is spent: no key passes 100, Redis holds exactly
     what each admitted, and the spreading one did defer."""
-    a, b = tier_of(redis_server, "a"), tier_of(redis_server, "b")
-    try:
-        clock = backend.FakeClock(6_000.0)
-        on_a = backend.FixedWindowCounter(100, WINDOW, storage=a, clock=clock)
-        on_b = backend.FixedWindowCounter(100, WINDOW, storage=b, clock=clock)
+    with fleet_of_two(backend, redis_server) as (a, b, on_a, on_b):
         keys = [f"f{i}" for i in range(24)]
         for tier in (a, b, a, b):
             tier.sync_now()
@@ -167,9 +180,6 @@ def test_a_spreading_instance_keeps_the_fleet_within_the_limit(backend: Any, red
             assert got_a > 0 and got_b > 0
             assert held(redis_server, a, on_a, key)[0] == got_a
             assert held(redis_server, b, on_b, key)[0] == got_b
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("leaving", [False, True])
@@ -207,11 +217,7 @@ def test_a_restart_during_a_spread_sync_keeps_the_fleet_within_the_limit(
     then the other instance's leases leave them out, and no key passes its
     limit (107 of 100 when the waiting keys kept deciding on the old lease
     until their turn)."""
-    a, b = tier_of(redis_server, "a"), tier_of(redis_server, "b")
-    try:
-        clock = backend.FakeClock(6_000.0)
-        on_a = backend.FixedWindowCounter(100, WINDOW, storage=a, clock=clock)
-        on_b = backend.FixedWindowCounter(100, WINDOW, storage=b, clock=clock)
+    with fleet_of_two(backend, redis_server) as (a, b, on_a, on_b):
         keys = [f"r{i}" for i in range(32)]
         for key in keys:
             assert on_b.allow(key).allowed
@@ -238,6 +244,3 @@ def test_a_restart_during_a_spread_sync_keeps_the_fleet_within_the_limit(
             got_b = 1 + sum(on_b.allow(key).allowed for _ in range(100))
             got_a = got[key] + sum(on_a.allow(key).allowed for _ in range(100))
             assert got_a + got_b <= 100, (key, got_a, got_b)
-    finally:
-        a.close()
-        b.close()
