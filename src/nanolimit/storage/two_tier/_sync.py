@@ -721,29 +721,20 @@ class _FleetSync:
             windows: Any = (k - 1, k) if track.sliding else (k,)
         else:
             windows = sorted({k, k - 1} | own.keys() if track.sliding else {k} | own.keys())
-        settled = track.settled
-        if (
-            not full
-            and not self._leaving
-            # a sliding key's past window goes with it only while it has units
-            # to push or reads to settle: past that, it sends what a fixed one does
-            and all(
-                w == k or (own.get(w, 0) == pushed.get(w, 0) and settled.get(w, 0) >= SETTLE_READS)
+        if not full:
+            # a past window, pushed, its total read often enough for late pushes to land, goes no more
+            settled = track.settled
+            windows = [
+                w
                 for w in windows
-            )
-            and self._waits_its_turn(track, k)
-        ):
+                if w == k or own.get(w, 0) != pushed.get(w, 0) or settled.get(w, 0) < SETTLE_READS
+            ]
+        # one window left to send (a sliding key's past one settled too): it may wait its turn
+        if len(windows) == 1 and not self._leaving and self._waits_its_turn(track, k):
             self._dirty[id(track)] = track  # its units go with a later sync
             self._load(track)  # _pull took its sync state out of C: hand it back
             return 1
         for w in windows:
-            if (
-                not full
-                and w != k
-                and own.get(w, 0) == pushed.get(w, 0)
-                and settled.get(w, 0) >= SETTLE_READS
-            ):
-                continue  # a past window, pushed, its total read often enough for late pushes to land
             ms = _expiry_ms(w, window, wall, wall_clock)
             current = w == k
             value = own.get(w, 0)
