@@ -101,7 +101,6 @@ def run(server: Server, n: int, interval: float, seconds: float) -> dict[str, fl
         metrics = tier.metrics()
     finally:
         tier.close()
-    lat.sort()
     wall = [w for w, _ in walls] or [0.0]
     per_key = [w / k for w, k in walls if k] or [0.0]
     out = {
@@ -115,10 +114,7 @@ def run(server: Server, n: int, interval: float, seconds: float) -> dict[str, fl
         "us_per_decided_key": sum(w for w, _ in walls) / max(1, len(lat)) * 1e6,
         "keys_per_sync_median": statistics.median(k for _, k in walls) if walls else 0,
         "spread_median": statistics.median(spreads) if spreads else 1,
-        "allow_p9999_us": lat[min(len(lat) - 1, int(len(lat) * 0.9999))] / 1e3,
-        "allow_max_ms": lat[-1] / 1e6,
-        "calls_over_1ms": sum(1 for v in lat if v > 1_000_000),
-        "calls": len(lat),
+        **_tail(lat),
     }
     for name in ("sync_period_p50", "sync_behind", "sync_interval_effective"):
         if name in metrics:
@@ -137,6 +133,11 @@ def floor(n: int, interval: float, seconds: float) -> dict[str, float]:
     worker = threading.Thread(target=_decide, args=(limiter, keys, interval, time.monotonic() + seconds, lat))
     worker.start()
     worker.join()
+    return _tail(lat)
+
+
+def _tail(lat: list[int]) -> dict[str, float]:
+    """``allow()``'s p99.99, max and calls over 1 ms, from ns latencies."""
     lat.sort()
     return {
         "allow_p9999_us": lat[min(len(lat) - 1, int(len(lat) * 0.9999))] / 1e3,
