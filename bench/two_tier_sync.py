@@ -18,7 +18,7 @@ the two-tier tail against.
 ``--compare`` runs each size with spread syncs off too (every key, every
 sync), ``--rounds`` times, interleaved.
 
-    PYTHONPATH=src python bench/two_tier_sync.py [--keys 1000,10000,50000]
+    PYTHONPATH=src python bench/two_tier_sync.py [--keys 1000,10000,50000] [--algorithm SlidingWindowCounter]
 
 ``--vs-memory N``: instead, ``allow()`` back to back over N keys (rounds of
 every key, the sync thread running) on the two-tier storage and on an
@@ -62,7 +62,9 @@ def _decide(limiter: Any, keys: list[str], interval: float, until: float, out: l
             nxt = time.monotonic()  # behind: decide the next round at once
 
 
-def run(server: Server, n: int, interval: float, seconds: float) -> dict[str, float]:
+def run(
+    server: Server, n: int, interval: float, seconds: float, algorithm: str = "FixedWindowCounter"
+) -> dict[str, float]:
     tier = TwoTierStorage(None, server.client(), sync_interval=interval, instance_id=f"bench-sync-{n}")
     walls: list[tuple[float, int]] = []
     spreads: list[int] = []
@@ -81,7 +83,7 @@ def run(server: Server, n: int, interval: float, seconds: float) -> dict[str, fl
     try:
         # an hour's window: a rollover (every key on the Python plan for a few
         # syncs, docs/two_tier.md) falls in a run about once in 900
-        limiter = nanolimit.FixedWindowCounter(1 << 30, 3600.0, tier)
+        limiter = getattr(nanolimit, algorithm)(1 << 30, 3600.0, tier)
         keys = [f"k:{n}:{i}" for i in range(n)]
         for key in keys:  # every key tracked and leased before the run
             limiter.allow(key)
@@ -186,6 +188,12 @@ def main() -> None:
         "--rounds", type=int, default=1, help="rounds, spread and not (--compare) interleaved in each"
     )
     parser.add_argument("--compare", action="store_true", help="each size also with spread syncs off")
+    parser.add_argument(
+        "--algorithm",
+        default="FixedWindowCounter",
+        choices=("FixedWindowCounter", "SlidingWindowCounter", "TokenBucket"),
+        help="the limiter decided on (the floor row stays a fixed window in memory)",
+    )
     args = parser.parse_args()
     server = Server(require_binary("redis"), "redis")
     server.start()
@@ -205,7 +213,7 @@ def main() -> None:
         sizes = [int(v) for v in args.keys.split(",")]
         for n, spread in ((n, s) for _ in range(args.rounds) for n in sizes for s in variants):
             _sync_module.MAX_SPREAD = MAX_SPREAD if spread else 1  # off: every key, every sync
-            r = run(server, n, args.interval, args.seconds)
+            r = run(server, n, args.interval, args.seconds, args.algorithm)
             label = "" if not args.compare else (" spread" if spread else " every key")
             print(
                 f"| {n:,}{label} | {r['syncs_per_s']:.1f} ({r['asked_per_s']:.0f}) "
