@@ -254,8 +254,9 @@ def test_no_sync_that_must_rewrite_every_count_is_spread(
         tier.close()
 
 
+@pytest.mark.parametrize("algorithm", ["FixedWindowCounter", "SlidingWindowCounter", "TokenBucket"])
 def test_a_restart_during_a_spread_sync_keeps_the_fleet_within_the_limit(
-    backend: Any, redis_server: Any
+    backend: Any, redis_server: Any, algorithm: str
 ) -> None:
     """The server loses everything (a restart, a flush) just before a spread
     sync: the keys it left for their turn had their counts and leases
@@ -264,7 +265,7 @@ def test_a_restart_during_a_spread_sync_keeps_the_fleet_within_the_limit(
     then the other instance's leases leave them out, and no key passes its
     limit (107 of 100 when the waiting keys kept deciding on the old lease
     until their turn)."""
-    with fleet_of_two(backend, redis_server) as (a, b, on_a, on_b):
+    with fleet_of_two(backend, redis_server, algorithm) as (a, b, on_a, on_b):
         keys = [f"r{i}" for i in range(32)]
         for key in keys:
             assert on_b.allow(key).allowed
