@@ -256,7 +256,11 @@ def test_compound_under_eight_threads(backend: types.SimpleNamespace, make_stora
         assert not t.is_alive()
     assert sum(counts) == 80
     assert b.state("shared").count == 80
-    assert sum(len(a.state(f"pair{p}").log or ()) for p in range(4)) == 80
+    # each pair's log holds exactly what its two threads were admitted; a pair
+    # whose threads came last may have none, and then no state at all
+    for p in range(4):
+        state = a.state(f"pair{p}")
+        assert (len(state.log or ()) if state is not None else 0) == counts[2 * p] + counts[2 * p + 1]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
