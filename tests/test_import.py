@@ -137,6 +137,29 @@ def test_env_switch_after_reimport(monkeypatch):
     assert original == nanolimit.IMPLEMENTATION
 
 
+def test_import_leaves_the_frameworks_and_optional_layers_unloaded() -> None:
+    # ``import nanolimit`` is paid by every worker and every tool that
+    # counts instructions from a fresh interpreter: no web framework, no
+    # Redis client and no two-tier store comes with it.
+    out = run_python(
+        "import sys, nanolimit; print(sorted({m.split('.')[0] for m in sys.modules}"
+        " & {'starlette', 'fastapi', 'flask', 'django', 'aiohttp', 'redis'}) or 'none',"
+        " 'nanolimit.storage.two_tier' in sys.modules)"
+    )
+    assert out == ["none", "False"]
+
+
+def test_a_fastapi_dependency_still_names_starlettes_request() -> None:
+    # FastAPI injects the request by its annotation, read when the route is
+    # added: the annotation is set when the first dependency is made.
+    out = run_python(
+        "from nanolimit import RouteLimits; from starlette.requests import Request;"
+        " dep = RouteLimits().depends('5/minute');"
+        " print(type(dep).__call__.__annotations__['request'] is Request)"
+    )
+    assert out == ["True"]
+
+
 def test_shared_names_are_the_same_objects():
     import nanolimit
     import nanolimit.reference as reference

@@ -558,7 +558,11 @@ class LimitDependency:
     app. Called by FastAPI, it checks the middleware really did, so a
     forgotten middleware fails loudly instead of limiting nothing."""
 
+    annotated: ClassVar[bool] = False  # its request parameter names Starlette's Request (_annotate)
+
     def __init__(self, limit: Limit) -> None:
+        if not LimitDependency.annotated:
+            _annotate()
         self.limit = limit
         setattr(self, MARK, [limit])
 
@@ -575,12 +579,12 @@ class LimitDependency:
 
 def _annotate() -> None:
     # FastAPI injects by annotation: the request parameter must name
-    # Starlette's Request class itself, which is only imported if installed.
+    # Starlette's Request class itself. Imported when the first dependency
+    # is made (FastAPI reads it only after), not with nanolimit: it was a
+    # third of ``import nanolimit``'s time.
     try:
         from starlette.requests import Request as StarletteRequest
     except ImportError:  # pragma: no cover - Starlette is what this module serves
         return
     LimitDependency.__call__.__annotations__["request"] = StarletteRequest
-
-
-_annotate()
+    LimitDependency.annotated = True
