@@ -7,19 +7,24 @@ same interpreter is the same on every run, whatever else the machine does, so
 a 10 % growth is a real change in the code that runs per decision.
 
 How: for each algorithm and each hot path (``allow`` on a hot key, ``peek`` on
-a hot key, ``allow_many`` over 1,000 stored keys) a tiny driver runs under
-``valgrind --tool=callgrind`` twice, with N1 and N2 decisions. Interpreter
+a hot key, ``allow_many`` over 1,000 stored keys) a tiny driver runs twice
+under ``valgrind --tool=callgrind``, with N1 and N2 decisions. Interpreter
 start-up, imports and set-up are the same in both runs, so
 
     instructions per decision = (count(N2) - count(N1)) / (N2 - N1)
 
 counts only the per-decision work: our native code, the clock read, the
 Decision allocation, and the Python loop that calls it (the ``loop`` row shows
-that floor on its own). What keeps it repeatable: ``PYTHONHASHSEED=0``, the
-gc disabled in the driver, the table's hash seed pinned (the driver replaces
-``os.urandom`` before ``nanolimit._core`` draws its seed), and limits and a
-window (10^9 s) chosen so every decision takes the same branch whatever the
-wall clock reads: nothing refills to the brim, drains to empty, expires or
+that floor on its own). One interpreter under valgrind imports nanolimit
+once and forks a child per run (a child's count includes what its parent
+ran before the fork, the same for both runs of a pair but for the parent's
+one fork between them, which a calibration pair measures and takes off):
+start-up under callgrind cost ~20 times a run's decisions, paid 38 times.
+What keeps it repeatable: ``PYTHONHASHSEED=0``, the gc disabled in the
+driver, the table's hash seed pinned (the driver replaces ``os.urandom``
+before ``nanolimit._core`` draws its seed), and limits and a window (10^9
+s) chosen so every decision takes the same branch whatever the wall clock
+reads: nothing refills to the brim, drains to empty, expires or
 crosses a window.
 
 Usage (from the repository root, with nanolimit importable: installed, or
@@ -42,7 +47,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from nanolimit._limiter_config import LIMITER_CLASS_NAMES
@@ -54,10 +58,9 @@ PATHS = ("allow", "peek", "allow_many")
 N1, N2 = 10_000, 110_000
 TOLERANCE = 0.10
 
-# The driver: as little as possible besides the decisions themselves. Its
-# argv: algorithm (or "loop"), path, decisions.
+# The driver: as little as possible besides the decisions themselves.
 DRIVER = r"""
-import gc, os, sys
+import gc, json, os, sys
 os.urandom = lambda n: bytes(range(1, n + 1))  # pin the table's hash seed: probes repeat
 from itertools import repeat
 import nanolimit
@@ -87,49 +90,84 @@ def main(alg, path, n):
 
 
 gc.disable()
-main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+# argv: the runs as JSON pairs of [name, path, n] (each pair forked back to
+# back from the same state), and how many children run at once. Prints
+# {pid: index} when every child has exited.
+pairs, jobs = json.loads(sys.argv[1]), int(sys.argv[2])
+children, failed, order = {}, [], {}
+for first in range(0, len(pairs), max(1, jobs // 2)):
+    for pair in pairs[first:first + max(1, jobs // 2)]:
+        for index, (name, path, n) in pair:
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    main(name, path, n)
+                except BaseException:
+                    import traceback
+                    traceback.print_exc()
+                    code = 1
+                os._exit(code)
+            children[pid] = index
+    while children:
+        pid, status = os.wait()
+        order[pid] = children.pop(pid)
+        if status != 0:
+            failed.append(order[pid])
+print(json.dumps({"children": order, "failed": failed}))
 """
 
 
-def count(cls_name: str, path: str, n: int, scratch: str) -> int:
-    """Instructions executed by one driver run (callgrind's ``summary``)."""
-    out = os.path.join(scratch, f"cg.{cls_name}.{path}.{n}")
+def count_runs(runs: list[tuple[str, str, int]], jobs: int, scratch: str) -> list[int]:
+    """Instructions executed by each run's child (callgrind's ``summary``),
+    from one parent under valgrind that forks the runs two by two."""
+    pairs = [[[i, list(runs[i])], [i + 1, list(runs[i + 1])]] for i in range(0, len(runs), 2)]
     env = dict(os.environ, PYTHONHASHSEED="0")
     command = [
         "valgrind",
         "--tool=callgrind",
-        f"--callgrind-out-file={out}",
+        f"--callgrind-out-file={os.path.join(scratch, 'cg.%p')}",
         sys.executable,
         "-c",
         DRIVER,
-        cls_name,
-        path,
-        str(n),
+        json.dumps(pairs),
+        str(max(2, jobs)),
     ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"driver {cls_name} {path} {n} failed:\n{proc.stdout}{proc.stderr[-3000:]}")
-    with open(out) as f:
-        for line in f:
-            if line.startswith("summary:") or line.startswith("totals:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no instruction total in {out}")
+    try:
+        report = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        report = None
+    if proc.returncode != 0 or report is None or report["failed"]:
+        failed = [runs[i] for i in (report or {}).get("failed", [])]
+        raise RuntimeError(f"driver failed {failed or ''}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    counts = [0] * len(runs)
+    for pid, index in report["children"].items():
+        with open(os.path.join(scratch, f"cg.{pid}")) as f:
+            for line in f:
+                if line.startswith("summary:") or line.startswith("totals:"):
+                    counts[index] = int(line.split()[1])
+                    break
+            else:
+                raise RuntimeError(f"no instruction total for {runs[index]}")
+    return counts
 
 
 def measure(algorithms: list[str], jobs: int) -> dict[str, dict[str, float]]:
     """Instructions per decision for every algorithm and path, plus the bare loop."""
-    runs: list[tuple[str, str, str]] = [("loop", "loop", "allow")]
-    runs += [(alg, ALGORITHMS[alg], path) for alg in algorithms for path in PATHS]
-    with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {
-            (name, path, n): pool.submit(count, cls_name, path, n, scratch)
-            for name, cls_name, path in runs
-            for n in (N1, N2)
-        }
-        results: dict[str, dict[str, float]] = {}
-        for name, _cls, path in runs:
-            low, high = futures[(name, path, N1)].result(), futures[(name, path, N2)].result()
-            results.setdefault(name, {})[path] = round((high - low) / (N2 - N1), 1)
+    rows: list[tuple[str, str, str]] = [("loop", "loop", "allow")]
+    rows += [(alg, ALGORITHMS[alg], path) for alg in algorithms for path in PATHS]
+    # the calibration pair first: two runs of N1, whose difference is what the
+    # parent runs between a pair's two forks (its count lands in the second)
+    runs: list[tuple[str, str, int]] = [("loop", "allow", N1), ("loop", "allow", N1)]
+    runs += [(cls_name, path, n) for _name, cls_name, path in rows for n in (N1, N2)]
+    with tempfile.TemporaryDirectory() as scratch:
+        counts = count_runs(runs, jobs, scratch)
+    between = counts[1] - counts[0]
+    results: dict[str, dict[str, float]] = {}
+    for i, (name, _cls, path) in enumerate(rows):
+        low, high = counts[2 + 2 * i], counts[3 + 2 * i]
+        results.setdefault(name, {})[path] = round((high - low - between) / (N2 - N1), 1)
     return results
 
 
