@@ -152,7 +152,20 @@ def by_tenant(request: HttpRequest) -> HttpResponse:
     return HttpResponse("ok")
 
 
-urlpatterns = [path("tenant", by_tenant)]
+calls: list[str] = []
+
+
+def header_or_nothing(request: HttpRequest) -> Any:
+    calls.append(request.path)
+    return request.headers.get("X-Id")  # None without the header: the app's mistake
+
+
+@nd.limit("2/hour", key=header_or_nothing)
+def by_header(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("ok")
+
+
+urlpatterns = [path("tenant", by_tenant), path("by-header", by_header)]
 
 
 def test_a_django_key_function_is_handed_the_http_request() -> None:
@@ -169,3 +182,16 @@ def test_flask_limiter_spellings_on_django_limit_name_ours() -> None:
         nd.limit("5/minute", deduct_when=lambda response: True)
     with pytest.raises(TypeError, match=r"key_func=.*use key="):
         nd.shared("5/minute", name="s", key_func=tenant)
+
+
+def test_a_long_key_is_limited_and_a_bad_one_is_one_error_per_request() -> None:
+    calls.clear()
+    long = "t" * 300  # a client's header: its length is the client's to choose
+    with override_settings(ROOT_URLCONF=__name__, DEBUG_PROPAGATE_EXCEPTIONS=False):
+        client = Client(raise_request_exception=False)
+        got = [client.get("/by-header", HTTP_X_ID=long, REMOTE_ADDR=IP).status_code for _ in range(3)]
+        assert got == [200, 200, 429]
+        assert client.get("/by-header", HTTP_X_ID=long[:-1] + "u", REMOTE_ADDR=IP).status_code == 200
+        calls.clear()
+        assert client.get("/by-header", REMOTE_ADDR=IP).status_code == 500
+    assert calls == ["/by-header"]  # decided once: the key function ran once, its error logged once

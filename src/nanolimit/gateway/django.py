@@ -690,15 +690,22 @@ class RateLimitMiddleware:
             live = _state()
         # _decide in line: Django has resolved the request by now
         match = request.resolver_match
-        outcome = live.core.decide(
-            request,
-            request.method or "GET",
-            request.path,
-            request.META.get("REMOTE_ADDR") or None,
-            match.route or "/",
-            _request,
-            live.form,
-        )
+        try:
+            outcome = live.core.decide(
+                request,
+                request.method or "GET",
+                request.path,
+                request.META.get("REMOTE_ADDR") or None,
+                match.route or "/",
+                _request,
+                live.form,
+            )
+        except BaseException:
+            # what a key function raised becomes Django's answer: __call__
+            # must not decide again (the function would run twice, and the
+            # error be logged twice)
+            request._nanolimit_outcome = None
+            raise
         request._nanolimit_outcome = outcome  # _ATTR
         if outcome is None:
             return None

@@ -5,11 +5,15 @@ declaration, naming whose budget a request spends when no scope says it
 Why a module of its own: what a key function is handed and what it may
 return are decided once here, for every front end. It is handed the
 framework's own request, the object its users already write key functions
-for (:func:`key_argument`), and what it returns is checked as any key is
-(:func:`call_key`): a non-empty str of at most ``MAX_KEY_BYTES`` UTF-8
-bytes. Anything else is an error naming the rule, raised into the
-request: a key function is the app's code, and a wrong one must be seen,
-never quietly keyed as someone else.
+for (:func:`key_argument`), and what it returns is checked
+(:func:`call_key`): a non-empty str. Anything else is an error naming the
+rule, raised into the request: a key function is the app's code, and a
+wrong one must be seen, never quietly keyed as someone else. A str over
+``MAX_KEY_BYTES`` UTF-8 bytes, or one UTF-8 cannot hold (a lone
+surrogate), is keyed by its digest (``DIGESTED`` and blake2b-128 hex), as
+a scope's value is: its length is
+the client's to choose (a header, a token), and a client must not turn its
+requests into the server's errors by sending a long one.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any
 
 from .._validation import check_key
 from ..errors import ValidationError
-from .keys import MAX_VALUE_BYTES
+from .keys import MAX_VALUE_BYTES, digest_key
 from .request import Request
 
 __all__ = ["MAX_KEY_BYTES", "call_key", "key_argument"]
@@ -82,14 +86,29 @@ def call_key(fn: Callable[[Any], Any], request: Request, rule: str) -> str:
     return _checked(fn, value, rule)
 
 
+# What a digested key starts with: no ASCII key does, and a non-ASCII one
+# that does is marked once more, so no key a function returns is taken for
+# another's digest.
+DIGESTED = "\u2020"
+
+
 def _checked(fn: Callable[[Any], Any], value: Any, rule: str) -> str:
+    if isinstance(value, str) and value:
+        value = str.__str__(value)
+        marked = value.startswith(DIGESTED)
+        try:
+            fits = len(value.encode("utf-8")) + (3 if marked else 0) <= MAX_KEY_BYTES
+        except UnicodeEncodeError:  # a lone surrogate: no UTF-8 key can hold it
+            fits = False
+        if not fits:
+            return DIGESTED + digest_key(value)
+        return DIGESTED + value if marked else value
     try:
         check_key(value, MAX_KEY_BYTES)
     except ValidationError as exc:
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        shown = repr(value) if not isinstance(value, str) or len(value) <= 80 else repr(value[:80]) + "..."
         raise ValidationError(
-            f"rule {rule!r}: its key function {name} returned {shown}: {exc}; a key function "
-            f"returns a non-empty str of at most {MAX_KEY_BYTES} UTF-8 bytes (hash a longer identity)"
+            f"rule {rule!r}: its key function {name} returned {value!r}: {exc}; a key function "
+            "returns a non-empty str"
         ) from None
-    return str(value)
+    raise AssertionError("unreachable: check_key refuses all but a non-empty str")  # pragma: no cover

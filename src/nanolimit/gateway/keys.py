@@ -118,7 +118,9 @@ class RewrittenClientWarning(UserWarning):
     path picks its own rate-limit identity. See ``docs/proxies.md``."""
 
 
-def _digest(value: str) -> str:
+def digest_key(value: str) -> str:
+    """A fixed-length stand-in for a value too long (or not UTF-8) to key
+    by: blake2b-128, hex (32 characters)."""
     raw = value.encode("utf-8", "surrogatepass")
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
@@ -172,7 +174,7 @@ class ClientKey(NamedTuple):
                 size = MAX_VALUE_BYTES + 1
             if size <= MAX_VALUE_BYTES:
                 return f"{self.scope.value}:{value}"
-        return f"{self.scope.value}#{_digest(value)}"
+        return f"{self.scope.value}#{digest_key(value)}"
 
 
 def request_user(request: Request) -> str | None:
@@ -471,10 +473,10 @@ class DefaultKeyExtractor:
 
     def _secret_value(self, secret: str) -> str:
         if len(secret) > _SECRET_CACHE_LENGTH:
-            return _digest(secret)  # a client's 8 KB "key" must not sit in the cache
+            return digest_key(secret)  # a client's 8 KB "key" must not sit in the cache
         value = self._secret_cache.get(secret)
         if value is None:
-            value = _digest(secret)
+            value = digest_key(secret)
             self._secret_budget.put(secret, value, _size(secret, value))
         return value
 
