@@ -685,6 +685,54 @@ def test_a_denial_is_answered_as_the_app_answers_http_errors(backend: types.Simp
         client.get("/a")
 
 
+def test_a_denial_no_handler_takes_is_never_raised_through_flask(backend: types.SimpleNamespace) -> None:
+    """Under a flood most requests are denials: with no 429 handler of the
+    app's own, the 429 is answered without Flask's exception machinery
+    (which cost more than serving the view); with one, that handler is
+    called with the ``RateLimitExceeded``, still without raising it."""
+    import sys
+
+    hooks = {Flask.handle_user_exception.__code__, Flask.handle_http_exception.__code__}
+
+    def entered_during(client: Any) -> list[str]:
+        called: list[str] = []
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code in hooks:
+                called.append(frame.f_code.co_name)
+
+        sys.setprofile(profile)
+        try:
+            status = client.get("/").status_code
+        finally:
+            sys.setprofile(None)
+        assert status == 429
+        return called
+
+    for with_handler in (False, True):
+        limiter = _limiter(backend)
+        app = Flask(f"no-raise-{with_handler}")
+
+        @app.get("/")
+        @limiter.limit("1/minute")
+        def home() -> str:
+            return "home"
+
+        handled: list[str] = []
+        if with_handler:
+
+            def own(exc: Any) -> Any:
+                handled.append(type(exc).__name__)
+                return "own 429", 429
+
+            app.register_error_handler(429, own)
+        limiter.init_app(app)
+        client = app.test_client()
+        assert client.get("/").status_code == 200
+        assert entered_during(client) == []  # the app's handler, if any, called directly
+        assert handled == (["RateLimitExceeded"] if with_handler else [])
+
+
 def test_custom_deny_builds_the_response(backend: types.SimpleNamespace) -> None:
     calls: list[Any] = []
 
