@@ -57,6 +57,13 @@ ALGORITHMS = LIMITER_CLASS_NAMES
 PATHS = ("allow", "peek", "allow_many")
 N1, N2 = 10_000, 110_000
 TOLERANCE = 0.10
+# One request through nanolimit's ASGI and WSGI middlewares on a plain rule
+# (bench/asgi_inprocess.py's apps, called without a server): allowed, denied
+# (429) and counted by response (charged, then given back at its 200). They
+# guard the request lane: entered once, headers formatted at binding, a
+# refund in one call. A request costs ~20 times a decision: fewer of them.
+GATEWAY_PATHS = ("asgi_allowed", "asgi_429", "asgi_counted", "wsgi_allowed", "wsgi_429")
+GATEWAY_N1, GATEWAY_N2 = 1_000, 6_000
 
 # The driver: as little as possible besides the decisions themselves.
 DRIVER = r"""
@@ -66,6 +73,7 @@ from itertools import repeat
 import nanolimit
 if nanolimit.IMPLEMENTATION != "native":
     sys.exit("the native twin is not built: nothing to count")
+BENCH, GATEWAY_ROWS = sys.argv[3], json.loads(sys.argv[4])
 
 
 def drive(f, arg, n):  # locals only: the loop costs the same in every run
@@ -73,10 +81,25 @@ def drive(f, arg, n):  # locals only: the loop costs the same in every run
         f(arg)
 
 
+GATEWAY = {}  # path -> (call, app): one request through a front end (asgi_inprocess's apps)
+if GATEWAY_ROWS:
+    sys.path.insert(0, BENCH)
+    import asgi_inprocess as front
+    asgi, wsgi = front.asgi_variants(), front.wsgi_variants()
+    for row in GATEWAY_ROWS:
+        kind, _, variant = row.partition("_")
+        variant = {"allowed": "nanolimit", "429": "nanolimit_denied", "counted": "nanolimit_counted"}[variant]
+        call = front.call_asgi if kind == "asgi" else front.call_wsgi
+        GATEWAY[row] = (call, (asgi if kind == "asgi" else wsgi)[variant])
+
+
 def main(alg, path, n):
     key = "user:42"
     if alg == "loop":
         return drive(len, key, n)
+    if alg == "gateway":
+        call, app = GATEWAY[path]
+        return drive(call, app, n)
     # 16M units per 10^9 s: never refills to capacity, never drains, never expires
     limiter = getattr(nanolimit, alg)(1 << 24, 1e9, clock=nanolimit.SystemClock())
     if path == "allow":
@@ -132,6 +155,8 @@ def count_runs(runs: list[tuple[str, str, int]], jobs: int, scratch: str) -> lis
         DRIVER,
         json.dumps(pairs),
         str(max(2, jobs)),
+        str(HERE),
+        json.dumps(sorted({path for name, path, _n in runs if name == "gateway"})),
     ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     try:
@@ -153,21 +178,24 @@ def count_runs(runs: list[tuple[str, str, int]], jobs: int, scratch: str) -> lis
     return counts
 
 
-def measure(algorithms: list[str], jobs: int) -> dict[str, dict[str, float]]:
-    """Instructions per decision for every algorithm and path, plus the bare loop."""
-    rows: list[tuple[str, str, str]] = [("loop", "loop", "allow")]
-    rows += [(alg, ALGORITHMS[alg], path) for alg in algorithms for path in PATHS]
+def measure(algorithms: list[str], jobs: int, gateway: bool = True) -> dict[str, dict[str, float]]:
+    """Instructions per decision for every algorithm and path, plus the bare
+    loop, and per request through the front ends' middlewares."""
+    rows: list[tuple[str, str, str, int, int]] = [("loop", "loop", "allow", N1, N2)]
+    rows += [(alg, ALGORITHMS[alg], path, N1, N2) for alg in algorithms for path in PATHS]
+    if gateway:
+        rows += [("gateway", "gateway", path, GATEWAY_N1, GATEWAY_N2) for path in GATEWAY_PATHS]
     # the calibration pair first: two runs of N1, whose difference is what the
     # parent runs between a pair's two forks (its count lands in the second)
     runs: list[tuple[str, str, int]] = [("loop", "allow", N1), ("loop", "allow", N1)]
-    runs += [(cls_name, path, n) for _name, cls_name, path in rows for n in (N1, N2)]
+    runs += [(driven, path, n) for _name, driven, path, n1, n2 in rows for n in (n1, n2)]
     with tempfile.TemporaryDirectory() as scratch:
         counts = count_runs(runs, jobs, scratch)
     between = counts[1] - counts[0]
     results: dict[str, dict[str, float]] = {}
-    for i, (name, _cls, path) in enumerate(rows):
+    for i, (name, _driven, path, n1, n2) in enumerate(rows):
         low, high = counts[2 + 2 * i], counts[3 + 2 * i]
-        results.setdefault(name, {})[path] = round((high - low - between) / (N2 - N1), 1)
+        results.setdefault(name, {})[path] = round((high - low - between) / (n2 - n1), 1)
     return results
 
 
@@ -222,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         help="compare with this record instead (CI: counts of the base commit, same runner)",
     )
     parser.add_argument("--measure-only", action="store_true", help="print and --json the counts; no verdict")
+    parser.add_argument("--no-gateway", action="store_true", help="the core's rows only, no middleware rows")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
         print("instructions: valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
@@ -231,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown algorithm(s): {', '.join(unknown)}")
     before = extension_digest()
-    current = measure(algorithms, max(1, args.jobs))
+    current = measure(algorithms, max(1, args.jobs), gateway=not args.no_gateway)
     env = environment()
     env["extension_sha256"] = extension_digest()
     if env["extension_sha256"] != before:
