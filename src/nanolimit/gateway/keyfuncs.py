@@ -94,15 +94,15 @@ DIGESTED = "\u2020"
 
 def _checked(fn: Callable[[Any], Any], value: Any, rule: str) -> str:
     if isinstance(value, str) and value:
-        value = str.__str__(value)
-        marked = value.startswith(DIGESTED)
+        text: str = str.__str__(value)
+        marked = text.startswith(DIGESTED)
         try:
-            fits = len(value.encode("utf-8")) + (3 if marked else 0) <= MAX_KEY_BYTES
+            fits = len(text.encode("utf-8")) + (3 if marked else 0) <= MAX_KEY_BYTES
         except UnicodeEncodeError:  # a lone surrogate: no UTF-8 key can hold it
             fits = False
         if not fits:
-            return DIGESTED + digest_key(value)
-        return DIGESTED + value if marked else value
+            return DIGESTED + digest_key(text)
+        return DIGESTED + text if marked else text
     try:
         check_key(value, MAX_KEY_BYTES)
     except ValidationError as exc:
