@@ -27,11 +27,12 @@ ctypedef struct LeaseRecord:
     # s_index's sync state (LEASE_NONE: absent from the dict); pull hands them over.
     uint8_t fast
     uint8_t solo                    # ... and it has no other window a full sync would send
-    uint8_t _pad[2]
+    uint8_t reads                   # a sliding fast record: window s_index - 1 re-read by C since load
+    uint8_t _pad[1]
     # -- line 2
     int64_t next_ceiling            # a later window's ceiling before any sync of it: ceil(L / N)
-    int64_t prev_index              # a window C rolled away from, its units not yet pulled
-    int64_t prev_own
+    int64_t prev_index              # a window C rolled away from, its units not yet pulled (or, a
+    int64_t prev_own                # sliding fast record's, window s_index - 1 and its pushed units)
     int64_t want                    # the largest cost refused for want of lease, not budget
     uint32_t gen                    # bumped by attach and detach: a sync's answer finds its key
     uint32_t key_len                # the key's UTF-8 bytes (key_data: in the key's str, which
@@ -74,6 +75,10 @@ ctypedef struct SyncItem:
     int64_t want
     int64_t held                    # the ceiling in use
     int64_t claim                   # the next window's default share to claim; 0: none
+    double prev                     # a sliding current window: the previous window's weighted units
+    double weight                   # ... and that weight
+    int64_t before                  # ... where that window is in the same call (1-based; 0: not there)
+    bint current                    # the key's current window (a lease is granted), else its previous
 
 # A growable byte buffer, filled without the GIL (len < 0: out of memory).
 ctypedef struct SyncBuf:
@@ -242,6 +247,7 @@ cdef class LeaseBook:
     cdef Py_ssize_t py_len
     cdef SyncItem* items
     cdef Py_ssize_t items_len
+    cdef Py_ssize_t keys_len        # keys among the items (a sliding key's full sync: two items)
     cdef Py_ssize_t chunk_start     # the first item of the chunk being filled
     cdef Py_ssize_t* chunk_ends     # per command: its items end here ...
     cdef Py_ssize_t* cmd_ends       # ... and its bytes in out
@@ -525,8 +531,10 @@ cdef class LeaseBook:
         want of lease, sync state)``: what C decided since the last pull. The
         decision count and the wanted cost restart from zero. ``sync state``
         is None, or for a fast record ``(window, pushed, acked, seen total,
-        seen own, lease, claimed in the next window, wanted cost, touched)``
-        (LEASE_NONE: absent), which the caller's dicts take over when
+        seen own, lease, claimed in the next window, wanted cost, touched,
+        re-reads of the window before, its units pushed, its fleet total)``
+        (LEASE_NONE: absent; the last three: a sliding record's full syncs,
+        which send that window too), which the caller's dicts take over when
         ``writing`` (the record is no longer fast until ``load`` says so)."""
         self.check_closed()
         cdef LeaseRecord* r = self.record(slot)
@@ -540,9 +548,11 @@ cdef class LeaseBook:
                     r.s_want = want
                 want = 0
             sync = (r.s_index, r.s_pushed, r.s_acked, r.s_seen_total, r.s_seen_own, r.s_lease,
-                    r.s_claimed, r.s_want, r.touched)
+                    r.s_claimed, r.s_want, r.touched, r.reads, r.prev_own if r.reads else 0,
+                    r.previous if r.reads else LEASE_NONE)
             if writing:
                 r.fast = False
+                r.reads = 0
         r.want = 0
         r.decisions = 0
         r.prev_pending = False
@@ -552,9 +562,12 @@ cdef class LeaseBook:
     def load(self, Py_ssize_t slot, int64_t window_index, int64_t own, int64_t ceiling,
              int64_t others, int64_t previous, double last_now, int64_t next_ceiling, sync=None):
         """``sync``: None, or ``(pushed, acked, seen total, seen own, lease,
-        claimed in the next window, wanted cost, touched, solo)`` of window
-        ``window_index`` (LEASE_NONE: absent): the record is then fast, the
-        sync plans and applies it in C and holds that state until ``pull``."""
+        claimed in the next window, wanted cost, touched, solo, units pushed
+        in the window before)`` of window ``window_index`` (LEASE_NONE:
+        absent): the record is then fast, the sync plans and applies it in C
+        and holds that state until ``pull``. A sliding record's full syncs
+        send the window before too (its units, and its total re-read into
+        ``previous``)."""
         self.check_closed()
         cdef LeaseRecord* r = self.record(slot)
         if r.prev_pending:
@@ -570,7 +583,9 @@ cdef class LeaseBook:
             r.fast = False
             return
         (r.s_pushed, r.s_acked, r.s_seen_total, r.s_seen_own, r.s_lease, r.s_claimed, r.s_want,
-         r.touched, r.solo) = sync
+         r.touched, r.solo, r.prev_own) = sync
+        r.prev_index = window_index - 1
+        r.reads = 0
         r.s_index = window_index
         r.fast = True
 
@@ -605,6 +620,7 @@ cdef class LeaseBook:
         memset(&self.out, 0, sizeof(SyncBuf))
         memset(&self.words, 0, sizeof(SyncBuf))
         self.cand_len = self.cand_pos = self.py_len = self.items_len = self.chunk_start = self.n_chunks = 0
+        self.keys_len = 0
 
     def plan_begin(self, bint full, int64_t share, double wall, double mono, double idle_after,
                    bytes head not None, bytes mid not None, bytes tail not None, Py_ssize_t tail_count,
@@ -621,9 +637,13 @@ cdef class LeaseBook:
         self.check_closed()
         self.plan_free()
         self.cand = <Py_ssize_t*>malloc(<size_t>(self.used + 1) * sizeof(Py_ssize_t))
-        self.items = <SyncItem*>malloc(<size_t>(self.used + 1) * sizeof(SyncItem))
-        self.chunk_ends = <Py_ssize_t*>malloc(<size_t>(self.used // RECONCILE_KEYS + 2) * sizeof(Py_ssize_t))
-        self.cmd_ends = <Py_ssize_t*>malloc(<size_t>(self.used // RECONCILE_KEYS + 2) * sizeof(Py_ssize_t))
+        # two items a slot at most (a sliding key's full sync), a call closed
+        # a key early at most to keep a key's two windows together
+        self.items = <SyncItem*>malloc(<size_t>(2 * self.used + 1) * sizeof(SyncItem))
+        self.chunk_ends = <Py_ssize_t*>malloc(
+            <size_t>(2 * self.used // (RECONCILE_KEYS - 1) + 2) * sizeof(Py_ssize_t))
+        self.cmd_ends = <Py_ssize_t*>malloc(
+            <size_t>(2 * self.used // (RECONCILE_KEYS - 1) + 2) * sizeof(Py_ssize_t))
         if self.cand == NULL or self.items == NULL or self.chunk_ends == NULL or self.cmd_ends == NULL:
             self.plan_free()
             raise MemoryError()
@@ -683,17 +703,33 @@ cdef class LeaseBook:
             return False
         return <int64_t>((r.key_hash >> 56) & <uint64_t>(self.plan_spread - 1)) != self.plan_turn
 
+    cdef inline int64_t expiry_ms(self, LeaseRecord* r, int64_t k) noexcept nogil:
+        """Window ``k``'s hash expiry, as _FleetSync._plan says (_expiry_ms):
+        alive until the window can no longer matter; negative, refreshed on
+        every sync, for a window of an injected clock."""
+        cdef double x
+        cdef int64_t ms
+        if fabs(r.last_now - self.plan_wall) < 86400.0:
+            x = <double>(k + 2) * self.window - self.plan_wall
+            return <int64_t>ceil((x if x > 0.0 else 0.0) * 1000) + 1000
+        ms = <int64_t>ceil(2 * self.window * 1000) + 1000
+        return -(ms if ms > 3600000 else 3600000)
+
     def plan_step(self, Py_ssize_t budget):
         """Plan up to ``budget`` more slots; the owners of those left to the
-        Python plan (not fast, rolled over, or possibly idle in a full sync)."""
+        Python plan (not fast, rolled over, or possibly idle in a full sync).
+        A sliding key sends its current window with the previous window's
+        weighted units, and in a full sync that previous window too, first
+        and in the same call (as the Python plan does)."""
         cdef LeaseGate gate = self.gate
-        cdef Py_ssize_t slot, first = self.py_len, n = 0
+        cdef Py_ssize_t slot, first = self.py_len, n = 0, before
         cdef LeaseRecord* r
         cdef SyncItem* it
         cdef int64_t k
-        cdef double x
+        cdef double weight
         cdef bint failed = False
         cdef bint full = self.plan_full
+        cdef bint pair = full and self.sliding
         with nogil:
             nl_lock_spin(&gate.lock)
             while self.cand_pos < self.cand_len and n < budget:
@@ -716,7 +752,7 @@ cdef class LeaseBook:
                     self.cand[self.py_len] = slot
                     self.py_len += 1
                     continue
-                if self.waits_its_turn(r):
+                if not pair and self.waits_its_turn(r):
                     self.deferred += 1
                     r.committed = True     # its units go with a later sync
                     if not r.listed:
@@ -725,31 +761,49 @@ cdef class LeaseBook:
                         self.dirty_len += 1
                     continue
                 k = r.window_index
+                before = 0
+                if pair:
+                    if self.items_len - self.chunk_start > RECONCILE_KEYS - 2:
+                        failed = failed or not self.close_chunk()   # the two windows in one call
+                    it = &self.items[self.items_len]
+                    self.items_len += 1
+                    before = self.items_len - self.chunk_start
+                    it.slot = slot
+                    it.gen = r.gen
+                    it.window_index = k - 1
+                    it.value = r.prev_own if r.prev_index == k - 1 else 0
+                    it.ms = self.expiry_ms(r, k - 1)
+                    it.want = it.held = it.claim = it.before = 0
+                    it.prev = it.weight = 0.0
+                    it.current = False
                 it = &self.items[self.items_len]
                 self.items_len += 1
+                self.keys_len += 1
                 it.slot = slot
                 it.gen = r.gen
                 it.window_index = k
                 it.value = r.own
+                it.current = True
+                it.prev = it.weight = 0.0
+                it.before = 0
+                if self.sliding:   # _FleetSync._previous_weighted, operation for operation
+                    weight = 1.0 - (r.last_now - <double>k * self.window) / self.window
+                    weight = 1.0 if weight > 1.0 else (0.0 if weight < 0.0 else weight)
+                    it.weight = weight
+                    it.prev = <double>r.previous * weight
+                    if weight > 0.0:
+                        it.before = before
                 # the wanted cost as _pull folds it; the answer clears it (_FleetSync._sync)
                 it.want = r.s_want if r.s_want > r.want else r.want
                 r.s_want = it.want
                 r.want = 0
-                # alive until the window can no longer matter (as _FleetSync._plan says)
-                if fabs(r.last_now - self.plan_wall) < 86400.0:
-                    x = <double>(k + 2) * self.window - self.plan_wall
-                    it.ms = <int64_t>ceil((x if x > 0.0 else 0.0) * 1000) + 1000
-                else:   # negative: the script refreshes it on every sync
-                    it.ms = <int64_t>ceil(2 * self.window * 1000) + 1000
-                    if it.ms < 3600000:
-                        it.ms = 3600000
-                    it.ms = -it.ms
+                it.ms = self.expiry_ms(r, k)
                 it.held = (0 if r.s_acked == LEASE_NONE else r.s_acked) + (
                     self.plan_share if r.s_lease == LEASE_NONE else r.s_lease)
                 it.claim = 0
                 if it.value and r.s_claimed != self.plan_share and self.plan_share:
                     it.claim = self.plan_share
-                if self.items_len - self.chunk_start == RECONCILE_KEYS:
+                if self.items_len - self.chunk_start >= RECONCILE_KEYS:
                     failed = failed or not self.close_chunk()
             if self.cand_pos == self.cand_len and self.items_len > self.chunk_start:
                 failed = failed or not self.close_chunk()
@@ -773,12 +827,12 @@ cdef class LeaseBook:
             # count, limit, previous, expiry, current, wanted; before, weight, held, claim at, claim
             buf_f64(w, <double>it.value)
             buf_f64(w, <double>self.limit)
-            buf_f64(w, 0.0)
+            buf_f64(w, it.prev)
             buf_f64(w, <double>it.ms)
-            buf_f64(w, 1.0)
+            buf_f64(w, 1.0 if it.current else 0.0)
             buf_f64(w, <double>it.want)
-            buf_f64(w, 0.0)
-            buf_f64(w, 0.0)
+            buf_f64(w, <double>it.before)
+            buf_f64(w, it.weight)
             buf_f64(w, <double>it.held)
             buf_f64(w, <double>(size + claims) if it.claim else 0.0)
             buf_f64(w, <double>it.claim)
@@ -814,13 +868,16 @@ cdef class LeaseBook:
 
     @property
     def planned_keys(self):
-        return self.items_len
+        """Keys this sync planned in C (a sliding key's full sync sends two windows)."""
+        return self.keys_len
 
     def apply(self, Py_ssize_t chunk, reply, bint rejoined):
         """Write call ``chunk``'s answers (count, lease, claimed per key) into
         the records: ``(units pushed, [answers for records no longer fast])``,
-        each of those ``(owner, window, value, total, lease, claimed, claim)``
-        for the Python apply. A slot that changed keys meanwhile is skipped."""
+        each of those ``(owner, window, value, total, lease, claimed, claim,
+        current)`` for the Python apply. A slot that changed keys meanwhile
+        is skipped. A sliding key's previous window (a full sync's) gives its
+        fleet total to the estimate."""
         cdef LeaseGate gate = self.gate
         cdef Py_ssize_t i, j, lo, hi, n_left = 0
         cdef SyncItem* it
@@ -851,12 +908,18 @@ cdef class LeaseBook:
                     r = &self.records[it.slot]
                     if not r.attached or r.gen != it.gen:
                         continue            # forgotten or evicted during the round trip
-                    if not r.fast or r.s_index != it.window_index:
+                    if not r.fast or r.s_index != it.window_index + (0 if it.current else 1):
                         left[n_left] = i    # the Python side took the key over
                         n_left += 1
                         continue
                     j = 3 * (i - lo)
                     total = answers[j]
+                    if not it.current:      # _settle of a past window: its total, read again
+                        if r.window_index == r.s_index and not r.prev_pending:
+                            r.previous = total      # _fleet(k - 1): others + ours, ours as sent
+                            if r.reads < 255:
+                                r.reads += 1
+                        continue
                     lease = answers[j + 1]
                     claimed = answers[j + 2] != 0
                     acked = 0 if r.s_acked == LEASE_NONE else r.s_acked
@@ -881,7 +944,7 @@ cdef class LeaseBook:
                 it = &self.items[left[j]]
                 i = 3 * (left[j] - lo)
                 rest.append((self.owners[it.slot], it.window_index, it.value, answers[i], answers[i + 1],
-                             answers[i + 2], it.claim))
+                             answers[i + 2], it.claim, it.current))
         finally:
             free(answers)
             free(left)
@@ -946,6 +1009,8 @@ cdef inline int lease_decide(LeaseBook book, object key, const char* data, Py_ss
             r.prev_index = r.window_index
             r.prev_own = r.own
             r.prev_pending = True
+            r.reads = 0             # previous is the window just left's from here
+            r.want = 0              # a cost refused in the window left asks nothing of this one
             r.window_index = k
             r.own = 0
             r.ceiling = ceiling

@@ -142,7 +142,10 @@ class _FleetSync:
 
     @staticmethod
     def _fold(track: _Track, sync: tuple[Any, ...]) -> None:
-        w, pushed, acked, total, seen_own, lease, claimed, want, touched = sync
+        w, pushed, acked, total, seen_own, lease, claimed, want, touched, reads, before, before_total = sync
+        if reads:  # a sliding key's full syncs in C read the window before again (_settle)
+            track.pushed[w - 1] = track.acked[w - 1] = track.seen_own[w - 1] = before
+            track.seen_total[w - 1] = before_total
         for table, at, value in (
             (track.pushed, w, pushed),
             (track.acked, w, acked),
@@ -183,11 +186,13 @@ class _FleetSync:
 
     def _fast_state(self, track: _Track, k: int) -> tuple[Any, ...] | None:
         """Window ``k``'s sync state for C, when the sync can plan and apply
-        the key there (LeaseBook.plan_step): a fixed window whose only other
-        window is ``k - 1``, pushed and read ``SETTLE_READS`` times (a
-        background sync skips it, and has nothing to prune), or none at all
-        (``solo``: a full sync sends window ``k`` alone too). None: Python."""
-        if not self._native_sync or track.sliding or self._blind:
+        the key there (LeaseBook.plan_step): a key whose only other window
+        is ``k - 1``, pushed and read ``SETTLE_READS`` times (a background
+        sync skips it, and has nothing to prune), or none at all (``solo``:
+        a full sync sends window ``k`` alone too). A sliding key's ``k - 1``
+        is read so often even without units of ours, and its full syncs
+        send it too, from C (its units: the tuple's last). None: Python."""
+        if not self._native_sync or self._blind:
             return None
         solo = True
         for w, v in track.own.items():
@@ -195,6 +200,10 @@ class _FleetSync:
                 if w != k - 1 or track.pushed.get(w) != v or track.settled.get(w, 0) < SETTLE_READS:
                     return None
                 solo = False
+        if track.sliding:
+            if track.settled.get(k - 1, 0) < SETTLE_READS:
+                return None
+            solo = True
         return (
             track.pushed.get(k, ABSENT),
             track.acked.get(k, ABSENT),
@@ -205,6 +214,7 @@ class _FleetSync:
             track.want.get(k, 0),
             track.touched,
             solo,
+            track.own.get(k - 1, 0),
         )
 
     def _share(self, limit: int) -> int:
@@ -546,17 +556,27 @@ class _FleetSync:
                 pushed_units += units
                 if rest:  # keys the Python side took over during the round trip
                     with self._lock:
-                        for track, w, value, total, lease, claimed, claim in rest:
+                        taken: dict[int, _Track] = {}
+                        for track, w, value, total, lease, claimed, claim, current in rest:
                             pushed_units += self._settle(
-                                track, w, value, total, True, lease, claimed, claim, rejoined
+                                track, w, value, total, current, lease, claimed, claim, rejoined
                             )
+                            taken[id(track)] = track
+                        for track in taken.values():  # after all its windows (a sliding key's two)
                             self._pull(track)
                             self._load(track)
         answered = list(zip(work, replies[1:]))
-        for c in range(0, len(answered), SYNC_CHUNK):
+        c = 0
+        while c < len(answered):
+            # a key's windows are settled in one hold: its record is reloaded
+            # after its last answer, never made fast by the first (then the
+            # next one's settled state would be overwritten from C's record)
+            end = min(c + SYNC_CHUNK, len(answered))
+            while end < len(answered) and answered[end][0].track is answered[end - 1][0].track:
+                end += 1
             with self._lock:
                 touched: dict[int, _Track] = {}
-                for item, (total, lease, claimed) in answered[c : c + SYNC_CHUNK]:
+                for item, (total, lease, claimed) in answered[c:end]:
                     track = item.track
                     if not track.alive:
                         continue  # forgotten or evicted during the round trip: its slot may be another key's
@@ -568,6 +588,7 @@ class _FleetSync:
                 for track in touched.values():
                     self._pull(track)  # what native decisions admitted during the round trip
                     self._load(track)  # its new lease and totals
+            c = end
             time.sleep(0)
         with self._lock:
             # N, the members and our rank change here, with every record
