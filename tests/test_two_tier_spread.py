@@ -170,6 +170,20 @@ def test_a_sliding_key_waits_its_turn_once_its_past_window_is_settled(
             synced += m["keys_synced_last"]
         assert synced == 64 and m["keys_deferred_last"] == 0
         assert {held(redis_server, tier, limiter, key)[0] for key in keys} == {SETTLE_READS + 1}
+        # A full background sync sends a sliding key's settled past window
+        # again (a late push lands in the estimate), in the key's turn: each
+        # key once over the spread, not 64 keys in every full sync.
+        for key in keys:
+            assert limiter.allow(key).allowed
+        tier._cost_per_key = SLOW
+        assert tier._sync(full=True, background=True)
+        m = tier.metrics()
+        assert m["sync_spread"] == 16 and 0 < m["keys_synced_last"] < 64
+        synced = m["keys_synced_last"]
+        for _ in range(15):
+            synced += background(tier)["keys_synced_last"]
+        assert synced == 64
+        assert {held(redis_server, tier, limiter, key)[0] for key in keys} == {SETTLE_READS + 2}
     finally:
         tier.close()
 

@@ -752,7 +752,7 @@ cdef class LeaseBook:
                     self.cand[self.py_len] = slot
                     self.py_len += 1
                     continue
-                if not pair and self.waits_its_turn(r):
+                if self.waits_its_turn(r):     # a full sync's pair too: its turn re-reads the past window
                     self.deferred += 1
                     r.committed = True     # its units go with a later sync
                     if not r.listed:

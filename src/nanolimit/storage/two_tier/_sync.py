@@ -750,8 +750,17 @@ class _FleetSync:
                 for w in windows
                 if w == k or own.get(w, 0) != pushed.get(w, 0) or settled.get(w, 0) < SETTLE_READS
             ]
-        # one window left to send (a sliding key's past one settled too): it may wait its turn
-        if len(windows) == 1 and not self._leaving and self._waits_its_turn(track, k):
+        # one window left to send (a sliding key's past one settled too), or a
+        # full sync's re-read of a sliding key's settled past window: it may
+        # wait its turn (the past window is read again in a later one's)
+        again = (
+            full
+            and track.sliding
+            and list(windows) == [k - 1, k]
+            and own.get(k - 1, 0) == pushed.get(k - 1, 0)
+            and track.settled.get(k - 1, 0) >= SETTLE_READS
+        )
+        if (len(windows) == 1 or again) and not self._leaving and self._waits_its_turn(track, k):
             self._dirty[id(track)] = track  # its units go with a later sync
             self._load(track)  # _pull took its sync state out of C: hand it back
             return 1
