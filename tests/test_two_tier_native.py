@@ -98,16 +98,17 @@ def test_native_leases_answer_like_the_python_path(
             tier.close(deregister=False)
 
 
-def test_native_decisions_under_threads_lose_no_unit(native: Any, redis_server: Any) -> None:
+@pytest.mark.parametrize("algorithm", ["FixedWindowCounter", "SlidingWindowCounter", "TokenBucket"])
+def test_native_decisions_under_threads_lose_no_unit(native: Any, redis_server: Any, algorithm: str) -> None:
     """Four threads decide on three keys while the sync thread pulls and
-    reloads the leases every millisecond: every admitted unit is in the
-    fleet count, each key gets exactly its limit, and every decision is
-    counted."""
+    reloads the leases every millisecond (planned in C for every algorithm):
+    every admitted unit is in the fleet count, each key gets exactly its
+    limit, and every decision is counted."""
     from nanolimit.storage.two_tier import TwoTierStorage
 
     tier = TwoTierStorage(None, redis_server.client(), instance_id="t", sync_interval=0.001)
     limit = 5000
-    limiter = native.FixedWindowCounter(limit, 3600.0, storage=tier)
+    limiter = getattr(native, algorithm)(limit, 3600.0, storage=tier)
     keys = ["x", "y", "z"]
     admitted = {k: 0 for k in keys}
     calls = 0
