@@ -128,6 +128,12 @@ def test_native_decisions_under_threads_lose_no_unit(native: Any, redis_server: 
                 admitted[k] += n
 
     try:
+        for key in keys:  # each key's past window read SETTLE_READS times first:
+            assert limiter.allow(key).allowed  # the threads meet the C plan at once
+            admitted[key] += 1
+            calls += 1
+        for _ in range(3):
+            tier.sync_now()
         threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
         for t in threads:
             t.start()
