@@ -113,13 +113,14 @@ def main(alg, path, n):
 
 
 gc.disable()
-# argv: the runs as JSON pairs of [name, path, n] (each pair forked back to
-# back from the same state), and how many children run at once. Prints
-# {pid: index} when every child has exited.
+# argv: the runs as JSON pairs of [index, [name, path, n]] (each pair forked
+# back to back from the same state), and how many children run at once.
+# Prints {"children": {pid: index}, "failed": [index]} once all have exited.
 pairs, jobs = json.loads(sys.argv[1]), int(sys.argv[2])
 children, failed, order = {}, [], {}
-for first in range(0, len(pairs), max(1, jobs // 2)):
-    for pair in pairs[first:first + max(1, jobs // 2)]:
+batch = max(1, jobs // 2)
+for first in range(0, len(pairs), batch):
+    for pair in pairs[first:first + batch]:
         for index, (name, path, n) in pair:
             pid = os.fork()
             if pid == 0:

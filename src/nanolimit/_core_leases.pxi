@@ -27,7 +27,7 @@ ctypedef struct LeaseRecord:
     # s_index's sync state (LEASE_NONE: absent from the dict); pull hands them over.
     uint8_t fast
     uint8_t solo                    # ... and it has no other window a full sync would send
-    uint8_t reads                   # a sliding fast record: window s_index - 1 re-read by C since load
+    uint8_t reads                   # a sliding fast record: C read window s_index - 1 again since load
     uint8_t _pad[1]
     # -- line 2
     int64_t next_ceiling            # a later window's ceiling before any sync of it: ceil(L / N)
@@ -532,7 +532,7 @@ cdef class LeaseBook:
         decision count and the wanted cost restart from zero. ``sync state``
         is None, or for a fast record ``(window, pushed, acked, seen total,
         seen own, lease, claimed in the next window, wanted cost, touched,
-        re-reads of the window before, its units pushed, its fleet total)``
+        whether C read the window before again, its units, its fleet total)``
         (LEASE_NONE: absent; the last three: a sliding record's full syncs,
         which send that window too), which the caller's dicts take over when
         ``writing`` (the record is no longer fast until ``load`` says so)."""
@@ -917,8 +917,7 @@ cdef class LeaseBook:
                     if not it.current:      # _settle of a past window: its total, read again
                         if r.window_index == r.s_index and not r.prev_pending:
                             r.previous = total      # _fleet(k - 1): others + ours, ours as sent
-                            if r.reads < 255:
-                                r.reads += 1
+                            r.reads = True
                         continue
                     lease = answers[j + 1]
                     claimed = answers[j + 2] != 0

@@ -11,9 +11,9 @@ rule, raised into the request: a key function is the app's code, and a
 wrong one must be seen, never quietly keyed as someone else. A str over
 ``MAX_KEY_BYTES`` UTF-8 bytes, or one UTF-8 cannot hold (a lone
 surrogate), is keyed by its digest (``DIGESTED`` and blake2b-128 hex), as
-a scope's value is: its length is
-the client's to choose (a header, a token), and a client must not turn its
-requests into the server's errors by sending a long one.
+a scope's value is: its length is the client's to choose (a header, a
+token), and a client must not turn its requests into the server's errors
+by sending a long one.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..errors import ValidationError
 from .keys import MAX_VALUE_BYTES, digest_key
 from .request import Request
 
-__all__ = ["MAX_KEY_BYTES", "call_key", "key_argument"]
+__all__ = ["DIGESTED", "MAX_KEY_BYTES", "call_key", "key_argument"]
 
 #: The longest key a key function may return, in UTF-8 bytes: the bound a
 #: scope's value is kept within (longer ones are digested there).
