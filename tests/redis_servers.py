@@ -288,6 +288,22 @@ class Cluster:
             time.sleep(0.05)
         for m in masters:
             m.close()
+        # and every replica knows every node and slot: a replica learns the other
+        # masters only through the gossip of the one it met (nodes[0]); if that
+        # node dies first, it never learns them (a ping from an unknown node is
+        # ignored) and, promoted, sees a cluster that lacks two thirds of its slots
+        replicas = [node.client() for node in self.replicas]
+        try:
+            while not all(
+                total in (info := str(r.execute_command("CLUSTER", "INFO"))) and "cluster_slots_ok:16384" in info
+                for r in replicas
+            ):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the replicas did not learn every node and slot")
+                time.sleep(0.05)
+        finally:
+            for r in replicas:
+                r.close()
 
     def migrate(self, slot: int) -> tuple[int, int]:
         """Begin moving ``slot`` to the next master (IMPORTING, MIGRATING,
