@@ -295,8 +295,8 @@ class Cluster:
         replicas = [node.client() for node in self.replicas]
         try:
             while not all(
-                total in (info := str(r.execute_command("CLUSTER", "INFO"))) and "cluster_slots_ok:16384" in info
-                for r in replicas
+                total in info and "cluster_slots_ok:16384" in info
+                for info in (str(r.execute_command("CLUSTER", "INFO")) for r in replicas)
             ):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the replicas did not learn every node and slot")
