@@ -63,7 +63,12 @@ def _decide(limiter: Any, keys: list[str], interval: float, until: float, out: l
 
 
 def run(
-    server: Server, n: int, interval: float, seconds: float, algorithm: str = "FixedWindowCounter"
+    server: Server,
+    n: int,
+    interval: float,
+    seconds: float,
+    algorithm: str = "FixedWindowCounter",
+    window: float = 3600.0,
 ) -> dict[str, float]:
     tier = TwoTierStorage(None, server.client(), sync_interval=interval, instance_id=f"bench-sync-{n}")
     walls: list[tuple[float, int]] = []
@@ -81,9 +86,12 @@ def run(
 
     tier._sync = timed  # type: ignore[method-assign]
     try:
-        # an hour's window: a rollover (every key on the Python plan for a few
-        # syncs, docs/two_tier.md) falls in a run about once in 900
-        limiter = getattr(nanolimit, algorithm)(1 << 30, 3600.0, tier)
+        # an hour's window unless told: --window 1 puts a rollover of every
+        # key (its settling syncs send two windows) in each second of the run
+        if algorithm == "TokenBucket":  # capacity / rate: the window it is enforced over
+            limiter = nanolimit.TokenBucket(1 << 30, (1 << 30) / window, tier)
+        else:
+            limiter = getattr(nanolimit, algorithm)(1 << 30, window, tier)
         keys = [f"k:{n}:{i}" for i in range(n)]
         for key in keys:  # every key tracked and leased before the run
             limiter.allow(key)
@@ -183,6 +191,7 @@ def main() -> None:
     parser.add_argument("--keys", default="1000,10000,50000")
     parser.add_argument("--interval", type=float, default=0.05)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--window", type=float, default=3600.0, help="the limiter's window, seconds")
     parser.add_argument("--vs-memory", type=int, default=0, metavar="N")
     parser.add_argument(
         "--rounds", type=int, default=1, help="rounds, spread and not (--compare) interleaved in each"
@@ -213,7 +222,7 @@ def main() -> None:
         sizes = [int(v) for v in args.keys.split(",")]
         for n, spread in ((n, s) for _ in range(args.rounds) for n in sizes for s in variants):
             _sync_module.MAX_SPREAD = MAX_SPREAD if spread else 1  # off: every key, every sync
-            r = run(server, n, args.interval, args.seconds, args.algorithm)
+            r = run(server, n, args.interval, args.seconds, args.algorithm, args.window)
             label = "" if not args.compare else (" spread" if spread else " every key")
             print(
                 f"| {n:,}{label} | {r['syncs_per_s']:.1f} ({r['asked_per_s']:.0f}) "

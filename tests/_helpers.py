@@ -131,3 +131,10 @@ def clear_of_window_edge(window: float, margin: float) -> None:
     left = window - time.time() % window
     if left < margin:
         time.sleep(left + 0.5)
+
+
+def from_window(counts: dict[int, int], k: int) -> dict[int, int]:
+    """``fleet_counts`` from window ``k`` on: which older windows a track
+    still holds differs between the C and Python paths (C drops what it
+    rolled past, the Python plan at the key's next sync)."""
+    return {w: n for w, n in counts.items() if w >= k}

@@ -6,11 +6,12 @@ limiters always take it)."""
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
 import pytest
-from _helpers import cut_off_switch
+from _helpers import cut_off_switch, from_window
 from _helpers import two_tier_fleet as fleet
 
 from nanolimit import FakeClock, reference
@@ -22,6 +23,10 @@ pytestmark = pytest.mark.native
 # Heartbeats that outlive a slow run (valgrind): no member of either fleet
 # goes silent on real time, which the two fleets would see at different steps.
 SLOW_BEATS = {"sync_interval": 60.0, "heartbeat_ttl": 3600.0, "partition_grace": 3600.0}
+
+
+# NANOLIMIT_SWEEP_SEEDS=0,1,...,99 runs a wider sweep by hand (each took 1-2 s)
+SEEDS = [int(s) for s in os.environ.get("NANOLIMIT_SWEEP_SEEDS", "0,1,2,6,12,24,29,42").split(",")]
 
 
 def redis_state(server: Any, prefix: str) -> dict[str, dict[bytes, bytes]]:
@@ -46,7 +51,7 @@ def native_keys(tier: Any) -> int:
 # 6, 12, 24 and 29 each found a difference once: a cost refused in a window
 # C rolled away from asked a lease of the next one, and a key whose two
 # windows were settled in two holds had the second overwritten from C
-@pytest.mark.parametrize("seed", [0, 1, 2, 6, 12, 24, 29])
+@pytest.mark.parametrize("seed", SEEDS)
 def test_the_native_plan_leaves_redis_and_decisions_as_the_python_plan(
     native: Any, redis_server: Any, seed: int, algorithm: str
 ) -> None:
@@ -110,8 +115,14 @@ def test_the_native_plan_leaves_redis_and_decisions_as_the_python_plan(
             ma, mb = a.metrics(), b.metrics()
             for name in ("decisions", "early_syncs", "units_pushed", "keys_tracked", "partitions"):
                 assert ma[name] == mb[name], name
+        # the windows a decision reads (the current one and the one before): which
+        # older ones a track still holds differs, C dropping a settled window when
+        # it rolls past it, the Python plan at the key's next sync (or, with no
+        # units of ours there, never: a window only read)
+        k = int(clock.now() // window)
         for key in keys:
-            assert fast[0].fleet_counts(lf[0].config, key) == slow[0].fleet_counts(ls[0].config, key)
+            got = fast[0].fleet_counts(lf[0].config, key)
+            assert from_window(got, k - 1) == from_window(slow[0].fleet_counts(ls[0].config, key), k - 1)
     finally:
         for tier in (*fast, *slow):
             tier.close(deregister=False)

@@ -5,11 +5,11 @@
 # where a native limiter decides a request without leaving C.
 
 # The hot window of one key's lease (TwoTierStorage): enough to decide a
-# request in C exactly as the storage's Python path would. 192 bytes, the
+# request in C exactly as the storage's Python path would. 256 bytes, the
 # records 64-byte aligned: the first cache line holds all a decision in the
 # current window reads and writes (one line per decision), the second what a
 # window roll, a refusal for want of lease or the key index reads, the third
-# the sync's state.
+# the sync's state of the current window, the fourth of the window before.
 ctypedef struct LeaseRecord:
     double last_now                 # the key's own time floor (docs/spec.md §4)
     int64_t window_index            # the window described below; LEASE_NONE: Python decides
@@ -26,13 +26,12 @@ ctypedef struct LeaseRecord:
     # apply), and the s_ fields, not the storage's dicts, hold window
     # s_index's sync state (LEASE_NONE: absent from the dict); pull hands them over.
     uint8_t fast
-    uint8_t solo                    # ... and it has no other window a full sync would send
-    uint8_t reads                   # a sliding fast record: C read window s_index - 1 again since load
-    uint8_t _pad[1]
+    uint8_t past_changed            # a fast record: C changed window prev_index's p_ state since load
+    uint8_t _pad[2]
     # -- line 2
     int64_t next_ceiling            # a later window's ceiling before any sync of it: ceil(L / N)
     int64_t prev_index              # a window C rolled away from, its units not yet pulled (or, a
-    int64_t prev_own                # sliding fast record's, window s_index - 1 and its pushed units)
+    int64_t prev_own                # fast record's, window s_index - 1 and its units)
     int64_t want                    # the largest cost refused for want of lease, not budget
     uint32_t gen                    # bumped by attach and detach: a sync's answer finds its key
     uint32_t key_len                # the key's UTF-8 bytes (key_data: in the key's str, which
@@ -48,6 +47,16 @@ ctypedef struct LeaseRecord:
     int64_t s_lease
     int64_t s_claimed               # the default share claimed in window s_index + 1
     int64_t s_want                  # the largest cost refused for want of lease, to ask for
+    # -- line 4: a fast record's window s_index - 1 (prev_index), as the dicts would hold it:
+    # sent while its units are unpushed or its total read fewer than SETTLE_READS times
+    int64_t p_pushed
+    int64_t p_acked
+    int64_t p_seen_total
+    int64_t p_seen_own
+    int64_t p_lease
+    int64_t p_claimed               # the default share claimed in window s_index
+    int64_t p_settled               # its total read since it ended (the dicts' settled)
+    int64_t _pad4
 
 # The book's key index: open addressing, linear probing, backward-shift
 # deletion (no tombstones), at most 3/4 full. An entry names a slot (its
@@ -63,6 +72,21 @@ cdef Py_ssize_t LEASE_MAX_SLOTS = 0xFFFFFFFE    # slot + 1 fits the index's uint
 
 cdef int64_t LEASE_NONE = INT64_MIN
 cdef Py_ssize_t RECONCILE_KEYS = 128  # keys per reconcile call (two_tier RECONCILE_CHUNK)
+cdef int64_t SETTLE_READS = 3         # two_tier SETTLE_READS
+
+
+cdef inline int64_t or_zero(int64_t v) noexcept nogil:
+    return 0 if v == LEASE_NONE else v
+
+
+cdef inline bint past_open(LeaseRecord* r, bint sliding) noexcept nogil:
+    """A fast record's window s_index - 1 still goes with every sync (as
+    _FleetSync._plan sends it): a sliding key's always until settled, a fixed
+    key's only while it holds units of ours, until they are pushed and the
+    window's total read SETTLE_READS times."""
+    if not sliding and r.prev_own == 0:
+        return False
+    return or_zero(r.p_pushed) != r.prev_own or r.p_settled < SETTLE_READS
 
 # One (key, window) of a sync planned in C: what is sent, and where the
 # answer goes (the slot, while it still holds the same key: gen).
@@ -532,10 +556,12 @@ cdef class LeaseBook:
         decision count and the wanted cost restart from zero. ``sync state``
         is None, or for a fast record ``(window, pushed, acked, seen total,
         seen own, lease, claimed in the next window, wanted cost, touched,
-        whether C read the window before again, its units, its fleet total)``
-        (LEASE_NONE: absent; the last three: a sliding record's full syncs,
-        which send that window too), which the caller's dicts take over when
-        ``writing`` (the record is no longer fast until ``load`` says so)."""
+        the window before)`` (LEASE_NONE: absent), the window before being
+        None or, when C changed it since ``load`` (rolled into the next
+        window, or synced it), ``(window, units, pushed, acked, seen total,
+        seen own, lease, claimed in the window after, settled)``; the
+        caller's dicts take it over when ``writing`` (the record is no
+        longer fast until ``load`` says so)."""
         self.check_closed()
         cdef LeaseRecord* r = self.record(slot)
         cdef int64_t n = r.decisions
@@ -547,12 +573,15 @@ cdef class LeaseBook:
                 if want > r.s_want:
                     r.s_want = want
                 want = 0
+            past = None
+            if r.past_changed:
+                past = (r.prev_index, r.prev_own, r.p_pushed, r.p_acked, r.p_seen_total, r.p_seen_own,
+                        r.p_lease, r.p_claimed, r.p_settled)
             sync = (r.s_index, r.s_pushed, r.s_acked, r.s_seen_total, r.s_seen_own, r.s_lease,
-                    r.s_claimed, r.s_want, r.touched, r.reads, r.prev_own if r.reads else 0,
-                    r.previous if r.reads else LEASE_NONE)
+                    r.s_claimed, r.s_want, r.touched, past)
             if writing:
                 r.fast = False
-                r.reads = 0
+                r.past_changed = False
         r.want = 0
         r.decisions = 0
         r.prev_pending = False
@@ -562,12 +591,12 @@ cdef class LeaseBook:
     def load(self, Py_ssize_t slot, int64_t window_index, int64_t own, int64_t ceiling,
              int64_t others, int64_t previous, double last_now, int64_t next_ceiling, sync=None):
         """``sync``: None, or ``(pushed, acked, seen total, seen own, lease,
-        claimed in the next window, wanted cost, touched, solo, units pushed
-        in the window before)`` of window ``window_index`` (LEASE_NONE:
-        absent): the record is then fast, the sync plans and applies it in C
-        and holds that state until ``pull``. A sliding record's full syncs
-        send the window before too (its units, and its total re-read into
-        ``previous``)."""
+        claimed in the next window, wanted cost, touched, the window before)``
+        of window ``window_index`` (LEASE_NONE: absent), the window before as
+        ``(units, pushed, acked, seen total, seen own, lease, claimed in
+        window_index, settled)``: the record is then fast, the sync plans and
+        applies both windows in C (and C rolls it into the next one) and
+        holds that state until ``pull``."""
         self.check_closed()
         cdef LeaseRecord* r = self.record(slot)
         if r.prev_pending:
@@ -583,9 +612,11 @@ cdef class LeaseBook:
             r.fast = False
             return
         (r.s_pushed, r.s_acked, r.s_seen_total, r.s_seen_own, r.s_lease, r.s_claimed, r.s_want,
-         r.touched, r.solo, r.prev_own) = sync
+         r.touched, past) = sync
+        (r.prev_own, r.p_pushed, r.p_acked, r.p_seen_total, r.p_seen_own, r.p_lease, r.p_claimed,
+         r.p_settled) = past
         r.prev_index = window_index - 1
-        r.reads = 0
+        r.past_changed = False
         r.s_index = window_index
         r.fast = True
 
@@ -719,17 +750,18 @@ cdef class LeaseBook:
         """Plan up to ``budget`` more slots; the owners of those left to the
         Python plan (not fast, rolled over, or possibly idle in a full sync).
         A sliding key sends its current window with the previous window's
-        weighted units, and in a full sync that previous window too, first
-        and in the same call (as the Python plan does)."""
+        weighted units. The window before goes too, first and in the same
+        call (as the Python plan sends it): until it is settled (see
+        ``past_open``), and in a full sync while it holds units of ours or
+        the key is sliding."""
         cdef LeaseGate gate = self.gate
         cdef Py_ssize_t slot, first = self.py_len, n = 0, before
         cdef LeaseRecord* r
         cdef SyncItem* it
         cdef int64_t k
         cdef double weight
-        cdef bint failed = False
+        cdef bint failed = False, pair, settling
         cdef bint full = self.plan_full
-        cdef bint pair = full and self.sliding
         with nogil:
             nl_lock_spin(&gate.lock)
             while self.cand_pos < self.cand_len and n < budget:
@@ -739,8 +771,7 @@ cdef class LeaseBook:
                 r = &self.records[slot]
                 if not r.attached:
                     continue
-                if (not r.fast or r.prev_pending or r.s_index != r.window_index
-                        or (full and not r.solo)):
+                if not r.fast or r.prev_pending or r.s_index != r.window_index:
                     self.cand[self.py_len] = slot   # behind cand_pos: a free place
                     self.py_len += 1
                     continue
@@ -752,7 +783,12 @@ cdef class LeaseBook:
                     self.cand[self.py_len] = slot
                     self.py_len += 1
                     continue
-                if self.waits_its_turn(r):     # a full sync's pair too: its turn re-reads the past window
+                settling = past_open(r, self.sliding)
+                pair = settling or (full and (self.sliding or r.prev_own > 0))
+                # a key sending its window before waits no turn, unless that is only
+                # a full sync's re-read of a sliding key's settled one (_FleetSync._plan)
+                if (not settling and not (pair and not self.sliding)
+                        and self.waits_its_turn(r)):
                     self.deferred += 1
                     r.committed = True     # its units go with a later sync
                     if not r.listed:
@@ -771,7 +807,7 @@ cdef class LeaseBook:
                     it.slot = slot
                     it.gen = r.gen
                     it.window_index = k - 1
-                    it.value = r.prev_own if r.prev_index == k - 1 else 0
+                    it.value = r.prev_own
                     it.ms = self.expiry_ms(r, k - 1)
                     it.want = it.held = it.claim = it.before = 0
                     it.prev = it.weight = 0.0
@@ -908,16 +944,29 @@ cdef class LeaseBook:
                     r = &self.records[it.slot]
                     if not r.attached or r.gen != it.gen:
                         continue            # forgotten or evicted during the round trip
-                    if not r.fast or r.s_index != it.window_index + (0 if it.current else 1):
-                        left[n_left] = i    # the Python side took the key over
-                        n_left += 1
-                        continue
                     j = 3 * (i - lo)
                     total = answers[j]
-                    if not it.current:      # _settle of a past window: its total, read again
-                        if r.window_index == r.s_index and not r.prev_pending:
-                            r.previous = total      # _fleet(k - 1): others + ours, ours as sent
-                            r.reads = True
+                    if r.fast and r.prev_index == it.window_index and r.s_index == it.window_index + 1:
+                        # _settle of the window before: a past window read again, or
+                        # the current one C rolled away from during the round trip
+                        acked = or_zero(r.p_acked)
+                        if it.value > acked:
+                            pushed += it.value - acked
+                        r.p_pushed = r.p_acked = r.p_seen_own = it.value
+                        r.p_seen_total = total
+                        if it.current:
+                            r.p_lease = 0 if rejoined else answers[j + 1]
+                            if it.claim and answers[j + 2] != 0:
+                                r.p_claimed = it.claim
+                        else:
+                            r.p_settled += 1
+                        r.past_changed = True
+                        if self.sliding:    # _fleet(k - 1): the others as read, plus ours now
+                            r.previous = total - it.value + r.prev_own
+                        continue
+                    if not r.fast or r.s_index != it.window_index or not it.current:
+                        left[n_left] = i    # the Python side took the key over
+                        n_left += 1
                         continue
                     lease = answers[j + 1]
                     claimed = answers[j + 2] != 0
@@ -983,9 +1032,12 @@ cdef inline int lease_decide(LeaseBook book, object key, const char* data, Py_ss
         ceiling = r.ceiling
         others = r.others
         previous = r.previous
-    elif k > r.window_index != LEASE_NONE and not r.prev_pending:
+    elif k > r.window_index != LEASE_NONE and not r.prev_pending and (
+            not r.fast or (k == r.window_index + 1 and not past_open(r, book.sliding))):
         # a later window, not yet synced: nobody's units seen, the default
-        # share; the window just left is the sliding estimate's previous
+        # share; the window just left is the sliding estimate's previous. A
+        # fast record moves into the next one whole (its window before
+        # settled: the dicts would drop it), else the Python path decides
         rolls = True
         own = 0
         ceiling = r.next_ceiling
@@ -1007,9 +1059,18 @@ cdef inline int lease_decide(LeaseBook book, object key, const char* data, Py_ss
         if rolls:  # keep the left window's units for the sync until pulled
             r.prev_index = r.window_index
             r.prev_own = r.own
-            r.prev_pending = True
-            r.reads = 0             # previous is the window just left's from here
             r.want = 0              # a cost refused in the window left asks nothing of this one
+            if r.fast:              # the sync state of the window left becomes the past's
+                r.p_pushed, r.p_acked, r.p_seen_total = r.s_pushed, r.s_acked, r.s_seen_total
+                r.p_seen_own, r.p_lease, r.p_claimed = r.s_seen_own, r.s_lease, r.s_claimed
+                r.p_settled = 0
+                r.past_changed = True
+                r.s_index = k
+                r.s_pushed = r.s_acked = r.s_seen_total = r.s_seen_own = LEASE_NONE
+                r.s_lease = r.s_claimed = LEASE_NONE
+                r.s_want = 0
+            else:
+                r.prev_pending = True
             r.window_index = k
             r.own = 0
             r.ceiling = ceiling

@@ -142,10 +142,29 @@ class _FleetSync:
 
     @staticmethod
     def _fold(track: _Track, sync: tuple[Any, ...]) -> None:
-        w, pushed, acked, total, seen_own, lease, claimed, want, touched, reads, before, before_total = sync
-        if reads:  # a sliding key's full syncs in C read the window before again (_settle)
-            track.pushed[w - 1] = track.acked[w - 1] = track.seen_own[w - 1] = before
-            track.seen_total[w - 1] = before_total
+        w, pushed, acked, total, seen_own, lease, claimed, want, touched, past = sync
+        if past is not None:  # C rolled into window w, or synced the window before again
+            p, units, *state = past
+            tables = (
+                track.own,
+                track.pushed,
+                track.acked,
+                track.seen_total,
+                track.seen_own,
+                track.lease,
+                track.claimed,
+                track.settled,
+            )
+            for table, at, value in zip(
+                tables, (p, p, p, p, p, p, p + 1, p), (units or ABSENT, *state[:-1], state[-1] or ABSENT)
+            ):
+                if value == ABSENT:
+                    table.pop(at, None)
+                else:
+                    table[at] = value
+            # what C rolled past, pushed and settled there (the dicts hold it as loaded)
+            _FleetSync._drop_windows(track, [x for x in track.own if x < p])
+            _FleetSync._prune(track, w)
         for table, at, value in (
             (track.pushed, w, pushed),
             (track.acked, w, acked),
@@ -161,6 +180,45 @@ class _FleetSync:
                 table[at] = value
         if touched > track.touched:
             track.touched = touched
+
+    @staticmethod
+    def _prune(track: _Track, k: int) -> None:
+        """Drop the windows before ``k - 1`` (``k``: the key's current
+        window) with nothing of ours left to push: no decision reads them. A
+        sync's plan does it, a partition or a rejoin before it forgets what
+        was pushed, and a fold of what C rolled past. (A window only read,
+        none of our units in it, goes too: a key refused every request
+        would otherwise keep one more each window.)"""
+        own, pushed = track.own, track.pushed
+        old = {w for w in own if w < k - 1 and pushed.get(w) == own[w]}
+        for table in (
+            track.pushed,
+            track.acked,
+            track.want,
+            track.seen_total,
+            track.seen_own,
+            track.lease,
+            track.settled,
+            track.claimed,
+        ):
+            old.update(w for w in table if w < k - 1 and w not in own)
+        _FleetSync._drop_windows(track, old)
+
+    @staticmethod
+    def _drop_windows(track: _Track, windows: Any) -> None:
+        for old in windows:
+            for table in (
+                track.own,
+                track.pushed,
+                track.acked,
+                track.want,
+                track.seen_total,
+                track.seen_own,
+                track.lease,
+                track.settled,
+                track.claimed,
+            ):
+                table.pop(old, None)
 
     def _load(self, track: _Track) -> None:
         """Hand the key's current window to native decisions: exactly what
@@ -185,25 +243,16 @@ class _FleetSync:
         )
 
     def _fast_state(self, track: _Track, k: int) -> tuple[Any, ...] | None:
-        """Window ``k``'s sync state for C, when the sync can plan and apply
-        the key there (LeaseBook.plan_step): a key whose only other window
-        is ``k - 1``, pushed and read ``SETTLE_READS`` times (a background
-        sync skips it, and has nothing to prune), or none at all (``solo``:
-        a full sync sends window ``k`` alone too). A sliding key's ``k - 1``
-        is read so often even without units of ours, and its full syncs
-        send it too, from C (its units: the tuple's last). None: Python."""
+        """Window ``k``'s sync state for C, and window ``k - 1``'s, when the
+        sync can plan and apply the key there (LeaseBook.plan_step): a key
+        whose only other window is ``k - 1``. C sends that one as _plan
+        would (until settled, and in full syncs), and rolls the key into
+        ``k + 1`` once it is settled. None: Python."""
         if not self._native_sync or self._blind:
             return None
-        solo = True
-        for w, v in track.own.items():
-            if w != k:
-                if w != k - 1 or track.pushed.get(w) != v or track.settled.get(w, 0) < SETTLE_READS:
-                    return None
-                solo = False
-        if track.sliding:
-            if track.settled.get(k - 1, 0) < SETTLE_READS:
-                return None
-            solo = True
+        if any(w != k and w != k - 1 for w in track.own):
+            return None
+        p = k - 1
         return (
             track.pushed.get(k, ABSENT),
             track.acked.get(k, ABSENT),
@@ -213,8 +262,16 @@ class _FleetSync:
             track.claimed.get(k + 1, ABSENT),
             track.want.get(k, 0),
             track.touched,
-            solo,
-            track.own.get(k - 1, 0),
+            (
+                track.own.get(p, 0),
+                track.pushed.get(p, ABSENT),
+                track.acked.get(p, ABSENT),
+                track.seen_total.get(p, ABSENT),
+                track.seen_own.get(p, ABSENT),
+                track.lease.get(p, ABSENT),
+                track.claimed.get(k, ABSENT),
+                track.settled.get(p, 0),
+            ),
         )
 
     def _share(self, limit: int) -> int:
@@ -521,6 +578,7 @@ class _FleetSync:
                 self._need_full = True
                 for track in self._tracks.values():
                     self._pull(track)
+                    self._prune(track, math.floor(track.last_now / track.window))  # not re-written
                     track.pushed.clear()
                     track.claimed.clear()
                     # the leases Redis held for us are gone with it (a key this sync
@@ -723,21 +781,7 @@ class _FleetSync:
         # the limiter reads the wall clock (SystemClock) when its time is the
         # wall's; a day's slack covers a client clock that is off
         wall_clock = abs(track.last_now - wall) < 86_400.0
-        if len(own) > 1:
-            # keep the previous window for the sliding estimate; drop older ones once pushed
-            for old in [w for w in own if w < k - 1 and pushed.get(w) == own[w]]:
-                for table in (
-                    own,
-                    pushed,
-                    track.acked,
-                    track.want,
-                    track.seen_total,
-                    track.seen_own,
-                    track.lease,
-                    track.settled,
-                    track.claimed,
-                ):
-                    table.pop(old, None)
+        self._prune(track, k)  # the previous window stays: the sliding estimate reads it
         if not own or (len(own) == 1 and k in own):
             windows: Any = (k - 1, k) if track.sliding else (k,)
         else:
@@ -921,6 +965,7 @@ class _FleetSync:
                 self._stats["partitions"] += 1
                 for track in self._tracks.values():
                     self._pull(track)  # a fast record's sync state: the dicts hold it from here
+                    self._prune(track, math.floor(track.last_now / track.window))  # not re-written
                     # what Redis holds for us per window (count + lease, or the
                     # claim) is what we may admit there while blind: the others
                     # keep exactly that out of their leases
