@@ -81,12 +81,12 @@ cdef inline int64_t or_zero(int64_t v) noexcept nogil:
 
 cdef inline bint past_open(LeaseRecord* r, bint sliding) noexcept nogil:
     """A fast record's window s_index - 1 still goes with every sync (as
-    _FleetSync._plan sends it): a sliding key's always until settled, a fixed
-    key's only while it holds units of ours, until they are pushed and the
-    window's total read SETTLE_READS times."""
-    if not sliding and r.prev_own == 0:
-        return False
-    return or_zero(r.p_pushed) != r.prev_own or r.p_settled < SETTLE_READS
+    _FleetSync._plan sends it): until our units there are pushed, and a
+    sliding key's until its total, the estimate's previous window, has been
+    read SETTLE_READS times."""
+    if or_zero(r.p_pushed) != r.prev_own:
+        return True
+    return sliding and r.p_settled < SETTLE_READS
 
 # One (key, window) of a sync planned in C: what is sent, and where the
 # answer goes (the slot, while it still holds the same key: gen).

@@ -787,12 +787,16 @@ class _FleetSync:
         else:
             windows = sorted({k, k - 1} | own.keys() if track.sliding else {k} | own.keys())
         if not full:
-            # a past window, pushed, its total read often enough for late pushes to land, goes no more
+            # a past window goes until our units there are pushed, and a sliding
+            # key's until its total (the estimate's previous window) has been
+            # read often enough for the others' late pushes to land
             settled = track.settled
             windows = [
                 w
                 for w in windows
-                if w == k or own.get(w, 0) != pushed.get(w, 0) or settled.get(w, 0) < SETTLE_READS
+                if w == k
+                or own.get(w, 0) != pushed.get(w, 0)
+                or (track.sliding and settled.get(w, 0) < SETTLE_READS)
             ]
         # one window left to send (a sliding key's past one settled too), or a
         # full sync's re-read of a sliding key's settled past window: it may
