@@ -298,6 +298,45 @@ def test_a_window_boundary_keeps_every_key_on_the_c_plan(native: Any, algorithm:
         tier.close()
 
 
+@pytest.mark.parametrize("algorithm", ["FixedWindowCounter", "SlidingWindowCounter"])
+def test_a_key_back_after_idle_windows_is_decided_and_synced_in_c(native: Any, algorithm: str) -> None:
+    """A planned key decided again windows later (idle meanwhile) moves
+    there in C once its units are pushed: the windows it skipped saw none
+    of ours, and no estimate reads the one it left. Before, such a key took
+    the Python path and plan, and at 50,000 keys on 1 s windows, syncs
+    longer than a window kept every key there. With units not yet pushed it
+    still takes the Python path, which sends them."""
+    from redis_servers import shared_server
+
+    redis_server = shared_server("redis")
+    (tier,) = fleet(redis_server, f"twi{algorithm[0]}:", 1)
+    try:
+        clock = FakeClock(7200.5)
+        limiter = getattr(native, algorithm)(100, 10.0, storage=tier, clock=clock)
+        for key in ("pushed", "unpushed"):
+            limiter.allow(key, 4)
+        for _ in range(4):
+            tier.sync_now()
+        limiter.allow("unpushed", 3)  # 7 in window k, 3 not yet pushed
+        k = int(clock.now() // 10.0)
+        clock.advance(30.0)  # windows k + 1 and k + 2 skipped
+        decided = tier.metrics()["decisions_native"]
+        assert limiter.allow("pushed", 5).remaining == 95  # k + 2 saw none of our units
+        assert tier.metrics()["decisions_native"] == decided + 1
+        assert limiter.allow("unpushed").allowed
+        assert tier.metrics()["decisions_native"] == decided + 1  # the Python path: 3 units to push
+        assert tier._sync(full=False)
+        assert tier.metrics()["keys_synced_last"] == 2 and native_keys(tier) == 1
+        client = redis_server.client()
+        base = tier._tracks[(limiter.config, "unpushed")].base
+        assert client.hget(base + str(k), tier.instance_id) == b"7"
+        assert tier.fleet_counts(limiter.config, "pushed") == (
+            {k + 2: 0, k + 3: 5} if algorithm == "SlidingWindowCounter" else {k + 3: 5}
+        )
+    finally:
+        tier.close()
+
+
 def test_the_native_plan_over_a_valkey_py_client(native: Any, redis_server: Any) -> None:
     """valkey-py's pool wants a command name where redis-py's wants none: the
     native calls go over either client's connection."""

@@ -79,6 +79,18 @@ cdef inline int64_t or_zero(int64_t v) noexcept nogil:
     return 0 if v == LEASE_NONE else v
 
 
+cdef inline bint fast_rolls(LeaseRecord* r, int64_t k) noexcept nogil:
+    """Whether C may move a fast record into window ``k`` (later than its
+    own) and keep syncing it: what the Python plan would still send of the
+    windows it leaves behind is at most the one just left, and only when
+    ``k`` follows it (then it becomes the window before). Two windows or
+    more behind, no estimate reads a window, so once its units are pushed
+    nothing of it is sent again (_FleetSync._prune)."""
+    if or_zero(r.p_pushed) != r.prev_own:
+        return False                # the window before has units to push
+    return k == r.window_index + 1 or r.own == or_zero(r.s_pushed)
+
+
 cdef inline bint past_open(LeaseRecord* r, bint sliding) noexcept nogil:
     """A fast record's window s_index - 1 still goes with every sync (as
     _FleetSync._plan sends it): until our units there are pushed, and a
@@ -1032,12 +1044,11 @@ cdef inline int lease_decide(LeaseBook book, object key, const char* data, Py_ss
         ceiling = r.ceiling
         others = r.others
         previous = r.previous
-    elif k > r.window_index != LEASE_NONE and not r.prev_pending and (
-            not r.fast or (k == r.window_index + 1 and not past_open(r, book.sliding))):
+    elif k > r.window_index != LEASE_NONE and not r.prev_pending and (not r.fast or fast_rolls(r, k)):
         # a later window, not yet synced: nobody's units seen, the default
         # share; the window just left is the sliding estimate's previous. A
-        # fast record moves into the next one whole (its window before
-        # settled: the dicts would drop it), else the Python path decides
+        # fast record moves into it whole (fast_rolls), else the Python path
+        # decides
         rolls = True
         own = 0
         ceiling = r.next_ceiling
@@ -1060,10 +1071,17 @@ cdef inline int lease_decide(LeaseBook book, object key, const char* data, Py_ss
             r.prev_index = r.window_index
             r.prev_own = r.own
             r.want = 0              # a cost refused in the window left asks nothing of this one
-            if r.fast:              # the sync state of the window left becomes the past's
+            if r.fast and k == r.window_index + 1:   # the window left becomes the one before
                 r.p_pushed, r.p_acked, r.p_seen_total = r.s_pushed, r.s_acked, r.s_seen_total
                 r.p_seen_own, r.p_lease, r.p_claimed = r.s_seen_own, r.s_lease, r.s_claimed
                 r.p_settled = 0
+            elif r.fast:            # windows skipped: the one before, k - 1, saw none of our units
+                r.prev_index = k - 1
+                r.prev_own = 0
+                r.p_pushed = r.p_acked = r.p_seen_total = r.p_seen_own = LEASE_NONE
+                r.p_lease = r.p_claimed = LEASE_NONE
+                r.p_settled = 0
+            if r.fast:
                 r.past_changed = True
                 r.s_index = k
                 r.s_pushed = r.s_acked = r.s_seen_total = r.s_seen_own = LEASE_NONE
