@@ -154,6 +154,67 @@ def test_native_decisions_under_threads_lose_no_unit(native: Any, redis_server: 
         tier.close()
 
 
+@pytest.mark.parametrize("algorithm", ["FixedWindowCounter", "SlidingWindowCounter"])
+def test_window_rollovers_under_threads_lose_no_unit(native: Any, redis_server: Any, algorithm: str) -> None:
+    """Four threads decide on three keys while a fifth moves the clock a
+    quarter window on every few milliseconds and the sync runs every
+    millisecond: keys roll over in C (into the next window, or past idle
+    ones) while the sync plans and applies them. Every unit admitted in a
+    window is in our count there in Redis, and no window admits more than
+    the limit."""
+    from nanolimit.storage.two_tier import TwoTierStorage
+
+    tier = TwoTierStorage(None, redis_server.client(), instance_id="t", sync_interval=0.001)
+    clock = FakeClock(50_000.0)
+    limit = 400
+    limiter = getattr(native, algorithm)(limit, 1.0, storage=tier, clock=clock)
+    keys = ["x", "y", "z"]
+    admitted: dict[tuple[str, int], int] = {}
+    guard = threading.Lock()
+    running = [True]
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        mine: dict[tuple[str, int], int] = {}
+        while running[0]:
+            key = rng.choice(keys)
+            decision = limiter.allow(key)
+            if decision.allowed:
+                window = (key, int(decision.at // 1.0))
+                mine[window] = mine.get(window, 0) + 1
+        with guard:
+            for window, n in mine.items():
+                admitted[window] = admitted.get(window, 0) + n
+
+    def tick() -> None:
+        rng = random.Random(7)
+        for _ in range(60):
+            time.sleep(0.001)
+            clock.advance(0.25 if rng.random() < 0.8 else 2.25)  # some windows skipped
+        running[0] = False
+
+    try:
+        threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        tick()
+        for t in threads:
+            t.join()
+        tier.sync_now()
+        tier.sync_now()
+        client = redis_server.client()
+        rolled = len({w for _, w in admitted})
+        assert rolled >= 15  # windows turned over many times during the run
+        for (key, window), n in admitted.items():
+            base = tier._tracks[(limiter.config, key)].base
+            assert int(client.hget(base + str(window), "t") or 0) == n, (key, window)
+            assert n <= limit
+        assert tier.metrics()["decisions_native"] > 10_000
+    finally:
+        running[0] = False
+        tier.close()
+
+
 def test_tight_limit_is_met_exactly_under_threads(native: Any, redis_server: Any) -> None:
     """One hot key, more demand than budget: the C path and the sync hand
     the lease back and forth, and exactly the limit is admitted."""
