@@ -48,7 +48,8 @@ ctypedef struct LeaseRecord:
     int64_t s_claimed               # the default share claimed in window s_index + 1
     int64_t s_want                  # the largest cost refused for want of lease, to ask for
     # -- line 4: a fast record's window s_index - 1 (prev_index), as the dicts would hold it:
-    # sent while its units are unpushed or its total read fewer than SETTLE_READS times
+    # sent while its units are unpushed, a sliding key's while its total is read fewer
+    # than SETTLE_READS times (past_open)
     int64_t p_pushed
     int64_t p_acked
     int64_t p_seen_total
@@ -772,7 +773,7 @@ cdef class LeaseBook:
         cdef SyncItem* it
         cdef int64_t k
         cdef double weight
-        cdef bint failed = False, pair, settling
+        cdef bint failed = False, pair, settling, resend
         cdef bint full = self.plan_full
         with nogil:
             nl_lock_spin(&gate.lock)
@@ -796,11 +797,11 @@ cdef class LeaseBook:
                     self.py_len += 1
                     continue
                 settling = past_open(r, self.sliding)
-                pair = settling or (full and (self.sliding or r.prev_own > 0))
+                resend = full and (self.sliding or r.prev_own > 0)  # a full sync sends it again
+                pair = settling or resend
                 # a key sending its window before waits no turn, unless that is only
                 # a full sync's re-read of a sliding key's settled one (_FleetSync._plan)
-                if (not settling and not (pair and not self.sliding)
-                        and self.waits_its_turn(r)):
+                if not settling and not (resend and not self.sliding) and self.waits_its_turn(r):
                     self.deferred += 1
                     r.committed = True     # its units go with a later sync
                     if not r.listed:

@@ -246,8 +246,8 @@ class _FleetSync:
         """Window ``k``'s sync state for C, and window ``k - 1``'s, when the
         sync can plan and apply the key there (LeaseBook.plan_step): a key
         whose only other window is ``k - 1``. C sends that one as _plan
-        would (until settled, and in full syncs), and rolls the key into
-        ``k + 1`` once it is settled. None: Python."""
+        would (until settled, and in full syncs), and moves the key on once
+        it is pushed (LeaseBook: fast_rolls). None: Python."""
         if not self._native_sync or self._blind:
             return None
         if any(w != k and w != k - 1 for w in track.own):
