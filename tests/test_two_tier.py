@@ -376,6 +376,33 @@ def test_silence_follows_each_instances_own_sync_period(redis_server: Any) -> No
         slow.close(deregister=False)
 
 
+def test_windows_only_read_are_dropped_two_behind(backend: Any, redis_server: Any) -> None:
+    """A key refused window after window (none of its units anywhere) reads
+    a window's total each sync: the windows two behind the key's own go,
+    read or not, so a blocked client's key holds no more each window (each
+    one only read was kept for good before). Units not yet pushed stay."""
+    from nanolimit.storage.two_tier._sync import _FleetSync
+
+    clock = backend.FakeClock(1000.5)
+    tier = make_tier(redis_server, f"prune-{backend.name}", start=False)
+    try:
+        limiter = backend.SlidingWindowCounter(10, 1.0, storage=tier, clock=clock)
+        limiter.peek("k")
+        track = tier._tracks[(limiter.config, "k")]
+        for w in range(990, 1001):  # read, none of ours
+            track.seen_total[w] = track.settled[w] = 3
+            track.seen_own[w] = track.pushed[w] = track.acked[w] = 0
+        track.own[995] = 2  # units Redis has not seen yet
+        _FleetSync._prune(track, 1000)
+        assert set(track.seen_total) == {995, 999, 1000}
+        assert set(track.settled) == set(track.pushed) == {995, 999, 1000}
+        track.pushed[995] = 2  # now pushed: it goes too
+        _FleetSync._prune(track, 1000)
+        assert set(track.seen_total) == {999, 1000} and not track.own
+    finally:
+        tier.close()
+
+
 def test_single_instance_is_exact(backend: Any, redis_server: Any) -> None:
     clock = backend.FakeClock(1000.0)
     tier = make_tier(redis_server, "solo", start=False)
