@@ -191,7 +191,15 @@ class _FleetSync:
         would otherwise keep one more each window.)"""
         own, pushed = track.own, track.pushed
         old = {w for w in own if w < k - 1 and pushed.get(w) == own[w]}
-        for table in (
+        for table in _FleetSync._window_tables(track)[1:]:
+            old.update(w for w in table if w < k - 1 and w not in own)
+        _FleetSync._drop_windows(track, old)
+
+    @staticmethod
+    def _window_tables(track: _Track) -> tuple[dict[int, int], ...]:
+        """Every per-window dict of a track, ``own`` first."""
+        return (
+            track.own,
             track.pushed,
             track.acked,
             track.want,
@@ -200,24 +208,13 @@ class _FleetSync:
             track.lease,
             track.settled,
             track.claimed,
-        ):
-            old.update(w for w in table if w < k - 1 and w not in own)
-        _FleetSync._drop_windows(track, old)
+        )
 
     @staticmethod
     def _drop_windows(track: _Track, windows: Any) -> None:
+        tables = _FleetSync._window_tables(track)
         for old in windows:
-            for table in (
-                track.own,
-                track.pushed,
-                track.acked,
-                track.want,
-                track.seen_total,
-                track.seen_own,
-                track.lease,
-                track.settled,
-                track.claimed,
-            ):
+            for table in tables:
                 table.pop(old, None)
 
     def _load(self, track: _Track) -> None:
