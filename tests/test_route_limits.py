@@ -748,3 +748,88 @@ def test_an_attacker_cannot_get_past_a_route_limit_with_ids_heads_or_slashes() -
         assert client.get("//users/1/avatar").status_code == 404
     core = middleware.core
     assert len(core._routes[1]) <= core.route_cache_size
+
+
+def _limited_starlette(**app_options: Any) -> Starlette:
+    limits = RouteLimits(algorithm="fixed_window")
+
+    @limits.limit("1/minute")
+    async def page(request: Any) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    return Starlette(
+        routes=[Route("/p", page)], middleware=[Middleware(ASGIMiddleware, limits=limits)], **app_options
+    )
+
+
+def test_a_starlette_apps_own_429_handler_answers_the_denial() -> None:
+    seen: list[Any] = []
+
+    async def too_many(request: Any, exc: Any) -> JSONResponse:
+        seen.append((request.url.path, exc.status_code, exc.outcome.rule, dict(exc.headers)))
+        return JSONResponse({"mine": exc.detail}, status_code=429, headers={"X-Mine": "1"})
+
+    with TestClient(_limited_starlette(exception_handlers={429: too_many})) as client:
+        first = client.get("/p")
+        denied = client.get("/p")
+    assert first.status_code == 200 and len(seen) == 1  # admitted requests never meet the handler
+    path, status, rule_name, headers = seen[0]
+    assert (path, status) == ("/p", 429) and rule_name.endswith(".page")  # the declaration's rule
+    assert headers["retry-after"] == denied.headers["retry-after"]  # the exception carries the headers
+    assert denied.status_code == 429 and list(denied.json()) == ["mine"]
+    assert denied.headers["x-mine"] == "1"
+    assert denied.headers["x-ratelimit-remaining"] == "0"  # added where the handler left them out
+    assert denied.headers.get_list("retry-after") == [denied.headers["retry-after"]]  # kept once
+
+
+def test_a_sync_handler_of_httpexception_answers_and_fastapis_stock_one_does_not() -> None:
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    calls: list[int] = []
+
+    def http_errors(request: Any, exc: Any) -> PlainTextResponse:  # sync: run in Starlette's threadpool
+        calls.append(exc.status_code)
+        return PlainTextResponse(f"error {exc.status_code}", status_code=exc.status_code, headers=exc.headers)
+
+    with TestClient(_limited_starlette(exception_handlers={StarletteHTTPException: http_errors})) as client:
+        client.get("/p")
+        denied = client.get("/p")
+    assert calls == [429] and denied.text == "error 429" and "x-ratelimit-limit" in denied.headers
+
+    # FastAPI registers its stock HTTPException handler on every app: not the
+    # app's own, so the middleware's JSON 429 answers, without raising
+    limits = RouteLimits(algorithm="fixed_window")
+    app = FastAPI()
+
+    @app.get("/p")
+    @limits.limit("1/minute")
+    async def page() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    app.add_middleware(ASGIMiddleware, limits=limits)
+    with TestClient(app) as client:
+        client.get("/p")
+        denied = client.get("/p")
+    assert denied.status_code == 429 and denied.json()["error"] == "rate_limit_exceeded"
+
+
+def test_a_fastapi_429_handler_answers_under_a_real_uvicorn() -> None:
+    limits = RouteLimits(algorithm="fixed_window")
+    app = FastAPI()
+
+    @app.exception_handler(429)
+    async def too_many(request: Any, exc: Any) -> JSONResponse:
+        return JSONResponse({"try later": exc.headers["Retry-After"]}, status_code=429)
+
+    @app.get("/p")
+    @limits.limit("1/minute")
+    async def page() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    app.add_middleware(ASGIMiddleware, limits=limits)
+    with uvicorn_server(app, lifespan="on") as port:
+        first = raw_request(port, "GET", b"/p")
+        denied = raw_request(port, "GET", b"/p")
+    assert first.status == 200
+    assert denied.status == 429 and json.loads(denied.body) == {"try later": denied.headers["retry-after"]}
+    assert denied.headers["x-ratelimit-remaining"] == "0"

@@ -1,8 +1,10 @@
 """Pure ASGI 3 middleware: Starlette, FastAPI, Litestar or a bare ASGI app.
 
-Imports nothing from any framework. HTTP requests are decided before the app
-runs: a denial answers 429 with the docs/spec.md §2 JSON body and headers and never
-reaches the app; an admitted request gets the headers added to its
+Imports nothing from any framework (Starlette only to call an app's own 429
+handler). HTTP requests are decided before the app runs: a denial answers 429
+with the docs/spec.md §2 JSON body and headers and never reaches the app (a
+Starlette or FastAPI app with a 429 handler of its own has that handler
+answer it); an admitted request gets the headers added to its
 ``http.response.start``. A shaping leaky-bucket rule makes the admitted
 request ``await asyncio.sleep(delay)`` first (the event loop keeps serving
 others meanwhile). WebSockets are limited at connect (``websocket="limit"``,
@@ -200,7 +202,10 @@ class RateLimitMiddleware:
     read the user id from somewhere else). ``limits`` brings route-level
     declarations (its registry is the registry). ``deny(request, outcome)``
     builds the 429 itself: return any ASGI app (a Starlette ``Response``
-    is one), or None for the default.
+    is one), or None for the next answer: a Starlette or FastAPI app's own
+    handler of a 429 (``exception_handlers[429]``, or of ``HTTPException``
+    other than FastAPI's stock one), called as Starlette calls it, then the
+    default JSON 429, sent without raising.
     """
 
     def __init__(
@@ -245,6 +250,7 @@ class RateLimitMiddleware:
         self.deny = deny
         self._form = ASGI_PAIRS if deny is None else DICT  # a deny hook reads a dict
         self._unbound = limits is not None  # bound from scope["app"] at startup or first request
+        self._handler: tuple[Any, Any] | None = None  # (app, its own 429 handler or None)
         self._http_context: str | None = None
         self.decide = decide_mode(core.factory.storage, decide)
         # in process, through the pipeline's own settle(): a charge is settled in place
@@ -338,9 +344,16 @@ class RateLimitMiddleware:
                     await custom(scope, receive, send)
                     return
             if kind == "http":
+                pairs = headers if type(headers) is list else _encode(headers)
+                handler = self._handler_for(scope)
+                if handler is not None:
+                    from .starlette import answer_by_handler
+
+                    await answer_by_handler(handler, scope, receive, send, outcome, pairs)
+                    return
                 # outcome.body(), without its call and lookups
                 body = outcome.body() if type(decision) is CostTooHigh else render_body(rule, retry_after)
-                await _send_429(send, headers if type(headers) is list else _encode(headers), body)
+                await _send_429(send, pairs, body)
             else:
                 await self._deny_websocket(scope, receive, send, outcome)
             return
@@ -369,6 +382,22 @@ class RateLimitMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
+
+    def _handler_for(self, scope: Scope) -> Any:
+        """The app's own 429 handler (a Starlette or FastAPI app's
+        ``exception_handlers``), or None: looked up once per app, as
+        Starlette fixes its handlers when it starts serving."""
+        app = scope.get("app", self.app)
+        seen = self._handler
+        if seen is not None and seen[0] is app:
+            return seen[1]
+        handler = None
+        if isinstance(getattr(app, "exception_handlers", None), dict):
+            from .starlette import handler_for_429
+
+            handler = handler_for_429(app)
+        self._handler = (app, handler)
+        return handler
 
     async def _counted(self, scope: Scope, receive: Receive, send: Send, outcome: Outcome) -> None:
         """An admitted request under ``count_when`` rules: settled by the

@@ -6,11 +6,16 @@ so it reads the route the way Starlette's router does, on a route-cache
 miss only (a hit costs nothing more than a prefix rule). This module reads
 Starlette's objects by their public attributes (``routes``, ``path``,
 ``endpoint``, ``methods``, ``matches``, FastAPI's ``dependencies`` and
-``dependant``) and imports Starlette only for the dependency's signature.
+``dependant``) and imports Starlette only for the dependency's signature
+and to call an app's own 429 handler (``exception_handlers``) with the
+``HTTPException(429)`` Starlette would have handed it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import re
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
@@ -19,7 +24,15 @@ from .request import Request
 from .routes import LimitDependency, RouteInfo
 
 # LimitDependency lives in routes
-__all__ = ["LimitDependency", "context_for", "resolver_for", "routes_by_host", "routes_of"]
+__all__ = [
+    "LimitDependency",
+    "answer_by_handler",
+    "context_for",
+    "handler_for_429",
+    "resolver_for",
+    "routes_by_host",
+    "routes_of",
+]
 
 Scope = MutableMapping[str, Any]
 
@@ -267,3 +280,77 @@ def _litestar_resolve(routing: Callable[..., Any], scope: Scope, formats: dict[s
     except Exception:  # noqa: BLE001 - a 404 or a 405: no route
         return None
     return _litestar_route(template, handler, formats)
+
+
+def handler_for_429(app: Any) -> Callable[..., Any] | None:
+    """The app's own handler of a 429, as Starlette's ``ExceptionMiddleware``
+    would pick it for ``HTTPException(429)``: by status code, then by the
+    exception's classes. None when the app has none of its own: no
+    ``exception_handlers`` (not a Starlette app), or only FastAPI's stock
+    ``HTTPException`` handler, which answers what our default 429 answers.
+    ``Exception`` and 500 handlers answer only unhandled errors there
+    (``ServerErrorMiddleware``), so they are not asked either."""
+    handlers = getattr(app, "exception_handlers", None)
+    if not isinstance(handlers, dict) or not handlers:
+        return None
+    handler = handlers.get(429)
+    if handler is not None:
+        return handler  # type: ignore[no-any-return]
+    try:
+        from starlette.exceptions import HTTPException
+    except ImportError:
+        return None
+    stock: Any = None
+    with contextlib.suppress(ImportError):
+        from fastapi.exception_handlers import http_exception_handler as stock
+    for cls in HTTPException.__mro__:
+        if cls is Exception or cls is BaseException or cls is object:
+            break
+        handler = handlers.get(cls)
+        if handler is not None:
+            return None if handler is stock else handler
+    return None
+
+
+def _is_async(fn: Any) -> bool:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+async def answer_by_handler(
+    handler: Callable[..., Any],
+    scope: Scope,
+    receive: Any,
+    send: Any,
+    outcome: Any,
+    pairs: list[tuple[bytes, bytes]],
+) -> None:
+    """Answer a denial with the app's own 429 handler, as Starlette would
+    have called it had the request raised ``HTTPException(429)``: the
+    rate-limit headers on the exception (its ``outcome`` the pipeline's
+    :class:`~nanolimit.gateway.middleware.Outcome`), and added to the
+    handler's response where it left them out."""
+    from starlette.concurrency import run_in_threadpool
+    from starlette.datastructures import Headers
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request as StarletteRequest
+
+    headers = Headers(raw=list(pairs))  # read in any case, as Starlette reads a request's
+    exc = HTTPException(429, detail=f"rate limit exceeded (rule {outcome.rule!r})", headers=headers)
+    exc.outcome = outcome  # type: ignore[attr-defined]
+    request = StarletteRequest(scope, receive)
+    if _is_async(handler):
+        response = await handler(request, exc)
+    else:
+        response = await run_in_threadpool(handler, request, exc)
+    if response is None:
+        return
+
+    async def send_with_headers(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            present = {bytes(name).lower() for name, _ in message.get("headers", ())}
+            message["headers"] = [*message.get("headers", ()), *(p for p in pairs if p[0] not in present)]
+        await send(message)
+
+    await response(scope, receive, send_with_headers)
