@@ -81,24 +81,47 @@ cdef inline object ascii_text(const char* data, Py_ssize_t n, bint as_bytes):
     return text
 
 
-cdef inline bytes int_bytes(int64_t value):
-    cdef char buf[24]
-    return PyBytes_FromStringAndSize(buf, put_i64(buf, value))
+# The five rate-limit headers' values (docs/spec.md §2), formatted in this
+# one place for every container the native twin writes them into: ASGI's
+# bytes pairs and WSGI's str pairs (lane_pairs), a str dict (lane_dict) and
+# a caller's header mapping (AdmittedRequests.record and refusal). The
+# Python twin's one place is nanolimit._decision_py.five_headers.
+ctypedef struct HeaderValues:
+    char remaining[24]              # X-RateLimit-Remaining: the count left
+    char reset_at[24]               # X-RateLimit-Reset: ceil(wall_now + reset)
+    char rate[48]                   # RateLimit after the rule's prefix: "<left>;t=<ceil(reset)>"
+    char retry[24]                  # Retry-After, when asked (n_retry 0: none)
+    Py_ssize_t n_remaining
+    Py_ssize_t n_reset
+    Py_ssize_t n_rate
+    Py_ssize_t n_retry
 
 
-cdef inline object rate_value(const char* prefix, Py_ssize_t plen, int64_t left, double reset, bint as_bytes):
-    """``RateLimit``: the rule's prefix (``"name";r=``, at most 256 bytes),
-    the remaining count and ``;t=`` the reset in whole seconds."""
-    cdef char buf[320]
+cdef inline void header_values(HeaderValues* v, int64_t left, double reset, double wall_now,
+                               int64_t retry) noexcept nogil:
+    """Checked inputs (check_header_times / retry_value): ``retry`` >= 1
+    adds ``Retry-After``."""
     cdef Py_ssize_t n
-    memcpy(buf, prefix, plen)
-    n = plen + put_i64(buf + plen, left)
-    buf[n] = 59      # ';'
-    buf[n + 1] = 116 # 't'
-    buf[n + 2] = 61  # '='
+    v.n_remaining = put_i64(v.remaining, left)
+    v.n_reset = put_i64(v.reset_at, <int64_t>ceil(wall_now + reset))
+    memcpy(v.rate, v.remaining, v.n_remaining)
+    n = v.n_remaining
+    v.rate[n] = 59      # ';'
+    v.rate[n + 1] = 116 # 't'
+    v.rate[n + 2] = 61  # '='
     n += 3
-    n += put_i64(buf + n, <int64_t>ceil(reset))
-    return ascii_text(buf, n, as_bytes)
+    v.n_rate = n + put_i64(v.rate + n, <int64_t>ceil(reset))
+    v.n_retry = put_i64(v.retry, retry) if retry >= 1 else 0
+
+
+cdef inline object prefixed_rate(bytes prefix, const HeaderValues* v, bint as_bytes):
+    """``RateLimit``: a lane's prefix (``"name";r=``, ASCII, at most 256
+    bytes) and the values' tail, as one bytes or str."""
+    cdef char buf[320]
+    cdef Py_ssize_t plen = PyBytes_GET_SIZE(prefix)
+    memcpy(buf, PyBytes_AS_STRING(prefix), plen)
+    memcpy(buf + plen, v.rate, v.n_rate)
+    return ascii_text(buf, plen + v.n_rate, as_bytes)
 
 
 cdef inline int check_header_times(double wall_now, double reset) except -1:
@@ -122,29 +145,21 @@ cdef inline int64_t retry_value(double wall_now, double reset, double retry_afte
     return retry if retry >= 1 else 1
 
 
-cdef inline list five_pairs(tuple limit_pair, tuple policy_pair, bytes prefix, int64_t left, double reset,
-                            double wall_now):
-    """The five headers as ASGI's lower-case bytes pairs (checked inputs)."""
-    return [limit_pair, (B_REMAINING, int_bytes(left)), (B_RESET, int_bytes(<int64_t>ceil(wall_now + reset))),
-            policy_pair, (B_RATELIMIT, rate_value(PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix),
-                                                  left, reset, True))]
-
-
 cdef inline list lane_pairs(tuple limit_pair, tuple policy_pair, bytes prefix, int64_t left, double reset,
                             double wall_now, int64_t retry, bint as_bytes):
     """The headers as a list of ``(name, value)`` pairs: ASGI's lower-case
     bytes, or WSGI's str; ``Retry-After`` too when ``retry`` >= 1."""
-    cdef char buf[24]
+    cdef HeaderValues v
+    header_values(&v, left, reset, wall_now, retry)
     cdef list pairs = [
         limit_pair,
-        (B_REMAINING if as_bytes else H_REMAINING, ascii_text(buf, put_i64(buf, left), as_bytes)),
-        (B_RESET if as_bytes else H_RESET, ascii_text(buf, put_i64(buf, <int64_t>ceil(wall_now + reset)), as_bytes)),
+        (B_REMAINING if as_bytes else H_REMAINING, ascii_text(v.remaining, v.n_remaining, as_bytes)),
+        (B_RESET if as_bytes else H_RESET, ascii_text(v.reset_at, v.n_reset, as_bytes)),
         policy_pair,
-        (B_RATELIMIT if as_bytes else H_RATELIMIT,
-         rate_value(PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix), left, reset, as_bytes)),
+        (B_RATELIMIT if as_bytes else H_RATELIMIT, prefixed_rate(prefix, &v, as_bytes)),
     ]
-    if retry >= 1:
-        pairs.append((B_RETRY if as_bytes else H_RETRY, ascii_text(buf, put_i64(buf, retry), as_bytes)))
+    if v.n_retry:
+        pairs.append((B_RETRY if as_bytes else H_RETRY, ascii_text(v.retry, v.n_retry, as_bytes)))
     return pairs
 
 
@@ -155,14 +170,14 @@ cdef inline dict lane_dict(dict template, bytes prefix, int64_t left, double res
     dict copies in one block, with no inserts or resize) with the
     remaining count, the reset time, ``RateLimit`` and (``retry`` >= 1)
     ``Retry-After`` filled in."""
-    cdef char buf[24]
+    cdef HeaderValues v
+    header_values(&v, left, reset, wall_now, retry)
     cdef dict headers = PyDict_Copy(template)
-    PyDict_SetItem(headers, H_REMAINING, ascii_text(buf, put_i64(buf, left), False))
-    PyDict_SetItem(headers, H_RESET, ascii_text(buf, put_i64(buf, <int64_t>ceil(wall_now + reset)), False))
-    PyDict_SetItem(headers, H_RATELIMIT,
-                   rate_value(PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix), left, reset, False))
-    if retry >= 1:
-        PyDict_SetItem(headers, H_RETRY, ascii_text(buf, put_i64(buf, retry), False))
+    PyDict_SetItem(headers, H_REMAINING, ascii_text(v.remaining, v.n_remaining, False))
+    PyDict_SetItem(headers, H_RESET, ascii_text(v.reset_at, v.n_reset, False))
+    PyDict_SetItem(headers, H_RATELIMIT, prefixed_rate(prefix, &v, False))
+    if v.n_retry:
+        PyDict_SetItem(headers, H_RETRY, ascii_text(v.retry, v.n_retry, False))
     return headers
 
 
@@ -224,6 +239,7 @@ cdef class AdmittedRequests:
         writes them."""
         cdef int64_t left
         cdef double reset
+        cdef HeaderValues v
         cdef Decision d
         if type(decision) is Decision:
             d = <Decision>decision
@@ -233,9 +249,10 @@ cdef class AdmittedRequests:
             left = decision.remaining
             reset = decision.reset_after
         check_header_times(wall_now, reset)
-        text = f"{left}"
-        reset_at = f"{<int64_t>ceil(wall_now + reset)}"
-        rate = f"{r_prefix}{text};t={<int64_t>ceil(reset)}"
+        header_values(&v, left, reset, wall_now, 0)
+        text = ascii_text(v.remaining, v.n_remaining, False)
+        reset_at = ascii_text(v.reset_at, v.n_reset, False)
+        rate = r_prefix + ascii_text(v.rate, v.n_rate, False)
         if type(headers) is dict:
             PyDict_SetItem(headers, H_LIMIT, limit_str)
             PyDict_SetItem(headers, H_REMAINING, text)
@@ -262,6 +279,7 @@ cdef class AdmittedRequests:
         cdef int64_t left
         cdef double reset
         cdef int64_t retry
+        cdef HeaderValues v
         cdef Decision d
         if type(decision) is Decision:
             d = <Decision>decision
@@ -271,13 +289,13 @@ cdef class AdmittedRequests:
             left = decision.remaining
             reset = decision.reset_after
         retry = retry_value(wall_now, reset, retry_after)
-        text = f"{left}"
+        header_values(&v, left, reset, wall_now, retry)
         PyDict_SetItem(headers, H_LIMIT, limit_str)
-        PyDict_SetItem(headers, H_REMAINING, text)
-        PyDict_SetItem(headers, H_RESET, f"{<int64_t>ceil(wall_now + reset)}")
+        PyDict_SetItem(headers, H_REMAINING, ascii_text(v.remaining, v.n_remaining, False))
+        PyDict_SetItem(headers, H_RESET, ascii_text(v.reset_at, v.n_reset, False))
         PyDict_SetItem(headers, H_POLICY, policy)
-        PyDict_SetItem(headers, H_RATELIMIT, f"{r_prefix}{text};t={<int64_t>ceil(reset)}")
-        PyDict_SetItem(headers, H_RETRY, f"{retry}")
+        PyDict_SetItem(headers, H_RATELIMIT, r_prefix + ascii_text(v.rate, v.n_rate, False))
+        PyDict_SetItem(headers, H_RETRY, ascii_text(v.retry, v.n_retry, False))
         return retry
 
     def __repr__(self):

@@ -222,6 +222,30 @@ class BatchResult(Sequence["Decision"]):
         return f"<BatchResult n={len(self)} allowed={self.allowed_count} rule={self.rule!r}>"
 
 
+def rule_texts(rule: str, limit: int, window: float) -> tuple[str, str, str]:
+    """A rule's constant header text: ``X-RateLimit-Limit``,
+    ``RateLimit-Policy`` (its window in whole seconds, rounded up, at least
+    1) and ``RateLimit`` up to its remaining count."""
+    return str(limit), f'"{rule}";q={limit};w={max(1, math.ceil(window))}', f'"{rule}";r='
+
+
+def five_headers(
+    limit_str: str, policy: str, r_prefix: str, left: int, reset_after: float, wall_now: float
+) -> dict[str, str]:
+    """docs/spec.md §2's five rate-limit headers from a rule's constant
+    texts (``rule_texts``): the one place the Python twin formats them, for
+    ``Decision.headers`` and the gateway's ``rate_headers`` alike (the
+    native twin's is ``header_values`` in _core_gateway.pxi)."""
+    text = str(left)
+    return {
+        "X-RateLimit-Limit": limit_str,
+        "X-RateLimit-Remaining": text,
+        "X-RateLimit-Reset": str(math.ceil(wall_now + reset_after)),
+        "RateLimit-Policy": policy,
+        "RateLimit": f"{r_prefix}{text};t={math.ceil(reset_after)}",
+    }
+
+
 def render_headers(
     allowed: bool,
     limit: int,
@@ -235,14 +259,7 @@ def render_headers(
     """docs/spec.md §2: the GitHub-style trio, the IETF draft-10 pair, and Retry-After."""
     if wall_now is None:
         wall_now = time.time()
-    left = max(0, remaining)
-    headers = {
-        "X-RateLimit-Limit": str(limit),
-        "X-RateLimit-Remaining": str(left),
-        "X-RateLimit-Reset": str(math.ceil(wall_now + reset_after)),
-        "RateLimit-Policy": f'"{rule}";q={limit};w={max(1, math.ceil(window))}',
-        "RateLimit": f'"{rule}";r={left};t={math.ceil(reset_after)}',
-    }
+    headers = five_headers(*rule_texts(rule, limit, window), max(0, remaining), reset_after, wall_now)
     if not allowed:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
     return headers

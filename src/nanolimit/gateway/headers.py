@@ -1,11 +1,11 @@
 """The gateway's answer as HTTP writes it: the five rate-limit headers,
 ``Retry-After`` and the 429 body (docs/spec.md §2).
 
-One renderer for the gateway's Python path. The core renders the same
-headers from a whole Decision (``Decision.headers``); the gateway renders
-them from a rule's pieces formatted once per rule (``X-RateLimit-Limit``,
-``RateLimit-Policy``, the ``RateLimit`` prefix), because a request should
-not format what never changes. When the native core is built, admitted
+The gateway renders them from a rule's pieces formatted once per rule
+(``X-RateLimit-Limit``, ``RateLimit-Policy``, the ``RateLimit`` prefix),
+because a request should not format what never changes; the core renders
+a whole Decision's (``Decision.headers``) through the same two functions,
+``rule_texts`` and ``five_headers`` (the Python twin's one place). When the native core is built, admitted
 requests get their headers from ``AdmittedRequests.record`` in C; this
 module writes them otherwise and for every denial, and must write the same
 bytes and refuse the same inputs (``tests/test_gateway_headers.py`` holds
@@ -20,6 +20,7 @@ import re
 from typing import NamedTuple
 
 from .._clocks import MAX_TIME
+from .._decision_py import five_headers, rule_texts
 from ..errors import ValidationError
 
 __all__ = [
@@ -62,29 +63,22 @@ def rule_pieces(rule: str, capacity: int, window_seconds: float) -> RulePieces:
     """A rule's constant header text, formatted once per rule (as
     ``Decision.headers`` formats it per call): the policy's window in whole
     seconds, rounded up, at least 1."""
-    window = max(1, _ceil(window_seconds))
-    return RulePieces(str(capacity), f'"{rule}";q={capacity};w={window}', f'"{rule}";r=')
+    return RulePieces(*rule_texts(rule, capacity, window_seconds))
 
 
 def rate_headers(
     limit_str: str, policy: str, r_prefix: str, left: int, reset: float, wall_now: float
 ) -> dict[str, str]:
     """The five rate-limit headers of one decision, from its rule's
-    preformatted pieces: what ``AdmittedRequests.record`` writes in C.
+    preformatted pieces (``five_headers``): what ``AdmittedRequests.record``
+    writes in C.
 
     Refuses (``ValidationError``) a wall clock that is not a finite time and
     a reset outside ``[0, MAX_HEADER_SECONDS)``, as the native lane does:
     those would be written as NaN, an overflow or a 300-digit header."""
     if not (abs(wall_now) < MAX_TIME and 0.0 <= reset < MAX_HEADER_SECONDS):
         raise ValidationError(f"cannot write headers for wall_now={wall_now!r}, reset_after={reset!r}")
-    text = str(left)
-    return {
-        "X-RateLimit-Limit": limit_str,
-        "X-RateLimit-Remaining": text,
-        "X-RateLimit-Reset": str(_ceil(wall_now + reset)),
-        "RateLimit-Policy": policy,
-        "RateLimit": f"{r_prefix}{text};t={_ceil(reset)}",
-    }
+    return five_headers(limit_str, policy, r_prefix, left, reset, wall_now)
 
 
 def retry_seconds(retry_after: float) -> int:
