@@ -59,3 +59,27 @@ def ok_handler(request: Request) -> Response:
 
 def get(path: str = "/", client: str | None = "192.0.2.1", method: str = "GET", **headers: str) -> Request:
     return Request(method, path, {k.replace("_", "-").lower(): v for k, v in headers.items()}, client)
+
+
+def audit_decisions(monkeypatch: Any) -> list[bool | None]:
+    """Log the answer of each call of a pipeline's public ``decide`` (the
+    native twin binds its C lane per pipeline, so each new pipeline's own is
+    wrapped): a front end that decided in a copy of its own logs nothing."""
+    from nanolimit.gateway.middleware import RateLimitPipeline
+
+    log: list[bool | None] = []
+    init = RateLimitPipeline.__init__
+
+    def audited_init(self: Any, *args: Any, **kw: Any) -> None:
+        init(self, *args, **kw)
+        decide = self.decide
+
+        def audited(*args: Any, **kw: Any) -> Any:
+            outcome = decide(*args, **kw)
+            log.append(None if outcome is None else outcome[0])
+            return outcome
+
+        self.decide = audited
+
+    monkeypatch.setattr(RateLimitPipeline, "__init__", audited_init)
+    return log

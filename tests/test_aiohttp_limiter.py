@@ -751,3 +751,24 @@ def test_bad_arguments_are_clear_errors() -> None:
         nl_aiohttp.setup(app, RuleRegistry([rule()]), headers="yes")
     after = (len(app.middlewares), len(app.on_startup), len(app.on_response_prepare))
     assert after == before  # a bad call changes nothing
+
+
+def test_the_middleware_decides_through_the_pipelines_public_decide(
+    backend: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway_helpers import audit_decisions
+
+    log = audit_decisions(monkeypatch)
+    app = web.Application()
+    app.router.add_get("/api/items", hello)
+    nl_aiohttp.setup(app, RuleRegistry([rule("api", 2, path_prefix="/api")]), factory(backend))
+
+    async def body(client: TestClient[Any, Any]) -> list[int]:
+        out = []
+        for _ in range(3):
+            async with client.get("/api/items") as r:
+                out.append(r.status)
+        return out
+
+    assert serve(app, body) == [200, 200, 429]
+    assert log == [True, True, False]

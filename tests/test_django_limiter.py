@@ -829,3 +829,13 @@ def test_async_views_get_the_same_headers_and_429(nano: Any) -> None:
     replies = asyncio.run(run())
     assert [r.status_code for r in replies] == [200, 200, 200, 429]
     assert _rate_headers(replies[0]) == list(RATE) and _rate_headers(replies[3]) == [*RATE, "Retry-After"]
+
+
+def test_the_middleware_decides_through_the_pipelines_public_decide(
+    nano: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway_helpers import audit_decisions
+
+    log = audit_decisions(monkeypatch)
+    assert statuses(Client(), "/hello", 4) == [200, 200, 200, 429]
+    assert log == [True, True, True, False]

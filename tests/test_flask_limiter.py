@@ -1221,3 +1221,22 @@ def test_a_request_outside_the_apps_wsgi_app_is_still_answered_and_settled(
     replies = [client.get("/") for _ in range(3)]
     assert [r.status_code for r in replies] == [200] * 3
     assert all(r.headers["X-RateLimit-Remaining"] == "0" for r in replies)
+
+
+def test_the_extension_decides_through_the_pipelines_public_decide(
+    backend: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway_helpers import audit_decisions
+
+    log = audit_decisions(monkeypatch)
+    limiter = _limiter(backend)
+    app = Flask("audited")
+
+    @app.get("/")
+    @limiter.limit("2/minute")
+    def home() -> str:
+        return "ok"
+
+    limiter.init_app(app)
+    assert _statuses(app.test_client(), "/", 3) == [200, 200, 429]
+    assert log == [True, True, False]
