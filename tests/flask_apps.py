@@ -7,12 +7,15 @@ only ``src`` and ``tests`` on the path.
 ``right`` answers 200 (refunded), anything else 401 (counted). ``/health``
 is exempt, for the readiness probe. Each response says which worker thread
 answered (``X-Thread``), so a test can see the requests ran concurrently.
+With ``NANOLIMIT_FLASK_HANDLER=1`` the app answers 429s with a handler of
+its own (``errorhandler(429)``).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 from flask import Flask, request
 
@@ -20,6 +23,7 @@ from nanolimit.flask import Limiter
 
 FAILS_ENV = "NANOLIMIT_FLASK_FAILS"
 FAILS = int(os.environ.get(FAILS_ENV, "10"))
+HANDLER_ENV = "NANOLIMIT_FLASK_HANDLER"
 
 limiter = Limiter()
 
@@ -43,6 +47,12 @@ def login_app() -> Flask:
     app = Flask("flask_apps")
     app.add_url_rule("/login", view_func=login, methods=["POST"])
     app.add_url_rule("/health", view_func=health)
+    if os.environ.get(HANDLER_ENV) == "1":
+
+        @app.errorhandler(429)
+        def too_many(exc: Any) -> tuple[dict[str, Any], int]:
+            return {"own": True, "rule": exc.outcome.rule}, 429
+
     limiter.init_app(app)
     limiter.check_routes(app)
     return app

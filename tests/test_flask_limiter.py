@@ -445,10 +445,11 @@ def test_a_view_that_raises_is_settled_as_500(backend: types.SimpleNamespace) ->
     assert _statuses(client, "/flaky", 3) == [401, 401, 429]
 
 
-def _gunicorn(port: int, log: Path, fails: int) -> subprocess.Popen[bytes]:
+def _gunicorn(port: int, log: Path, fails: int, handler: bool = False) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(TESTS)])
     env["NANOLIMIT_FLASK_FAILS"] = str(fails)
+    env["NANOLIMIT_FLASK_HANDLER"] = "1" if handler else "0"
     argv = ["timeout", "90", sys.executable, "-m", "gunicorn", "-w", "1", "-k", "gthread", "--threads", "8"]
     argv += ["-b", f"127.0.0.1:{port}", "--timeout", "30", "--graceful-timeout", "3"]
     argv += ["--log-level", "warning"]
@@ -465,12 +466,12 @@ def _gunicorn(port: int, log: Path, fails: int) -> subprocess.Popen[bytes]:
 
 
 @contextlib.contextmanager
-def _served(tmp_path: Path, fails: int) -> Iterator[int]:
+def _served(tmp_path: Path, fails: int, handler: bool = False) -> Iterator[int]:
     """gunicorn, one worker of 8 threads, bounded by ``timeout`` and stopped by its PID."""
     pytest.importorskip("gunicorn")
     port = free_port()
     log = tmp_path / "gunicorn.log"
-    proc = _gunicorn(port, log, fails)
+    proc = _gunicorn(port, log, fails, handler)
     try:
         deadline = time.monotonic() + 30.0
         while True:
@@ -1240,3 +1241,20 @@ def test_the_extension_decides_through_the_pipelines_public_decide(
     limiter.init_app(app)
     assert _statuses(app.test_client(), "/", 3) == [200, 200, 429]
     assert log == [True, True, False]
+
+
+@pytest.mark.parametrize("handler", [False, True], ids=["no-handler", "errorhandler-429"])
+def test_a_denial_on_gunicorn_with_and_without_the_apps_429_handler(tmp_path: Path, handler: bool) -> None:
+    """A real server's denial: the JSON 429 when the app has no handler of
+    its own, the app's ``errorhandler(429)`` answer when it has one; the
+    rate-limit headers on both."""
+    with _served(tmp_path, 2, handler) as port:
+        replies = [raw_request(port, "POST", b"/login?password=wrong") for _ in range(3)]
+    assert [r.status for r in replies] == [401, 401, 429]
+    denied = replies[-1]
+    body = json.loads(denied.body)
+    if handler:
+        assert body == {"own": True, "rule": "flask_apps.login"}
+    else:
+        assert body["error"] == "rate_limit_exceeded" and body["rule"] == "flask_apps.login"
+    assert int(denied.headers["retry-after"]) >= 1 and denied.headers["x-ratelimit-remaining"] == "0"
