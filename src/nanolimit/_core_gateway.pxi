@@ -428,7 +428,12 @@ cdef class RuleLane:
             wall_now[0] = now
             return make_decision(&v, lim.p.capacity, lim._rule, lim.p.window)
         d = lim.decide(key, ONE, True)
-        wall_now[0] = nl_wall_now() if self.wall is None else clock_value(self.wall())
+        if self.wall is not None:
+            wall_now[0] = clock_value(self.wall())
+        elif lim.system_clock and d.at > 0.0:
+            wall_now[0] = d.at      # a shared-memory zone's or a lease's own reading of the clock
+        else:
+            wall_now[0] = nl_wall_now()
         return d
 
     def admit(self, key, int form, native=None, factory=None):
