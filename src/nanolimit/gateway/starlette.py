@@ -285,21 +285,27 @@ def _litestar_resolve(routing: Callable[..., Any], scope: Scope, formats: dict[s
 def handler_for_429(app: Any) -> Callable[..., Any] | None:
     """The app's own handler of a 429, as Starlette's ``ExceptionMiddleware``
     would pick it for ``HTTPException(429)``: by status code, then by the
-    exception's classes. None when the app has none of its own: no
-    ``exception_handlers`` (not a Starlette app), or only FastAPI's stock
-    ``HTTPException`` handler, which answers what our default 429 answers.
+    exception's classes. None when the app has none of its own: not a
+    Starlette app (Litestar's ``exception_handlers`` are its own), or only
+    FastAPI's stock ``HTTPException`` handler, which answers what our
+    default 429 answers.
     ``Exception`` and 500 handlers answer only unhandled errors there
     (``ServerErrorMiddleware``), so they are not asked either."""
+    try:
+        from starlette.applications import Starlette
+        from starlette.exceptions import HTTPException
+    except ImportError:
+        return None
+    # Litestar keeps ``exception_handlers`` too (with one for Starlette's
+    # HTTPException), but answers nothing through Starlette's middleware.
+    if not isinstance(app, Starlette):
+        return None
     handlers = getattr(app, "exception_handlers", None)
     if not isinstance(handlers, dict) or not handlers:
         return None
     handler = handlers.get(429)
     if handler is not None:
         return handler  # type: ignore[no-any-return]
-    try:
-        from starlette.exceptions import HTTPException
-    except ImportError:
-        return None
     stock: Any = None
     with contextlib.suppress(ImportError):
         from fastapi.exception_handlers import http_exception_handler as stock
