@@ -334,3 +334,61 @@ def test_starlette_authenticated_user_is_the_key(backend) -> None:
     assert bob[0].status_code == 200  # same IP, own budget
     anon = asyncio.run(_requests(app, [("GET", "/")] * 2))
     assert [r.status_code for r in anon] == [200, 429] and anon[1].json()["rule"] == "anon"
+
+
+class _Settled:
+    """A charge from another front end: anything with ``settle(status)``."""
+
+    def __init__(self) -> None:
+        self.statuses: list[object] = []
+
+    def settle(self, status: object) -> int:
+        self.statuses.append(status)
+        return 1
+
+
+def _header_sends() -> list[Any]:
+    import nanolimit.gateway.asgi as asgi_module
+    from nanolimit._select import native_core
+
+    sends = [asgi_module._header_send_py]
+    core = native_core()
+    if core is not None:
+        sends.append(core.header_send)
+    return sends
+
+
+@pytest.mark.parametrize("header_send", _header_sends())
+def test_the_send_wrapper_adds_headers_and_settles_only_at_the_response_start(header_send: Any) -> None:
+    """Both twins' wrappers: the pairs go after the app's own headers on the
+    start only, a charge is settled once by the status (a str status as the
+    int it names), and every message reaches the server unchanged otherwise."""
+    seen: list[dict[str, Any]] = []
+
+    async def server_send(message: dict[str, Any]) -> None:
+        seen.append(dict(message))
+
+    charge = _Settled()
+    pairs = [(b"x-ratelimit-limit", b"5")]
+    send = header_send(server_send, pairs, charge)
+
+    async def app() -> None:
+        await send({"type": "http.response.start", "status": "401", "headers": [(b"x-app", b"1")]})
+        await send({"type": "http.response.body", "body": b"no", "more_body": False})
+
+    asyncio.run(app())
+    assert seen[0]["headers"] == [(b"x-app", b"1"), (b"x-ratelimit-limit", b"5")]
+    assert seen[1] == {"type": "http.response.body", "body": b"no", "more_body": False}
+    assert charge.statuses == [401]
+
+    seen.clear()
+    bare = header_send(server_send, [])
+    asyncio.run(bare({"type": "http.response.start", "status": 200}))
+    assert seen == [{"type": "http.response.start", "status": 200}]
+
+    async def teapot() -> None:
+        await header_send(server_send, pairs, charge)({"type": "http.response.start", "status": "teapot"})
+
+    with pytest.raises(ValueError):
+        asyncio.run(teapot())
+    assert seen == [{"type": "http.response.start", "status": 200}] and charge.statuses == [401]

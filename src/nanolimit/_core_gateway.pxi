@@ -405,9 +405,10 @@ cdef class RuleLane:
         self.breach_always = breach_always and breach is not None
         self.log_interval = log_interval if log_interval == log_interval else -1.0
 
-    cdef Decision decide(self, object key, double* wall_now):
+    cdef Decision decide(self, object key, double* wall_now, uint64_t* hashed):
         """The limiter's ``allow(key)``; ``wall_now``: the wall clock the
-        headers are written at (the decision's own reading when it can be)."""
+        headers are written at (the decision's own reading when it can be);
+        ``hashed``: the key's hash in the in-memory store (0: not hashed)."""
         cdef _Limiter lim = self.limiter
         cdef Verdict v
         cdef Py_ssize_t klen
@@ -426,6 +427,7 @@ cdef class RuleLane:
             if status != NL_OK:
                 raise_status(status)
             wall_now[0] = now
+            hashed[0] = h
             return make_decision(&v, lim.p.capacity, lim._rule, lim.p.window)
         d = lim.decide(key, ONE, True)
         if self.wall is not None:
@@ -448,7 +450,8 @@ cdef class RuleLane:
 
     cdef object admit_c(self, object key, int form, object native, object factory):
         cdef double wall_now
-        cdef Decision d = self.decide(key, &wall_now)
+        cdef uint64_t hashed = 0
+        cdef Decision d = self.decide(key, &wall_now, &hashed)
         cdef int64_t left = d.remaining
         cdef double reset = d.reset_after
         cdef int64_t retry
@@ -463,7 +466,7 @@ cdef class RuleLane:
             nl_add_u64_relaxed(&self.counts.allowed_count, 1)
             if left < self.near:
                 nl_add_u64_relaxed(&self.counts.near_count, 1)
-            charge = None if self.count_when is None else new_charge(self, key, d.at)
+            charge = None if self.count_when is None else new_charge(self, key, d.at, hashed)
             return new_outcome(self.outcome_type, True, headers, self.rule, INT_ZERO, d, charge)
         retry = retry_value(wall_now, reset, d.retry_after)
         if self.breach_always:
@@ -515,8 +518,9 @@ cdef class RuleLane:
             return status in <frozenset>when
         return bool(when(status))
 
-    cdef int give_back(self, object key, double at) except -1:
-        """``limiter.refund(key, 1, at=at)``, in C on an in-memory store."""
+    cdef int give_back(self, object key, double at, uint64_t hashed) except -1:
+        """``limiter.refund(key, 1, at=at)``, in C on an in-memory store;
+        ``hashed``: the key's hash from its decision (0: hash it again)."""
         cdef _Limiter lim = self.limiter
         cdef Py_ssize_t klen
         cdef const char* data
@@ -527,7 +531,7 @@ cdef class RuleLane:
             return 0
         data = key_bytes(key, lim.max_key_bytes, &klen)
         now = lim.read_clock()
-        h = lim.store.hash_key(lim.seed, data, klen)
+        h = hashed if hashed != 0 else lim.store.hash_key(lim.seed, data, klen)
         lim.store.refund(h, lim.ns, data, klen, now, 1, at, False, &lim.p)
         return 0
 
@@ -585,11 +589,12 @@ cdef bytes deny_body_head(str rule):
     return b'{"error": "rate_limit_exceeded", "rule": "' + rule.encode("ascii") + b'", "retry_after": '
 
 
-cdef inline Charge new_charge(RuleLane lane, object key, double at):
+cdef inline Charge new_charge(RuleLane lane, object key, double at, uint64_t hashed):
     cdef Charge charge = Charge.__new__(Charge)
     charge.lane = lane
     charge.key = key
     charge.at = at
+    charge.hashed = hashed
     charge.open = True
     return charge
 
@@ -606,6 +611,7 @@ cdef class Charge:
     cdef RuleLane lane
     cdef object key
     cdef double at
+    cdef uint64_t hashed
     cdef bint open
 
     def settle(self, status):
@@ -620,7 +626,7 @@ cdef class Charge:
         self.open = False
         if self.lane.counted(status):
             return 0
-        self.lane.give_back(self.key, self.at)
+        self.lane.give_back(self.key, self.at, self.hashed)
         return 1
 
     async def settle_async(self, status):
@@ -629,6 +635,52 @@ cdef class Charge:
 
     def __repr__(self):
         return f"<Charge {'open' if self.open else 'settled'}>"
+
+
+cdef str S_START = "http.response.start"
+cdef str S_STATUS = "status"
+cdef str S_HEADERS = "headers"
+cdef str S_TYPE = "type"
+
+
+@cython.final
+@cython.freelist(16)
+@cython.auto_pickle(False)
+cdef class HeaderSend:
+    """An ASGI ``send`` that appends the rate-limit headers to the response
+    start and, under ``count_when``, settles the charge by its status. A
+    plain callable that hands back the inner send's awaitable: ``await
+    send(m)`` works the same, and no coroutine is made per message."""
+
+    cdef object send
+    cdef list pairs
+    cdef object charge
+
+    def __call__(self, message):
+        cdef object charge
+        if message[S_TYPE] == S_START:
+            charge = self.charge
+            if charge is not None:
+                status = message.get(S_STATUS, 200)
+                if type(status) is not int:
+                    status = int(status)
+                if type(charge) is Charge:
+                    (<Charge>charge).settle_c(status)
+                else:
+                    charge.settle(status)
+            if self.pairs:
+                message[S_HEADERS] = [*message.get(S_HEADERS, ()), *self.pairs]
+        return self.send(message)
+
+
+def header_send(send, list pairs not None, charge=None):
+    """``send`` with ``pairs`` added to the response start (and ``charge``,
+    if any, settled by its status): see :class:`HeaderSend`."""
+    cdef HeaderSend wrapped = HeaderSend.__new__(HeaderSend)
+    wrapped.send = send
+    wrapped.pairs = pairs
+    wrapped.charge = charge
+    return wrapped
 
 
 cdef str S_PATH = "path"

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMappi
 from typing import Any
 from urllib.parse import unquote
 
+from .._select import native_core
 from .factory import LimiterFactory
 from .headers import RATE_HEADERS
 from .keys import KeyExtractor
@@ -154,19 +155,25 @@ def _pairs(headers: Any) -> list[tuple[bytes, bytes]]:
     return headers if type(headers) is list else _encode(headers)
 
 
-def _settling(send: Send, charge: Any, pairs: list[tuple[bytes, bytes]]) -> Send:
-    """``send`` settling ``charge`` by the status the app sends and adding
-    ``pairs`` to its headers (made apart: a closure in ``__call__`` would
-    make its names cells on every request)."""
+def _header_send_py(send: Send, pairs: list[tuple[bytes, bytes]], charge: Any = None) -> Send:
+    """``send`` adding ``pairs`` to the response start's headers and, with a
+    ``charge``, settling it by the status the app sends (made apart: a
+    closure in ``__call__`` would make its names cells on every request)."""
 
-    async def send_settled(message: Message) -> None:
+    async def send_with_headers(message: Message) -> None:
         if message["type"] == "http.response.start":
-            charge.settle(int(message.get("status", 200)))
+            if charge is not None:
+                charge.settle(int(message.get("status", 200)))
             if pairs:
                 message["headers"] = [*message.get("headers", ()), *pairs]
         await send(message)
 
-    return send_settled
+    return send_with_headers
+
+
+# The native twin's: a callable handing back the inner send's awaitable, so
+# no coroutine is made per message
+_header_send: Callable[..., Send] = getattr(native_core(), "header_send", None) or _header_send_py
 
 
 _JSON = (b"content-type", b"application/json")
@@ -367,21 +374,15 @@ class RateLimitMiddleware:
             # the app sends (a charge settled again gives nothing back)
             pairs = headers if type(headers) is list else _encode(headers)
             try:
-                await self.app(scope, receive, _settling(send, charge, pairs))
+                await self.app(scope, receive, _header_send(send, pairs, charge))
             finally:
                 charge.settle(500)  # no status sent (it raised, or sent nothing): the client saw an error
             return
         if not headers or kind != "http":
             await self.app(scope, receive, send)
             return
-        extra = headers if type(headers) is list else _encode(headers)
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), *extra]
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)
+        pairs = headers if type(headers) is list else _encode(headers)
+        await self.app(scope, receive, _header_send(send, pairs))
 
     def _handler_for(self, scope: Scope) -> Any:
         """The app's own 429 handler (a Starlette or FastAPI app's
