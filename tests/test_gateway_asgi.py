@@ -351,10 +351,10 @@ def _header_sends() -> list[Any]:
     import nanolimit.gateway.asgi as asgi_module
     from nanolimit._select import native_core
 
-    sends = [asgi_module._header_send_py]
+    sends = [pytest.param(asgi_module._header_send_py, id="reference")]
     core = native_core()
     if core is not None:
-        sends.append(core.header_send)
+        sends.append(pytest.param(core.header_send, id="native", marks=pytest.mark.native))
     return sends
 
 
