@@ -167,3 +167,85 @@ def test_a_non_ascii_path_matches_its_rule_as_under_asgi() -> None:
     assert registry.rule_for("GET", request.path).name == "cafe"
     bad = request_from_environ({"PATH_INFO": b"/\xff".decode("latin-1")})  # not UTF-8: replaced, no error
     assert bad.path == "/\ufffd"
+
+
+class _Settled:
+    """A charge recording what it was settled by."""
+
+    def __init__(self) -> None:
+        self.statuses: list[object] = []
+
+    def settle(self, status: object) -> int:
+        self.statuses.append(status)
+        return 1
+
+
+def _header_starts() -> list[Any]:
+    import nanolimit.gateway.wsgi as wsgi_module
+    from nanolimit._select import native_core
+
+    starts = [pytest.param(wsgi_module._header_start_py, id="reference")]
+    core = native_core()
+    if core is not None:
+        starts.append(pytest.param(core.header_start, id="native", marks=pytest.mark.native))
+    return starts
+
+
+@pytest.mark.parametrize("header_start", _header_starts())
+def test_the_start_response_wrapper_adds_headers_and_settles_by_the_status_line(header_start: Any) -> None:
+    """Both twins' wrappers: the pairs go after the app's own headers, a
+    charge is settled by the status line's code (500 for a line with none)
+    on every call, exc_info is passed on only when given, and the app's
+    list is not changed in place."""
+    calls: list[tuple[Any, ...]] = []
+
+    def server_start(*args: Any) -> str:
+        calls.append(args)
+        return "write"
+
+    charge = _Settled()
+    pairs = [("X-RateLimit-Limit", "5")]
+    start = header_start(server_start, pairs, charge)
+    own = [("X-App", "1")]
+    assert start("401 Unauthorized", own) == "write"
+    assert calls == [("401 Unauthorized", [("X-App", "1"), ("X-RateLimit-Limit", "5")])]
+    assert own == [("X-App", "1")] and charge.statuses == [401]
+
+    error = (ValueError, ValueError("late"), None)
+    start("500 Internal Server Error", [], error)
+    start("teapot", ())
+    assert calls[1:] == [
+        ("500 Internal Server Error", [("X-RateLimit-Limit", "5")], error),
+        ("teapot", [("X-RateLimit-Limit", "5")]),
+    ]
+    assert charge.statuses == [401, 500, 500]
+
+    calls.clear()
+    header_start(server_start, pairs)("200 OK", [])
+    assert calls == [("200 OK", [("X-RateLimit-Limit", "5")])] and charge.statuses == [401, 500, 500]
+
+
+@pytest.mark.native
+@pytest.mark.parametrize(
+    "status",
+    [
+        "200 OK",
+        "429 Too Many Requests",
+        " 20 odd",
+        "٢٠٠ OK",
+        "2_0 x",
+        "-1 x",
+        "99",
+        "",
+        "abc",
+        b"201 Created",
+        None,
+    ],
+)
+def test_the_native_status_code_reads_a_status_line_as_the_reference_does(status: Any) -> None:
+    from nanolimit._select import native_core
+    from nanolimit.gateway.wsgi import _status_code
+
+    core = native_core()
+    assert core is not None
+    assert core.wsgi_status_code(status) == _status_code(status)

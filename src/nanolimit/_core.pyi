@@ -228,6 +228,16 @@ class HeaderSend:
 def header_send(
     send: Callable[[Any], Any], pairs: list[tuple[bytes, bytes]], charge: Any = None
 ) -> HeaderSend: ...
+
+@final
+class HeaderStart:
+    """A WSGI start_response adding the rate-limit headers (and settling a charge)."""
+    def __call__(self, status: Any, response_headers: Any, exc_info: Any = None) -> Any: ...
+
+def header_start(
+    start_response: Callable[..., Any], pairs: list[tuple[str, str]], charge: Any = None
+) -> HeaderStart: ...
+def wsgi_status_code(status: object) -> int: ...
 def settle_outcome(outcome: Any, status: object) -> int: ...
 
 @final

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from .._select import native_core
 from .factory import LimiterFactory
 from .keys import KeyExtractor
 from .metrics import Metrics
@@ -202,22 +203,13 @@ class RateLimitMiddleware:
             # first); a restart after an error refunds nothing more
 
             try:
-                return self.app(environ, _settling(start_response, charge, headers))
+                return self.app(environ, _header_start(start_response, headers, charge))
             except BaseException:
                 charge.settle(500)
                 raise
         if not headers:
             return self.app(environ, start_response)
-
-        def start_with_headers(
-            status: str, response_headers: list[tuple[str, str]], exc_info: Any = None
-        ) -> Any:
-            response_headers = [*response_headers, *headers]  # the outcome's headers, once
-            if exc_info is not None:
-                return start_response(status, response_headers, exc_info)
-            return start_response(status, response_headers)
-
-        return self.app(environ, start_with_headers)
+        return self.app(environ, _header_start(start_response, headers))
 
     def _counted(self, environ: Environ, start_response: StartResponse, outcome: Any) -> Iterable[bytes]:
         """An admitted request under ``count_when`` rules, settled through
@@ -242,19 +234,26 @@ class RateLimitMiddleware:
             raise
 
 
-def _settling(start_response: StartResponse, charge: Any, headers: list[tuple[str, str]]) -> StartResponse:
-    """``start_response`` settling ``charge`` by the status and adding
-    ``headers`` (made apart: a closure in ``__call__`` would make its names
-    cells on every request)."""
+def _header_start_py(
+    start_response: StartResponse, headers: list[tuple[str, str]], charge: Any = None
+) -> StartResponse:
+    """``start_response`` adding ``headers`` and, with a ``charge``,
+    settling it by the status (made apart: a closure in ``__call__`` would
+    make its names cells on every request)."""
 
-    def start_settled(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
-        charge.settle(_status_code(status))
-        response_headers = [*response_headers, *headers]
+    def start_with_headers(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        if charge is not None:
+            charge.settle(_status_code(status))
+        response_headers = [*response_headers, *headers]  # the outcome's headers, once
         if exc_info is not None:
             return start_response(status, response_headers, exc_info)
         return start_response(status, response_headers)
 
-    return start_settled
+    return start_with_headers
+
+
+# The native twin's: a callable object, so no closure is made per request
+_header_start: Callable[..., StartResponse] = getattr(native_core(), "header_start", None) or _header_start_py
 
 
 # status line -> code: apps start their responses with a few constant lines
