@@ -62,7 +62,7 @@ TOLERANCE = 0.10
 # (429) and counted by response (charged, then given back at its 200). They
 # guard the request lane: entered once, headers formatted at binding, a
 # refund in one call. A request costs ~20 times a decision: fewer of them.
-GATEWAY_PATHS = ("asgi_allowed", "asgi_429", "asgi_counted", "wsgi_allowed", "wsgi_429")
+GATEWAY_PATHS = ("asgi_allowed", "asgi_429", "asgi_counted", "wsgi_allowed", "wsgi_429", "wsgi_counted")
 GATEWAY_N1, GATEWAY_N2 = 1_000, 6_000
 
 # The driver: as little as possible besides the decisions themselves.
