@@ -225,6 +225,13 @@ def test_the_start_response_wrapper_adds_headers_and_settles_by_the_status_line(
     assert calls == [("200 OK", [("X-RateLimit-Limit", "5")])] and charge.statuses == [401, 500, 500]
 
 
+class _HugeStatus:
+    """A status object whose first three items read as a code past any C int."""
+
+    def __getitem__(self, item: slice) -> str:
+        return "9" * 30
+
+
 @pytest.mark.native
 @pytest.mark.parametrize(
     "status",
@@ -240,6 +247,9 @@ def test_the_start_response_wrapper_adds_headers_and_settles_by_the_status_line(
         "abc",
         b"201 Created",
         None,
+        bytearray(b"204 No Content"),  # unhashable: read, never looked up
+        ["2", "0", "0"],
+        _HugeStatus(),
     ],
 )
 def test_the_native_status_code_reads_a_status_line_as_the_reference_does(status: Any) -> None:

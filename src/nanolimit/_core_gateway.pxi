@@ -686,10 +686,10 @@ def header_send(send, list pairs not None, charge=None):
 cdef dict STATUS_CODES = {}
 
 
-cdef int status_code(object status) except? -1:
+cdef object status_code(object status):
     """The code of a WSGI status line (``"200 OK"``); 500 for one that has
     none. Three ASCII digits are read in C; anything else as Python's
-    ``int(status[:3])`` reads it (the reference twin's rule)."""
+    ``int(status[:3])`` reads it (the reference twin's rule, however large)."""
     cdef Py_UCS4 a, b, c
     if type(status) is str and len(<str>status) >= 3:
         a = (<str>status)[0]

@@ -262,8 +262,9 @@ _CODES: dict[str, int] = {}
 
 def _status_code(status: str) -> int:
     """The code of a WSGI status line (PEP 3333: ``"200 OK"``); 500 for
-    one that has none."""
-    code = _CODES.get(status)
+    one that has none. Only a str is looked up: a status of another type,
+    even an unhashable one, is read as ``int(status[:3])``."""
+    code = _CODES.get(status) if type(status) is str else None
     if code is None:
         try:
             code = int(status[:3])
