@@ -58,6 +58,7 @@ SHARED_NAMES = {
     "Storage": "nanolimit._protocols",
     "SystemClock": "nanolimit._clocks",
     "UnknownAlgorithmError": "nanolimit.errors",
+    "StorageFullError": "nanolimit.errors",
     "ValidationError": "nanolimit.errors",
     "MAX_KEY_BYTES": "nanolimit._validation",
     "storage_key": "nanolimit._limiter_config",

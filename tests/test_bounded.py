@@ -224,3 +224,77 @@ def test_a_compound_never_forgets_its_own_key_to_make_room(backend, on_full: str
         assert decision.decisions[1].reason == "storage_full"
         assert limiter.state("b") is None and limiter.state("c") is not None
         assert limiter.peek("a").remaining == a_before  # the refused compound charged nothing
+
+
+@pytest.mark.not_on_zone
+@pytest.mark.parametrize("on_full", ["evict", "deny_new"])
+def test_apply_keys_hold_the_bound_too(backend, on_full: str) -> None:
+    """A flood of new ``apply`` keys (a Python algorithm's callers) stops at
+    ``max_keys`` with a clear error that stores nothing; the keys already
+    held are still served."""
+    storage = backend.InMemoryStorage(stripes=4, max_keys=64, on_full=on_full)
+    refused = 0
+    for i in range(1000):
+        try:
+            assert storage.apply(f"k{i}", 1.0, lambda s: (1, "stored")) == "stored"
+        except backend.StorageFullError as error:
+            assert f"'k{i}'" in str(error) and "max_keys=64" in str(error)
+            refused += 1
+    assert len(storage) == 64
+    assert refused == 1000 - 64
+    assert storage.stats()["denied_new"] == refused
+    # a refused key was not stored; a held one still takes a new state
+    held = [k for k in storage.keys() if storage.apply(k, 2.0, lambda s: (s, s)) == 1]
+    assert len(held) == 64
+    assert storage.apply(held[0], 3.0, lambda s: (s + 1, s + 1)) == 2
+    assert storage.apply("k999", 3.0, lambda s: (s, s)) is None or "k999" in held
+
+
+@pytest.mark.not_on_zone
+def test_a_new_apply_key_takes_the_place_of_a_limiter_key_at_rest(backend) -> None:
+    clock = backend.FakeClock(0.0)
+    storage = backend.InMemoryStorage(stripes=1, max_keys=16, on_full="deny_new")
+    limiter = backend.FixedWindowCounter(5, 1.0, storage, clock, rule="r")
+    limiter.allow_many([f"old{i}" for i in range(16)])
+    with pytest.raises(backend.StorageFullError):
+        storage.apply("fresh", 0.5, lambda s: (1, None))  # every window is open: nothing at rest
+    assert len(storage) == 16 and storage.apply("fresh", 0.5, lambda s: (s, s)) is None
+    clock.advance(5.0)
+    storage.apply("fresh", 5.0, lambda s: (1, None))  # a key at rest makes room
+    assert storage.stats()["evicted_at_rest"] == 1 and len(storage) == 16
+    assert storage.apply("fresh", 5.0, lambda s: (s, s)) == 1
+
+
+@pytest.mark.not_on_zone
+def test_forgetting_or_reading_a_missing_key_never_needs_room(backend) -> None:
+    storage = backend.InMemoryStorage(stripes=1, max_keys=16, on_full="deny_new")
+    for i in range(16):
+        storage.apply(f"k{i}", 1.0, lambda s: (1, None))
+    assert storage.apply("absent", 1.0, lambda s: (None, "forgotten")) == "forgotten"
+    assert storage.apply("absent", 1.0, lambda s: (s, s)) is None
+    assert storage.stats()["denied_new"] == 0
+
+
+def test_eviction_counters_lose_no_count_under_threads(backend) -> None:
+    """Refusals on many stripes at once: ``stats()`` counts every one."""
+    import threading
+
+    clock = backend.FakeClock(0.0)
+    storage = backend.InMemoryStorage(stripes=8, max_keys=64, on_full="deny_new")
+    limiter = backend.FixedWindowCounter(5, 3600.0, storage, clock, rule="r")
+    limiter.allow_many([f"held{i}" for i in range(2000)])
+    base = storage.stats()["denied_new"]
+    refused = [0] * 8
+
+    def flood(t: int) -> None:
+        for i in range(3000):
+            if limiter.allow(f"t{t}-{i}").reason == "storage_full":
+                refused[t] += 1
+
+    threads = [threading.Thread(target=flood, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sum(refused) == 8 * 3000
+    assert storage.stats()["denied_new"] - base == sum(refused)

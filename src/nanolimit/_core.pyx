@@ -84,7 +84,7 @@ from nanolimit._validation import (
     check_storage_options,
     compound_items,
 )
-from nanolimit.errors import ValidationError
+from nanolimit.errors import StorageFullError, ValidationError
 
 cdef extern from "Python.h":
     bint PyUnicode_IS_COMPACT_ASCII(object o)

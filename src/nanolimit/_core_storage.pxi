@@ -548,6 +548,7 @@ cdef class InMemoryStorage:
         cdef Entry* e
         cdef void* old = NULL
         cdef int status = NL_OK
+        cdef bint full = False
         if not callable(mutate):
             raise ValidationError("mutate must be callable")
         applying = self._applying
@@ -597,7 +598,11 @@ cdef class InMemoryStorage:
                     e.state.obj = <void*><PyObject*>new_state
                     if t > e.updated_at:
                         e.updated_at = t
+                elif self.bounded and not room_for_new_key(s, &self.bounds, t):
+                    full = True     # a new key holds the bound as a limiter's does (denied_new)
                 else:
+                    if self.bounded:    # making room may have moved the probe run
+                        stripe_find(s, h, ALG_APPLY, data, <uint32_t>klen, &slot)
                     e = stripe_insert(s, h, ALG_APPLY, data, <uint32_t>klen, slot, &status)
                     if e != NULL:
                         Py_INCREF(new_state)
@@ -611,6 +616,10 @@ cdef class InMemoryStorage:
             Py_DECREF(<object><PyObject*>old)
         if status != NL_OK:
             raise_status(status)
+        if full:
+            raise StorageFullError(
+                f"apply: no room for the new key {key!r}: max_keys={self.max_keys} holds keys it may not "
+                f"forget (on_full={self.on_full!r}); its state was not stored")
         return result
 
     def evict_idle(self, cutoff):

@@ -20,6 +20,7 @@ __all__ = [
     "RuleAlgorithmError",
     "RuleNotFoundError",
     "RuleValidationError",
+    "StorageFullError",
     "StorageUnavailableError",
     "UnenforcedLimitWarning",
     "UnknownAlgorithmError",
@@ -102,6 +103,13 @@ class ConfigError(ValidationError):
 class StorageUnavailableError(RuntimeError):
     """A shared store could not answer a decision (raised only under
     ``on_error="raise"``; the other policies answer a degraded decision)."""
+
+
+class StorageFullError(RuntimeError):
+    """A bounded store (``max_keys``) had no room for a new key of the
+    ``apply`` seam and could make none: its stripe is full of keys it may not
+    forget (``on_full="deny_new"``, keys in debt, other ``apply`` keys).
+    ``mutate`` ran, but its new state was not stored: nothing changed."""
 
 
 class RedisUnavailableError(StorageUnavailableError):

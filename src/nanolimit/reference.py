@@ -40,7 +40,7 @@ from ._validation import (
     check_storage_options,
     compound_items,
 )
-from .errors import UnknownAlgorithmError, ValidationError
+from .errors import StorageFullError, UnknownAlgorithmError, ValidationError
 
 __all__ = [
     "GCRA",
@@ -69,6 +69,7 @@ IMPLEMENTATION = "reference"
 # Keys a full table looks at to make room, as the native table's scan (16)
 # plus sample (8) do.
 EVICTION_LOOK = 24
+EVICTION_COUNTERS = ("evicted_at_rest", "evicted_active", "evicted_idle", "denied_new")
 
 
 class _KeyState:
@@ -543,7 +544,9 @@ class InMemoryStorage:
         ]
         self._bounded = max_keys is not None or self.evict_idle_after is not None
         self._params: dict[tuple[str, str], LimiterConfig] = {}
-        self._counters = {"evicted_at_rest": 0, "evicted_active": 0, "evicted_idle": 0, "denied_new": 0}
+        # per stripe, each changed under its stripe's lock (as the native
+        # table's): one shared dict would lose increments between stripes
+        self._counters = [dict.fromkeys(EVICTION_COUNTERS, 0) for _ in range(stripes)]
 
     def _register(self, ns: tuple[str, str], cfg: LimiterConfig) -> None:
         """Remember the latest parameters of a namespace (for "at rest")."""
@@ -558,7 +561,7 @@ class InMemoryStorage:
         first phase, ``pending`` counts its new keys of this stripe already
         given room (not in yet) and no key of ``keep`` (the compound's) is
         forgotten: committed, the stripe holds at most its cap."""
-        counters = self._counters
+        counters = self._counters[stripe]
         table = self._maps[stripe]
         if self.evict_idle_after is not None:
             cutoff = now - self.evict_idle_after
@@ -570,7 +573,7 @@ class InMemoryStorage:
         # a loop: a compound's second new key of the stripe wants room for two,
         # recounted after each forget (native twin alike)
         while cap and len(table) + pending >= cap:
-            if not self._make_room(table, now, keep):
+            if not self._make_room(stripe, now, keep):
                 counters["denied_new"] += 1
                 return False
         return True
@@ -602,15 +605,14 @@ class InMemoryStorage:
                     return k
         return None
 
-    def _make_room(
-        self, table: dict[tuple[Any, ...], list[Any]], now: float, keep: Container[tuple[Any, ...]] = ()
-    ) -> bool:
+    def _make_room(self, stripe: int, now: float, keep: Container[tuple[Any, ...]] = ()) -> bool:
         """Forget one entry: one at rest, else (``evict``) of the keys not in
         debt the one whose forgetting hands back the fewest units, the least
         recently used among equals. A key in debt is never forgotten to make
         room, nor a key of ``keep`` (the compound being decided). False when
         nothing can go (the new key is refused)."""
-        counters = self._counters
+        counters = self._counters[stripe]
+        table = self._maps[stripe]
         resting = self._first_at_rest(table, now, keep)
         if resting is not None:
             del table[resting]
@@ -635,7 +637,17 @@ class InMemoryStorage:
 
     def stats(self) -> dict[str, int]:
         """Keys held and why keys were forgotten or refused."""
-        return {"keys": len(self), **self._counters}
+        totals = dict.fromkeys(("keys", *EVICTION_COUNTERS), 0)
+        for lock, table, counters in zip(self._locks, self._maps, self._counters):
+            with lock:
+                totals["keys"] += len(table)
+                for name, value in counters.items():
+                    totals[name] += value
+        return totals
+
+    def _room_for_apply(self, full_key: tuple[Any, ...], now: float) -> bool:
+        """A new ``apply`` key's room, made as a limiter key's (the caller holds its stripe's lock)."""
+        return not self._bounded or self._room_for_new_key(hash(full_key) % len(self._maps), now)
 
     def _slot(self, full_key: tuple[Any, ...]) -> tuple[threading.Lock, dict[tuple[Any, ...], list[Any]]]:
         i = hash(full_key) % len(self._maps)
@@ -656,6 +668,11 @@ class InMemoryStorage:
             new_state, result = mutate(None if entry is None else entry[1])
             if new_state is None:
                 table.pop(full_key, None)
+            elif entry is None and not self._room_for_apply(full_key, now):
+                raise StorageFullError(
+                    f"apply: no room for the new key {key!r}: max_keys={self.max_keys} holds keys it may not "
+                    f"forget (on_full={self.on_full!r}); its state was not stored"
+                )
             else:
                 stamp = now if entry is None else max(now, entry[0])
                 table[full_key] = [stamp, new_state]
