@@ -1150,3 +1150,52 @@ def test_a_window_that_begins_before_a_cut_instance_lapses_holds_the_limit(
         # once the server's clock is past b's expiry all the same
         leased = _drain(on_a, a)
         assert (blind, leased) == (50, 50)
+
+
+def test_no_decision_spends_a_lease_that_close_hands_back(backend: Any, redis_server: Any) -> None:
+    """``close()`` hands every lease back with its last sync. A decision
+    served while that round trip is in flight spent a lease Redis then gave
+    to the others (a's 50 + b's 99 of 100 before), and one after close, in
+    a new window, a default share nobody reserved; neither was ever pushed.
+    Decisions end when close begins: they raise, and the fleet lands on L."""
+    from nanolimit.errors import ValidationError
+
+    clock = backend.FakeClock(9000.1)
+    a = make_tier(redis_server, "leaving-a", start=False)
+    b = make_tier(redis_server, "leaving-b", start=False)
+    try:
+        on_a = backend.FixedWindowCounter(100, 1.0, storage=a, clock=clock, rule="leave")
+        on_b = backend.FixedWindowCounter(100, 1.0, storage=b, clock=clock, rule="leave")
+        assert on_a.allow("k").allowed and on_b.allow("k").allowed
+        for tier in (a, b, a, b):
+            assert tier.sync_now()  # each: 1 admitted, a lease of 49 held for it
+        refused: list[Exception] = []
+        leaked = []
+        exchange = a._exchange
+
+        def in_flight(*args: Any) -> Any:
+            if a._leaving:  # close()'s last round trip: requests keep coming
+                for _ in range(60):
+                    try:
+                        leaked.append(on_a.allow("k").allowed)
+                    except ValidationError as error:
+                        refused.append(error)
+            return exchange(*args)
+
+        a._exchange = in_flight
+        a.close()
+        assert leaked == [] and len(refused) == 60 and "is closed" in str(refused[0])
+        assert a.fleet_counts(on_a.config, "k")[9000] == 2  # b's 1 and a's: all a admitted was pushed
+        admitted_b = 1
+        for _ in range(4):
+            b.sync_now()
+            admitted_b += sum(on_b.allow("k").allowed for _ in range(200))
+        assert 1 + admitted_b == 100  # before: a spent 49-50 in close's round trip, b its lease too
+        clock.set(9001.1)
+        with pytest.raises(ValidationError, match="is closed"):
+            on_a.allow("k")  # a new window: no share to spend, nothing would push it
+        with pytest.raises(ValidationError, match="is closed"):
+            on_a.refund("k")
+    finally:
+        a.close()
+        b.close()

@@ -116,7 +116,8 @@ class _Work:
 class _Guard:
     """The storage's lock, with the native gate closed while it is held: a
     native limiter's C decisions (``LeaseBook.decide``) wait for the Python
-    side to finish, and resume unless Redis is unreachable."""
+    side to finish, and resume unless Redis is unreachable or the storage
+    is closed."""
 
     __slots__ = ("gate", "lock", "storage")
 
@@ -131,6 +132,6 @@ class _Guard:
             self.gate.close()
 
     def __exit__(self, *exc: object) -> None:
-        if self.gate is not None and not self.storage._blind:
+        if self.gate is not None and not self.storage._blind and not self.storage._closed:
             self.gate.open()
         self.lock.release()

@@ -191,6 +191,7 @@ class TwoTierStorage(_FleetSync):
         self._turn = 0  # counts the background syncs: whose turn it is in a spread sync
         self._plan_spread, self._plan_turn = 1, 0  # the sync being planned
         self._leaving = False  # close(): the last sync asks for no lease
+        self._closed = False  # close(): no decision after it (the gate stays shut, _Guard)
         self._slot_of: Any = None  # a cluster's key -> slot, to group a script's keys
         if getattr(self.remote, "cluster", False):
             self._slot_of = client_package(self.remote.user_client).crc.key_slot
@@ -300,6 +301,8 @@ class TwoTierStorage(_FleetSync):
         charge whose window has passed, or a key not tracked, gives nothing.
         While Redis is unreachable the blind share keeps the unit spent."""
         with self._lock:
+            if self._closed:
+                raise self._closed_error()
             track = self._tracks.get((config, key if type(key) is str else str.__str__(key)))
             if track is None:
                 return
@@ -423,6 +426,8 @@ class TwoTierStorage(_FleetSync):
         return track
 
     def _decide(self, config: LimiterConfig, key: str, cost: int, now: float, commit: bool) -> KernelVerdict:
+        if self._closed:
+            raise self._closed_error()
         track = self._track(config, key, now)
         verdict = self._judge(track, cost, now, commit)
         if commit:
@@ -623,7 +628,14 @@ class TwoTierStorage(_FleetSync):
     def close(self, *, deregister: bool = True) -> None:
         """Stop the sync thread, push what is left and (``deregister``) leave
         the fleet at once rather than after ``heartbeat_ttl``, handing back
-        every lease (the others may then spend it at their next sync)."""
+        every lease (the others may then spend it at their next sync).
+
+        Decisions end first: one admitted during the last round trip would
+        spend a lease that sync hands back, and one after it a share nobody
+        reserves, neither ever pushed. So a decision or refund on a closed
+        storage raises ``ValidationError``."""
+        with self._lock:
+            self._closed = True  # the gate closes with the lock and stays shut
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -635,6 +647,12 @@ class TwoTierStorage(_FleetSync):
         self.sync_now()
         with contextlib.suppress(*self._errors):  # unreachable: our heartbeat simply expires
             self.client.zrem(self._members_key, self.instance_id)
+
+    def _closed_error(self) -> ValidationError:
+        return ValidationError(
+            f"TwoTierStorage {self.instance_id!r} is closed: it syncs no more and has handed its leases "
+            "back, so it decides nothing"
+        )
 
     def __enter__(self) -> TwoTierStorage:
         return self

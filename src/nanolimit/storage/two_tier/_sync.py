@@ -88,6 +88,7 @@ class _FleetSync:
     _plan_turn: int
     _need_full: bool
     _leaving: bool
+    _closed: bool
     _script_loaded: bool
     _joined: bool
     _instances: int
