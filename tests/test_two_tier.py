@@ -1199,3 +1199,40 @@ def test_no_decision_spends_a_lease_that_close_hands_back(backend: Any, redis_se
     finally:
         a.close()
         b.close()
+
+
+def test_a_window_claimed_before_a_member_left_is_spent_at_its_claim(backend: Any, redis_server: Any) -> None:
+    """Three members claim 100 each of the next window (L=300). One leaves;
+    the others' share becomes 150, but Redis still holds 100 for each of
+    them there. Before their first sync of that window they admit what they
+    claimed, not the new share (150 each, then a lease computed around the
+    other's 100: 325 before), so the fleet lands on L in every window."""
+    clock = backend.FakeClock(5000.2)
+    tiers = {name: make_tier(redis_server, f"shrink-{name}", start=False) for name in "abc"}
+    try:
+        limiters = {
+            name: backend.FixedWindowCounter(300, 1.0, storage=tier, clock=clock, rule="shrink")
+            for name, tier in tiers.items()
+        }
+        for tier in [*tiers.values()] * 2:
+            assert tier.sync_now()
+        for name in "abc":
+            assert limiters[name].allow("k").allowed
+        for tier in tiers.values():
+            assert tier.sync_now()  # each claims its 100 of window 5001
+        tiers["c"].close()
+        for name in "ab":
+            assert tiers[name].sync_now()
+            assert tiers[name].instances == 2 and tiers[name]._share(300) == 150
+        clock.set(5001.1)
+        first = {name: sum(limiters[name].allow("k").allowed for _ in range(400)) for name in "ab"}
+        assert first == {"a": 100, "b": 100}  # the claims, before any sync of the window
+        total = sum(first.values())
+        for _ in range(4):
+            for name in "ab":
+                assert tiers[name].sync_now()
+                total += sum(limiters[name].allow("k").allowed for _ in range(400))
+        assert total == 300
+    finally:
+        for tier in tiers.values():
+            tier.close()

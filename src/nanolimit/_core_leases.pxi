@@ -771,7 +771,7 @@ cdef class LeaseBook:
         cdef Py_ssize_t slot, first = self.py_len, n = 0, before
         cdef LeaseRecord* r
         cdef SyncItem* it
-        cdef int64_t k
+        cdef int64_t k, unleased
         cdef double weight
         cdef bint failed = False, pair, settling, resend
         cdef bint full = self.plan_full
@@ -847,8 +847,11 @@ cdef class LeaseBook:
                 r.s_want = it.want
                 r.want = 0
                 it.ms = self.expiry_ms(r, k)
+                unleased = self.plan_share      # _FleetSync._unleased: no more than our claim there
+                if r.p_claimed != LEASE_NONE and r.p_claimed < unleased:
+                    unleased = r.p_claimed
                 it.held = (0 if r.s_acked == LEASE_NONE else r.s_acked) + (
-                    self.plan_share if r.s_lease == LEASE_NONE else r.s_lease)
+                    unleased if r.s_lease == LEASE_NONE else r.s_lease)
                 it.claim = 0
                 if it.value and r.s_claimed != self.plan_share and self.plan_share:
                     it.claim = self.plan_share
@@ -993,6 +996,8 @@ cdef class LeaseBook:
                     r.s_lease = 0 if rejoined else lease
                     if it.claim and claimed:
                         r.s_claimed = it.claim
+                        if r.next_ceiling > it.claim:   # _load: the claim bounds the next window
+                            r.next_ceiling = it.claim
                     r.s_want = 0                # asked for with this sync
                     if r.window_index == it.window_index and not r.prev_pending:
                         r.ceiling = r.s_pushed + r.s_lease   # _load: pushed + the lease

@@ -453,7 +453,7 @@ class TwoTierStorage(_FleetSync):
         since = track.own.get(k, 0) - track.pushed.get(k, 0)
         share = track.lease.get(k)
         if share is None:
-            share = self._share(limit)
+            share = self._unleased(track, k)
         fits = estimate + cost <= limit
         degraded = False
         if self._blind:

@@ -224,10 +224,9 @@ class _FleetSync:
         if track.book is None:
             return
         k = math.floor(track.last_now / track.window)
-        default = self._share(track.limit)
         share = track.lease.get(k)
         if share is None:
-            share = default
+            share = self._unleased(track, k)
         track.book.load(
             track.slot,
             k,
@@ -236,7 +235,7 @@ class _FleetSync:
             track.seen_total.get(k, 0) - track.seen_own.get(k, 0),
             self._fleet(track, k - 1) if track.sliding else 0,
             track.last_now,
-            default,  # a later window's ceiling, when C rolls the key over before a sync
+            self._unleased(track, k + 1),  # the next window's ceiling, when C rolls into it before a sync
             self._fast_state(track, k),
         )
 
@@ -283,6 +282,15 @@ class _FleetSync:
         we are silent)."""
         members = max(1, self._members or self._instances)
         return limit // members + (1 if self._rank < limit % members else 0)
+
+    def _unleased(self, track: _Track, k: int) -> int:
+        """What we may admit in window ``k`` before its first lease: our
+        default share, but never more than the claim Redis holds for us
+        there. A claim made before the fleet shrank is the smaller one, and
+        the others lease around it, not around our larger share now."""
+        share = self._share(track.limit)
+        claimed = track.claimed.get(k)
+        return share if claimed is None or claimed >= share else claimed
 
     def _ceiling(self, track: _Track, k: int, share: int) -> int:
         """The most our count in window ``k`` may reach before the reply of
@@ -824,7 +832,8 @@ class _FleetSync:
                 if self._blind:
                     held = self._ceiling(track, w, share)
                 else:  # _ceiling, inline: once per key and sync
-                    held = track.acked.get(w, 0) + track.lease.get(w, share)
+                    lease = track.lease.get(w)
+                    held = track.acked.get(w, 0) + (self._unleased(track, w) if lease is None else lease)
                 item = _Work(track, w, value, True, self._hash_key(track, w), spec, weight, held)
                 if value and track.claimed.get(w + 1) != share and share:
                     # we admit this key now: reserve our default share of the next
