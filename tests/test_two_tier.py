@@ -714,6 +714,12 @@ def _drain(limiter: Any, tier: Any, key: str = "k") -> int:
         ({"partition_grace": 10**6}, "partition_grace"),
         ({"instances": 0}, "instances"),
         ({"prefix": "a{b}"}, "prefix"),
+        ({"instance_id": 7}, "instance_id"),
+        ({"instance_id": b"host-1"}, "instance_id"),
+        ({"instance_id": "host\udc80"}, "instance_id"),  # a lone surrogate: no UTF-8 for Redis
+        ({"instance_id": "host\n1"}, "instance_id"),
+        ({"instance_id": "x" * 300}, "instance_id"),
+        ({"instance_id": "lease:x"}, "instance_id"),
     ],
 )
 def test_bad_settings_are_refused(redis_server: Any, kwargs: dict[str, Any], message: str) -> None:

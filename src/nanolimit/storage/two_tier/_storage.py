@@ -137,9 +137,17 @@ class TwoTierStorage(_FleetSync):
         self.client = derive_client(self.remote.user_client, self.timeout)
         self.heartbeat_ttl = float(heartbeat_ttl)
         self.partition_grace = float(partition_grace)
+        if instance_id is not None and not isinstance(instance_id, str):
+            raise ValidationError(
+                f"instance_id must be a str (this instance's field name in Redis), got {instance_id!r}"
+            )
         self.instance_id = instance_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         if self.instance_id.startswith("lease:"):
             raise ValidationError("instance_id must not start with 'lease:' (the lease fields' prefix)")
+        if not self.instance_id.isprintable() or len(self.instance_id.encode("utf-8", "replace")) > 256:
+            raise ValidationError(
+                f"instance_id must be printable UTF-8 of at most 256 bytes, got {self.instance_id!r}"
+            )
         self.prefix = prefix
         self._id_bytes = self.instance_id.encode()
         # the client package's own error base and OSError, as RedisStorage catches them
