@@ -196,6 +196,32 @@ def test_shared_limit_is_one_budget_for_every_route(backend: types.SimpleNamespa
     assert client.get("/search").get_json()["rule"] == "reports"
 
 
+def test_a_limit_on_one_of_two_views_of_one_rule_is_that_views_alone(backend: types.SimpleNamespace) -> None:
+    """GET /login unlimited beside a limited POST /login: the limit is the
+    POST view's (docs/routes.md tells the two routes apart by their
+    methods), so GETs neither get its headers nor spend its budget; HEAD
+    goes with GET."""
+    limiter = _limiter(backend)
+    app = Flask("shared_template")
+
+    @app.get("/login")
+    def login_form() -> str:
+        return "form"
+
+    @app.post("/login")
+    @limiter.limit("3/minute")
+    def login_submit() -> str:
+        return "ok"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert _statuses(client, "/login", 5) == [200] * 5
+    assert "X-RateLimit-Limit" not in client.get("/login").headers
+    assert _statuses(client, "/login", 2, method="HEAD") == [200] * 2
+    assert _statuses(client, "/login", 4, method="POST") == [200, 200, 200, 429]
+    assert client.get("/login").status_code == 200
+
+
 def test_exempt_view_and_blueprint_escape_even_the_default_limit(backend: types.SimpleNamespace) -> None:
     limiter = _limiter(backend, default_limits="2/minute")
     hooks = Blueprint("hooks", __name__, url_prefix="/hooks")
