@@ -222,6 +222,29 @@ def test_a_limit_on_one_of_two_views_of_one_rule_is_that_views_alone(backend: ty
     assert client.get("/login").status_code == 200
 
 
+def test_a_view_that_alone_answers_several_methods_keeps_one_budget(backend: types.SimpleNamespace) -> None:
+    """A limited view answering PUT and DELETE beside a GET view of the same
+    template: a rule per method would give PUT and DELETE 3 each (6 in
+    all); the limit stays one budget over the template (docs/routes.md)."""
+    limiter = _limiter(backend)
+    app = Flask("several_alone")
+
+    @app.get("/items/<int:item>")
+    def read(item: int) -> str:
+        return "item"
+
+    @app.route("/items/<int:item>", methods=["PUT", "DELETE"])
+    @limiter.limit("3/minute")
+    def change(item: int) -> str:
+        return "changed"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert _statuses(client, "/items/1", 2, method="PUT") == [200, 200]
+    assert _statuses(client, "/items/1", 2, method="DELETE") == [200, 429]
+    assert client.put("/items/1").status_code == 429
+
+
 def test_exempt_view_and_blueprint_escape_even_the_default_limit(backend: types.SimpleNamespace) -> None:
     limiter = _limiter(backend, default_limits="2/minute")
     hooks = Blueprint("hooks", __name__, url_prefix="/hooks")

@@ -487,8 +487,9 @@ def _alone(view: int, views: dict[int, frozenset[str] | None]) -> tuple[str, ...
     (None, ``"*"``) when the view is the template's only one; else those no
     other view answers, as :func:`_exemption` reads them, so a limited POST
     view never limits (or is spent by) the GET view beside it. HEAD goes
-    with GET, as a GET rule covers it. None too when no method is the
-    view's alone (the router's order decides which view serves)."""
+    with GET, as a GET rule covers it. None too when no method, or more
+    than one, is the view's alone: a rule covers one method or all, and one
+    budget over the template errs on the side of the limit."""
     others = [methods for other, methods in views.items() if other != view]
     if not others or any(methods is None for methods in others):
         return None
@@ -496,7 +497,9 @@ def _alone(view: int, views: dict[int, frozenset[str] | None]) -> tuple[str, ...
     alone = (_METHODS if own is None else own).difference(*(m for m in others if m is not None))
     if "GET" in alone:
         alone = alone - {"HEAD"}  # the GET rule covers HEAD
-    return tuple(sorted(alone)) or None
+    # one method alone: that method's rule. Several keep "*" (one budget):
+    # a rule per method would give each its own, the view's limit times over
+    return tuple(alone) if len(alone) == 1 else None
 
 
 def _rules_by_methods(
