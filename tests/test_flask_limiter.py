@@ -245,6 +245,30 @@ def test_a_view_that_alone_answers_several_methods_keeps_one_budget(backend: typ
     assert client.put("/items/1").status_code == 429
 
 
+def test_a_view_on_two_templates_keeps_one_budget_over_both(backend: types.SimpleNamespace) -> None:
+    """The limited view serves /login (beside a GET view: POST alone) and
+    /signin (alone: every method). A rule set per template would give each
+    the whole limit; one budget covers both."""
+    limiter = _limiter(backend)
+    app = Flask("two_templates")
+
+    @app.get("/login")
+    def form() -> str:
+        return "form"
+
+    @app.post("/login")
+    @app.post("/signin")
+    @limiter.limit("3/minute")
+    def submit() -> str:
+        return "ok"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert _statuses(client, "/login", 2, method="POST") == [200, 200]
+    assert _statuses(client, "/signin", 2, method="POST") == [200, 429]
+    assert client.post("/login").status_code == 429
+
+
 def test_exempt_view_and_blueprint_escape_even_the_default_limit(backend: types.SimpleNamespace) -> None:
     limiter = _limiter(backend, default_limits="2/minute")
     hooks = Blueprint("hooks", __name__, url_prefix="/hooks")

@@ -505,23 +505,14 @@ def _alone(view: int, views: dict[int, frozenset[str] | None]) -> tuple[str, ...
 def _rules_by_methods(
     d: Limit, base: str, templates: dict[str, tuple[str, ...] | None]
 ) -> list[RateLimitRule]:
-    """``d``'s rules for its templates: one set of rules for templates whose
-    methods agree (the common case: every template the view's alone, names
-    as before); a view on templates that differ gets one per set, its
-    methods in the name. A shared limit's name is its one budget (its
-    state's namespace), so one whose templates differ keeps every method."""
-    groups: dict[tuple[str, ...] | None, list[str]] = {}
-    for template, methods in templates.items():
-        groups.setdefault(methods, []).append(template)
-    if len(groups) == 1 or d.name is not None:
-        methods = next(iter(groups)) if len(groups) == 1 else None
-        return d.rules(base, tuple(templates), methods)
-    out: list[RateLimitRule] = []
-    for methods, routes in groups.items():
-        out.extend(
-            d.rules(base if methods is None else f"{base}@{'+'.join(methods)}", tuple(routes), methods)
-        )
-    return out
+    """``d``'s rules for its templates: their one method where every
+    template agrees on it (the common case: a POST view beside a GET view);
+    else every method (``"*"``). The rule's name is its one budget (its
+    state's namespace): rules per method or per template would each have
+    the whole limit, so where they would differ the limit keeps one budget
+    over every template, erring on the side of the limit."""
+    methods = set(templates.values())
+    return d.rules(base, tuple(templates), methods.pop() if len(methods) == 1 else None)
 
 
 def _exemption(template: str, view: int, views: dict[int, frozenset[str] | None]) -> ExemptRoute | None:
