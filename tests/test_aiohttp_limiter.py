@@ -218,6 +218,39 @@ def test_route_declarations_templates_exempt_shared_views_and_sub_apps(
     assert "search" in names and any(n.endswith("avatar") for n in names)
 
 
+def test_a_limit_on_one_of_two_handlers_sharing_a_path_is_that_handlers_alone(
+    backend: types.SimpleNamespace,
+) -> None:
+    """add_get and add_post on one path: the POST handler's limit neither
+    limits the GET (nor its HEAD) nor is spent by it (docs/routes.md)."""
+    limits = RouteLimits(algorithm="fixed_window")
+
+    async def form(request: web.Request) -> web.Response:
+        return web.Response(text="form")
+
+    @limits.limit("3/minute")
+    async def submit(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/login", form)
+    app.router.add_post("/login", submit)
+    nl_aiohttp.setup(app, limits=limits, factory=factory(backend))
+
+    async def body(client: TestClient[Any, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {"get": await statuses(client, "/login", 5)}
+        out["get_headers"] = [k for k in RATE if k in (await client.get("/login")).headers]
+        out["head"] = await statuses(client, "/login", 2, "HEAD")
+        out["post"] = await statuses(client, "/login", 4, "POST")
+        out["get_after"] = (await client.get("/login")).status
+        return out
+
+    out = serve(app, body)
+    assert out["get"] == [200] * 5 and out["get_headers"] == [] and out["head"] == [200] * 2
+    assert out["post"] == [200, 200, 200, 429]
+    assert out["get_after"] == 200
+
+
 def test_routes_of_reads_templates_methods_and_views() -> None:
     limits = RouteLimits()
     app = declared_app(limits)

@@ -11,6 +11,7 @@ before the first Redis-limited request gave up.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -92,6 +93,42 @@ def test_the_decision_mode_follows_the_store(own_server: Any) -> None:
         mode(async_store(own_server), decide="inline")
     with pytest.raises(ValueError, match="decide"):
         mode(InMemoryStorage(), decide="later")
+
+
+@pytest.mark.parametrize("make", [async_store, sync_store], ids=["async", "sync"])
+def test_a_status_the_server_cannot_read_settles_a_redis_charge_as_500(own_server: Any, make: Any) -> None:
+    """Awaited and threaded settling read the status before marking the
+    charge settled: a start whose status int() rejects settles as 500, as
+    the inline path does, and never leaves a count_when charge spent."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": "OK", "headers": []})
+
+    registry = RuleRegistry([rule("fails", "/login", 3, count_when={401})])
+    mw = RateLimitMiddleware(app, registry, LimiterFactory(make(own_server, on_error="raise")))
+
+    async def post() -> object:
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request"}
+
+        client = ("203.0.113.9", 1)
+        scope = {"type": "http", "method": "POST", "path": "/login", "client": client, "headers": []}
+        try:
+            await mw(scope, receive, send)
+        except ValueError:
+            return 500
+        return sent[0]["status"]
+
+    async def five() -> list[object]:
+        return [await post() for _ in range(5)]
+
+    assert mw.decide in ("await", "thread")
+    assert asyncio.run(five()) == [500] * 5
 
 
 @pytest.mark.parametrize("make", [async_store, sync_store], ids=["async", "sync"])

@@ -196,6 +196,79 @@ def test_shared_limit_is_one_budget_for_every_route(backend: types.SimpleNamespa
     assert client.get("/search").get_json()["rule"] == "reports"
 
 
+def test_a_limit_on_one_of_two_views_of_one_rule_is_that_views_alone(backend: types.SimpleNamespace) -> None:
+    """GET /login unlimited beside a limited POST /login: the limit is the
+    POST view's (docs/routes.md tells the two routes apart by their
+    methods), so GETs neither get its headers nor spend its budget; HEAD
+    goes with GET."""
+    limiter = _limiter(backend)
+    app = Flask("shared_template")
+
+    @app.get("/login")
+    def login_form() -> str:
+        return "form"
+
+    @app.post("/login")
+    @limiter.limit("3/minute")
+    def login_submit() -> str:
+        return "ok"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert _statuses(client, "/login", 5) == [200] * 5
+    assert "X-RateLimit-Limit" not in client.get("/login").headers
+    assert _statuses(client, "/login", 2, method="HEAD") == [200] * 2
+    assert _statuses(client, "/login", 4, method="POST") == [200, 200, 200, 429]
+    assert client.get("/login").status_code == 200
+
+
+def test_a_view_that_alone_answers_several_methods_keeps_one_budget(backend: types.SimpleNamespace) -> None:
+    """A limited view answering PUT and DELETE beside a GET view of the same
+    template: a rule per method would give PUT and DELETE 3 each (6 in
+    all); the limit stays one budget over the template (docs/routes.md)."""
+    limiter = _limiter(backend)
+    app = Flask("several_alone")
+
+    @app.get("/items/<int:item>")
+    def read(item: int) -> str:
+        return "item"
+
+    @app.route("/items/<int:item>", methods=["PUT", "DELETE"])
+    @limiter.limit("3/minute")
+    def change(item: int) -> str:
+        return "changed"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert _statuses(client, "/items/1", 2, method="PUT") == [200, 200]
+    assert _statuses(client, "/items/1", 2, method="DELETE") == [200, 429]
+    assert client.put("/items/1").status_code == 429
+
+
+def test_a_view_on_two_templates_keeps_one_budget_over_both(backend: types.SimpleNamespace) -> None:
+    """The limited view serves /login (beside a GET view: POST alone) and
+    /signin (alone: every method). A rule set per template would give each
+    the whole limit; one budget covers both."""
+    limiter = _limiter(backend)
+    app = Flask("two_templates")
+
+    @app.get("/login")
+    def form() -> str:
+        return "form"
+
+    @app.post("/login")
+    @app.post("/signin")
+    @limiter.limit("3/minute")
+    def submit() -> str:
+        return "ok"
+
+    limiter.init_app(app)
+    client = app.test_client()
+    assert _statuses(client, "/login", 2, method="POST") == [200, 200]
+    assert _statuses(client, "/signin", 2, method="POST") == [200, 429]
+    assert client.post("/login").status_code == 429
+
+
 def test_exempt_view_and_blueprint_escape_even_the_default_limit(backend: types.SimpleNamespace) -> None:
     limiter = _limiter(backend, default_limits="2/minute")
     hooks = Blueprint("hooks", __name__, url_prefix="/hooks")

@@ -259,3 +259,52 @@ def test_the_native_status_code_reads_a_status_line_as_the_reference_does(status
     core = native_core()
     assert core is not None
     assert core.wsgi_status_code(status) == _status_code(status)
+
+
+def _serve(wrapped: Any, path: str = "/login") -> str:
+    """One request as a WSGI server runs it (PEP 3333): the body iterated,
+    then closed; an app error is the server's 500."""
+    status: list[str] = []
+    environ = {"REQUEST_METHOD": "POST", "PATH_INFO": path, "REMOTE_ADDR": "203.0.113.9"}
+    body = wrapped(environ, lambda s, h, e=None: status.append(s))
+    try:
+        for _chunk in body:
+            pass
+    except RuntimeError:
+        return "500"
+    finally:
+        close = getattr(body, "close", None)
+        if close is not None:
+            close()
+    return status[0][:3] if status else "500"
+
+
+@pytest.mark.parametrize("lane", ["stock", "request_factory"])
+def test_a_lazy_app_that_fails_before_starting_settles_its_charge_as_500(backend, lane: str) -> None:
+    """A generator app starts its response only as the server iterates it:
+    raising first, or never starting one, is a 500 (not counted under
+    {401}), a 401 it starts lazily still counts, and the app's own close()
+    is still called."""
+    from nanolimit.gateway.rules import RateLimitRule
+
+    closed: list[str] = []
+
+    def app(environ: dict, start_response: Any) -> Any:
+        try:
+            mode = environ["PATH_INFO"]
+            if mode == "/raises":
+                raise RuntimeError("db down")
+            if mode == "/unauthorized":
+                start_response("401 Unauthorized", [])
+                yield b"no"
+        finally:
+            closed.append(environ["PATH_INFO"])
+
+    failed = RateLimitRule("failed-logins", "*", "/", "ip", "fixed_window", 3, 60.0, count_when={401})
+    factory = LimiterFactory(backend.InMemoryStorage(), backend.FakeClock(0.0))
+    kw: dict[str, Any] = {} if lane == "stock" else {"request_factory": lambda e: request_from_environ(e)}
+    wrapped = RateLimitMiddleware(app, RuleRegistry([failed]), factory, **kw)
+    assert [_serve(wrapped, "/raises") for _ in range(5)] == ["500"] * 5
+    assert [_serve(wrapped, "/silent") for _ in range(5)] == ["500"] * 5  # never started a response
+    assert closed == ["/raises"] * 5 + ["/silent"] * 5
+    assert [_serve(wrapped, "/unauthorized") for _ in range(4)] == ["401", "401", "401", "429"]

@@ -833,3 +833,31 @@ def test_a_fastapi_429_handler_answers_under_a_real_uvicorn() -> None:
     assert first.status == 200
     assert denied.status == 429 and json.loads(denied.body) == {"try later": denied.headers["retry-after"]}
     assert denied.headers["x-ratelimit-remaining"] == "0"
+
+
+def test_a_limit_on_one_of_two_views_sharing_a_template_is_that_views_alone(backend: Any) -> None:
+    """docs/routes.md: two views on one template are two routes, told apart
+    by their methods. The POST view's limit neither limits the GET view
+    beside it nor is spent by it; HEAD goes with GET (unlimited too)."""
+    limits = RouteLimits(algorithm="fixed_window")
+
+    async def form(request: Any) -> PlainTextResponse:
+        return PlainTextResponse("form")
+
+    @limits.limit("3/minute")
+    async def submit(request: Any) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    app = Starlette(
+        routes=[Route("/login", form, methods=["GET"]), Route("/login", submit, methods=["POST"])],
+        middleware=[
+            Middleware(ASGIMiddleware, limits=limits, factory=LimiterFactory(backend.InMemoryStorage()))
+        ],
+    )
+    with TestClient(app) as client:
+        assert [client.get("/login").status_code for _ in range(5)] == [200] * 5
+        assert "x-ratelimit-limit" not in client.get("/login").headers
+        assert [client.head("/login").status_code for _ in range(2)] == [200] * 2
+        assert [client.post("/login").status_code for _ in range(4)] == [200, 200, 200, 429]
+        assert client.get("/login").status_code == 200
+    assert [(r.method, r.routes) for r in limits.registry.rules()] == [("POST", ("/login",))]

@@ -612,7 +612,7 @@ cdef class Charge:
     cdef object key
     cdef double at
     cdef uint64_t hashed
-    cdef bint open
+    cdef readonly bint open  # not settled yet: a lazy WSGI app's response still owes it
 
     def settle(self, status):
         """The response was ``status``: refund the request unless its rule

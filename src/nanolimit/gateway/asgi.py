@@ -411,8 +411,11 @@ class RateLimitMiddleware:
             nonlocal settled
             kind = message["type"]
             if kind == "http.response.start":
+                # read the status first: one int() rejects leaves the charge
+                # open, so the app's error settles it as 500 (as inline does)
+                status = int(message.get("status", 200))
                 settled = True
-                await self._settle(outcome, int(message.get("status", 200)))
+                await self._settle(outcome, status)
                 if extra:
                     message["headers"] = [*message.get("headers", ()), *extra]
             elif kind == "websocket.accept" and not settled:

@@ -21,6 +21,11 @@ class Counted(list[Any]):
 
     __slots__ = ()
 
+    @property
+    def open(self) -> bool:
+        """Not settled yet (a lazy WSGI app's response still owes it)."""
+        return bool(self)
+
     def _take(self, status: int) -> tuple[Any, str, int, Any] | None:
         if not self:
             return None  # settled already: once only
@@ -56,6 +61,11 @@ class Charges:
 
     def __init__(self, items: list[tuple[Any, str, int, Any]]) -> None:
         self.items = items
+
+    @property
+    def open(self) -> bool:
+        """Not settled yet (a lazy WSGI app's response still owes it)."""
+        return bool(self.items)
 
     def _due(self, status: int) -> list[tuple[Any, str, int, Any]]:
         items, self.items = self.items, []  # once: a second settle refunds nothing

@@ -136,7 +136,9 @@ class _FlaskLimit(Limit):
     inherit_scope: bool = False
     inherit_algorithm: bool = False
 
-    def rules(self, base: str, routes: tuple[str, ...]) -> list[RateLimitRule]:
+    def rules(
+        self, base: str, routes: tuple[str, ...], methods: tuple[str, ...] | None = None
+    ) -> list[RateLimitRule]:
         app = _APP_DEFAULTS.get()
         target: Limit = self
         if app is not None and (self.inherit_scope or self.inherit_algorithm):
@@ -147,7 +149,7 @@ class _FlaskLimit(Limit):
                 inherit_scope=False,
                 inherit_algorithm=False,
             )
-        return Limit.rules(target, base, routes)
+        return Limit.rules(target, base, routes, methods)
 
 
 class _AppRoutes(RouteLimits):

@@ -89,16 +89,25 @@ class Limit:
         owner = self.owner
         return owner.guard(target) if owner is not None else target
 
-    def rules(self, base: str, routes: tuple[str, ...]) -> list[RateLimitRule]:
+    def rules(
+        self, base: str, routes: tuple[str, ...], methods: tuple[str, ...] | None = None
+    ) -> list[RateLimitRule]:
         """The rules this declaration makes for the routes of one view (or,
-        shared, of every view that spends it)."""
+        shared, of every view that spends it). ``methods``, for a view that
+        shares its template with another, stands for ``"*"``: the limit is
+        the view's, not the other's."""
         name = self.name or base
-        several = len(self.rates) > 1 or len(self.methods) > 1
+        own = self.methods
+        if methods is not None:
+            own = tuple(
+                dict.fromkeys(m for declared in own for m in (methods if declared == "*" else (declared,)))
+            )
+        several = len(self.rates) > 1 or len(own) > 1
         out = []
-        for method in self.methods:
+        for method in own:
             for rate in self.rates:
                 rule_name = name
-                if len(self.methods) > 1:
+                if len(own) > 1:
                     rule_name += f"@{method}"
                 if len(self.rates) > 1:
                     rule_name += f":{rate.limit}/{rate.window_seconds:g}s"
@@ -315,8 +324,10 @@ class RouteLimits:
         ``enforced``."""
         self.enforced = True
         routes = list(routes)
-        per_view: dict[int, tuple[Any, list[str], list[Limit]]] = {}
-        shared: dict[str, tuple[Limit, list[str]]] = {}
+        # a view's (or a shared name's) templates, each with the methods its
+        # limits cover there (None: every method)
+        per_view: dict[int, tuple[Any, dict[str, tuple[str, ...] | None], list[Limit]]] = {}
+        shared: dict[str, tuple[Limit, dict[str, tuple[str, ...] | None]]] = {}
         exempt: list[ExemptRoute] = []
         # template -> view -> the methods it answers (None: every method)
         answers: dict[str, dict[int, frozenset[str] | None]] = {}
@@ -339,18 +350,21 @@ class RouteLimits:
                 if exemption is not None:
                     exempt.append(exemption)
                 continue
+            if not found:
+                continue
+            methods = _alone(id(info.endpoint), answers[template])
             for d in found:
                 if d.name is not None:
-                    held = shared.setdefault(d.name, (d, []))
+                    held = shared.setdefault(d.name, (d, {}))
                     if held[0] != d:
                         raise ValidationError(
                             f"shared limit {d.name!r} is declared twice with different rates or options"
                         )
-                    held[1].append(template)
+                    if held[1].setdefault(template, methods) != methods:
+                        held[1][template] = None  # views sharing the template spend it alike
                     continue
-                entry = per_view.setdefault(id(info.endpoint), (info.endpoint, [], []))
-                if template not in entry[1]:
-                    entry[1].append(template)
+                entry = per_view.setdefault(id(info.endpoint), (info.endpoint, {}, []))
+                entry[1].setdefault(template, methods)
                 if d not in entry[2]:
                     entry[2].append(d)
         rules: list[RateLimitRule] = []
@@ -358,9 +372,9 @@ class RouteLimits:
             base = view_name(endpoint)
             several = len(limits) > 1
             for i, d in enumerate(limits):
-                rules.extend(d.rules(f"{base}.{i + 1}" if several else base, tuple(templates)))
+                rules.extend(_rules_by_methods(d, f"{base}.{i + 1}" if several else base, templates))
         for d, templates in shared.values():
-            rules.extend(d.rules(d.name or "shared", tuple(dict.fromkeys(templates))))
+            rules.extend(_rules_by_methods(d, d.name or "shared", templates))
         return rules, exempt
 
     def bind(
@@ -466,6 +480,39 @@ class _Onto(RouteLimits):
 # What a view that answers every method is exempt for, when another view of
 # its template answers some: the methods it is known alone to answer.
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def _alone(view: int, views: dict[int, frozenset[str] | None]) -> tuple[str, ...] | None:
+    """The methods a limit on one view of a template covers: every one
+    (None, ``"*"``) when the view is the template's only one; else those no
+    other view answers, as :func:`_exemption` reads them, so a limited POST
+    view never limits (or is spent by) the GET view beside it. HEAD goes
+    with GET, as a GET rule covers it. None too when no method, or more
+    than one, is the view's alone: a rule covers one method or all, and one
+    budget over the template errs on the side of the limit."""
+    others = [methods for other, methods in views.items() if other != view]
+    if not others or any(methods is None for methods in others):
+        return None
+    own = views[view]
+    alone = (_METHODS if own is None else own).difference(*(m for m in others if m is not None))
+    if "GET" in alone:
+        alone = alone - {"HEAD"}  # the GET rule covers HEAD
+    # one method alone: that method's rule. Several keep "*" (one budget):
+    # a rule per method would give each its own, the view's limit times over
+    return tuple(alone) if len(alone) == 1 else None
+
+
+def _rules_by_methods(
+    d: Limit, base: str, templates: dict[str, tuple[str, ...] | None]
+) -> list[RateLimitRule]:
+    """``d``'s rules for its templates: their one method where every
+    template agrees on it (the common case: a POST view beside a GET view);
+    else every method (``"*"``). The rule's name is its one budget (its
+    state's namespace): rules per method or per template would each have
+    the whole limit, so where they would differ the limit keeps one budget
+    over every template, erring on the side of the limit."""
+    methods = set(templates.values())
+    return d.rules(base, tuple(templates), methods.pop() if len(methods) == 1 else None)
 
 
 def _exemption(template: str, view: int, views: dict[int, frozenset[str] | None]) -> ExemptRoute | None:

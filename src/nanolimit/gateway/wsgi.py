@@ -203,10 +203,13 @@ class RateLimitMiddleware:
             # first); a restart after an error refunds nothing more
 
             try:
-                return self.app(environ, _header_start(start_response, headers, charge))
+                response = self.app(environ, _header_start(start_response, headers, charge))
             except BaseException:
                 charge.settle(500)
                 raise
+            if charge.open:  # a lazy app: it starts its response as it is iterated
+                return _Settling(response, charge.settle)
+            return response
         if not headers:
             return self.app(environ, start_response)
         return self.app(environ, _header_start(start_response, headers))
@@ -220,18 +223,71 @@ class RateLimitMiddleware:
         if type(headers) is not list:
             headers = list(headers.items())
 
+        started = False
+
         def start_settling(status: str, response_headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            nonlocal started
+            started = True
             core.settle(outcome, _status_code(status))  # at most once: a restart refunds nothing more
             response_headers = [*response_headers, *headers]
             if exc_info is not None:
                 return start_response(status, response_headers, exc_info)
             return start_response(status, response_headers)
 
+        def settle_unstarted(status: int) -> None:
+            nonlocal started
+            if not started:
+                started = True
+                core.settle(outcome, status)
+
         try:
-            return self.app(environ, start_settling)
+            body = self.app(environ, start_settling)
         except BaseException:
-            core.settle(outcome, 500)
+            settle_unstarted(500)
             raise
+        if started:
+            return body
+        return _Settling(body, settle_unstarted)  # a lazy app: it starts its response as it is iterated
+
+
+class _Settling:
+    """A lazy app's response (a generator that calls ``start_response`` as
+    it is iterated), whose ``count_when`` charge is still open: settled as
+    500 if iterating raises, or if the server closes it with no response
+    started, so a crash never spends the client's budget. ``settle`` gives
+    back at most once (the charge's own rule), so a status already settled
+    stands. ``close()`` reaches the app's iterable, as PEP 3333 asks."""
+
+    __slots__ = ("_body", "_items", "_settle")
+
+    def __init__(self, body: Iterable[bytes], settle: Callable[[int], Any]) -> None:
+        self._body = body
+        self._settle = settle
+        try:
+            self._items = iter(body)
+        except BaseException:
+            settle(500)
+            raise
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        try:
+            return next(self._items)
+        except StopIteration:
+            raise
+        except BaseException:
+            self._settle(500)  # the app failed: the client sees an error
+            raise
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._settle(500)  # no response started: the client saw an error
 
 
 def _header_start_py(
