@@ -299,6 +299,50 @@ def test_async_cluster_unreachable_at_startup_is_answered_within_the_timeout() -
         cluster.stop()
 
 
+def test_async_batch_to_a_frozen_node_is_one_failure_a_round_trip() -> None:
+    """redis-py's asyncio cluster node stores a failed read as every
+    command's result: a batch of 40 keys on a frozen node fed its breaker 40
+    failures (opening it from one blip). One round trip is one failure, as
+    on the synchronous storage."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    cluster = Cluster(require_binary("redis"), "redis")
+    cluster.start()
+    frozen = cluster.nodes[0]
+    try:
+
+        async def main() -> None:
+            user = RedisCluster(startup_nodes=[ClusterNode(HOST, cluster.nodes[1].port)])
+            storage = AsyncRedisStorage(
+                user, timeout=TIMEOUT, on_error="deny", breaker_threshold=3, breaker_cooldown=5.0
+            )
+            limiter = reference.FixedWindowCounter(
+                10, 3600.0, storage=storage, clock=FakeClock(1e6), rule="f"
+            )
+            assert not (await limiter.allow_async("warm")).degraded  # the slot map is learnt
+            keys = [_key_on(storage, limiter, frozen.port, f"f{i}_") for i in range(40)]
+            assert len(set(keys)) == 40
+            assert not any(
+                v[5] for v in await storage.run_kernel_many_async(limiter.config, keys, [1] * 40, 1e6)
+            )
+            assert frozen.proc is not None
+            frozen.proc.send_signal(signal.SIGSTOP)
+            verdicts = await storage.run_kernel_many_async(limiter.config, keys, [1] * 40, 1e6)
+            assert all(v[5] and not v[0] for v in verdicts)  # by policy: on_error="deny"
+            m = storage.metrics()
+            assert m["errors"] == 1, m["errors"]
+            assert m["nodes"][f"{HOST}:{frozen.port}"]["breaker_state"] == "closed"  # one blip of three
+            frozen.proc.send_signal(signal.SIGCONT)
+            await storage.close()
+            await user.aclose()
+
+        asyncio.run(main())
+    finally:
+        if frozen.proc is not None:
+            frozen.proc.send_signal(signal.SIGCONT)
+        cluster.stop()
+
+
 def test_a_batch_splits_by_node_and_spares_the_dead_one(dying_cluster: Cluster, coverage: str) -> None:
     """``allow_many`` over every master: one pipeline per node, and the dead
     node's keys alone answered by policy (no hidden sleep in the cluster

@@ -263,13 +263,20 @@ class NodeRoutes:
     async def pipeline_async(
         self, node: Any, commands: list[tuple[Any, ...]], asking: bool = False
     ) -> list[Any]:
-        """:meth:`pipeline` on an asyncio cluster node."""
+        """:meth:`pipeline` on an asyncio cluster node. The node stores a
+        failed read as each command's result: the first such connection or
+        timeout error is raised, so a failed round trip is one failure of
+        the node's breaker (as on a synchronous client), not one per command."""
         command_type = inspect.getmodule(type(self.client))
         if asking:
             commands = [c for command in commands for c in (("ASKING",), command)]
         made = [command_type.PipelineCommand(i, *c) for i, c in enumerate(commands)]  # type: ignore[union-attr]
         await node.execute_pipeline(made)
         replies = [c.result for c in made]
+        lost = (self._exceptions.ConnectionError, self._exceptions.TimeoutError, OSError)
+        for reply in replies:
+            if isinstance(reply, lost):
+                raise reply
         return replies[1::2] if asking else replies
 
     # -- the topology, off the decision path -----------------------------------------
