@@ -299,6 +299,50 @@ def test_async_cluster_unreachable_at_startup_is_answered_within_the_timeout() -
         cluster.stop()
 
 
+def test_the_uncovered_breaker_and_its_episode_end_once_every_slot_has_an_owner() -> None:
+    """Decisions made while no node was known feed the "(uncovered)"
+    breaker and, under ``on_error="local"``, open its local episode; once
+    the map covers every slot no key is routed there, and both had stayed
+    for good (``metrics()`` an open breaker, an active episode)."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    cluster = Cluster(require_binary("redis"), "redis")
+    cluster.start()
+    try:
+        for node in cluster.nodes:
+            assert node.proc is not None
+            node.proc.send_signal(signal.SIGSTOP)
+
+        async def main() -> None:
+            user = RedisCluster(startup_nodes=[ClusterNode(HOST, n.port) for n in cluster.nodes])
+            storage = AsyncRedisStorage(
+                user, timeout=TIMEOUT, on_error="local", breaker_threshold=2, breaker_cooldown=0.2
+            )
+            limiter = reference.TokenBucket(10, 60.0, storage=storage, clock=FakeClock(1000.0), rule="u")
+            for _ in range(3):
+                assert (await limiter.allow_async("k")).reason == REASON_STORE_UNAVAILABLE_LOCAL
+            assert storage.metrics()["local_active"] == 1
+            for node in cluster.nodes:
+                assert node.proc is not None
+                node.proc.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 10.0
+            while (d := await limiter.allow_async("k")).degraded and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert not d.degraded, d
+            m = storage.metrics()
+            assert m["breaker_state"] == "closed" and m["breakers_open"] == 0, m
+            assert m["local_active"] == 0 and "(uncovered)" not in m["nodes"], m
+            await storage.close()
+            await user.aclose()
+
+        asyncio.run(main())
+    finally:
+        for node in cluster.nodes:
+            if node.proc is not None:
+                node.proc.send_signal(signal.SIGCONT)
+        cluster.stop()
+
+
 def test_async_batch_to_a_frozen_node_is_one_failure_a_round_trip() -> None:
     """redis-py's asyncio cluster node stores a failed read as every
     command's result: a batch of 40 keys on a frozen node fed its breaker 40

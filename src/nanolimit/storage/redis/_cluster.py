@@ -40,6 +40,7 @@ log = logging.getLogger("nanolimit.storage.redis")
 
 #: The breaker of keys whose slot no node owns in the client's map.
 UNCOVERED = "(uncovered)"
+SLOTS = 16384  # a cluster's hash slots
 
 
 class NodeRoutes:
@@ -220,9 +221,13 @@ class NodeRoutes:
             if now - self._last_init < self.REFRESH_INTERVAL:
                 return
             self._last_init = now
-            task = self._init_task = loop.create_task(self.client.initialize())
+            task = self._init_task = loop.create_task(self._first_map())
             task.add_done_callback(self._initialized)
         await asyncio.shield(task)  # a cancelled decision leaves the try to the others
+
+    async def _first_map(self) -> None:
+        await self.client.initialize()
+        self._prune()  # the unmapped keys' outage, if any, is over
 
     def _initialized(self, task: asyncio.Task[Any]) -> None:
         if self._init_task is task:
@@ -327,19 +332,26 @@ class NodeRoutes:
         """Forget the breakers of nodes that own no slot in the new map (a
         replica took over a dead master's slots, or a node was removed):
         their keys have a new owner and breaker, and ``metrics()`` must not
-        report an outage that no key meets any more."""
-        owners = {nodes[0].name for nodes in list(self.client.nodes_manager.slots_cache.values()) if nodes}
+        report an outage that no key meets any more. So with ``(uncovered)``
+        once every slot has an owner: no key is routed to it any more, and
+        its breaker and local episode had stayed for good."""
+        owned = [nodes[0].name for nodes in list(self.client.nodes_manager.slots_cache.values()) if nodes]
+        owners = set(owned)
         if not owners:
             return
+        covered = len(owned) == SLOTS
         with self._lock:
-            gone = [name for name in self._breakers if name != UNCOVERED and name not in owners]
+            gone = [name for name in self._breakers if name not in owners and (name != UNCOVERED or covered)]
             for name in gone:
                 # retired before the storage hands the episode over: a decision
                 # that took this route before the new map must see it
                 self._breakers.pop(name).retired = True
         for name in gone:
             self.pruned += 1
-            log.info("nanolimit: cluster node %s owns no slot any more; its breaker is dropped", name)
+            if name == UNCOVERED:
+                log.info("nanolimit: every cluster slot has an owner again; the %s breaker is dropped", name)
+            else:
+                log.info("nanolimit: cluster node %s owns no slot any more; its breaker is dropped", name)
             if self.on_gone is not None:
                 self.on_gone(name)
 
