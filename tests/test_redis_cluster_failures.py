@@ -17,6 +17,7 @@ Each test starts a cluster of its own (a master is killed in it).
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -245,6 +246,145 @@ def test_async_cluster_a_dead_master_costs_only_its_own_keys(dying_cluster: Clus
         await user.aclose()
 
     asyncio.run(main())
+
+
+def test_async_cluster_unreachable_at_startup_is_answered_within_the_timeout() -> None:
+    """An asyncio cluster whose nodes do not answer its first slot map: each
+    try at the map connects to every startup node (155-311 ms with a 50 ms
+    timeout), and every decision made one, breaker open or not. Once the
+    breaker of the unmapped keys is open, a decision is the policy's, within
+    the timeout; once the nodes answer, the map is learnt and Redis decides."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    cluster = Cluster(require_binary("redis"), "redis")
+    cluster.start()
+    try:
+        for node in cluster.nodes:
+            assert node.proc is not None
+            node.proc.send_signal(signal.SIGSTOP)
+
+        async def main() -> None:
+            user = RedisCluster(startup_nodes=[ClusterNode(HOST, n.port) for n in cluster.nodes])
+            storage = AsyncRedisStorage(
+                user, timeout=TIMEOUT, on_error="deny", breaker_threshold=2, breaker_cooldown=0.5
+            )
+            limiter = reference.TokenBucket(10, 60.0, storage=storage, clock=FakeClock(1000.0), rule="s")
+            for _ in range(2):  # the map's tries fail: the breaker opens
+                d = await limiter.allow_async("k")
+                assert d.degraded and not d.allowed
+            assert storage.metrics()["breaker_state"] == "open"
+            times = []
+            for _ in range(10):
+                start = time.monotonic()
+                d = await limiter.allow_async("k")
+                times.append(time.monotonic() - start)
+                assert d.degraded and not d.allowed  # on_error="deny"
+            assert max(times) <= TIMEOUT + MARGIN, times
+            assert storage.metrics()["breaker_open_skips"] >= 10
+            for node in cluster.nodes:
+                assert node.proc is not None
+                node.proc.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 10.0
+            while (d := await limiter.allow_async("k")).degraded and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert not d.degraded and d.allowed, d  # the map is learnt: Redis decides again
+            await storage.close()
+            await user.aclose()
+
+        asyncio.run(main())
+    finally:
+        for node in cluster.nodes:
+            if node.proc is not None:
+                node.proc.send_signal(signal.SIGCONT)
+        cluster.stop()
+
+
+def test_the_uncovered_breaker_and_its_episode_end_once_every_slot_has_an_owner() -> None:
+    """Decisions made while no node was known feed the "(uncovered)"
+    breaker and, under ``on_error="local"``, open its local episode; once
+    the map covers every slot no key is routed there, and both had stayed
+    for good (``metrics()`` an open breaker, an active episode)."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    cluster = Cluster(require_binary("redis"), "redis")
+    cluster.start()
+    try:
+        for node in cluster.nodes:
+            assert node.proc is not None
+            node.proc.send_signal(signal.SIGSTOP)
+
+        async def main() -> None:
+            user = RedisCluster(startup_nodes=[ClusterNode(HOST, n.port) for n in cluster.nodes])
+            storage = AsyncRedisStorage(
+                user, timeout=TIMEOUT, on_error="local", breaker_threshold=2, breaker_cooldown=0.2
+            )
+            limiter = reference.TokenBucket(10, 60.0, storage=storage, clock=FakeClock(1000.0), rule="u")
+            for _ in range(3):
+                assert (await limiter.allow_async("k")).reason == REASON_STORE_UNAVAILABLE_LOCAL
+            assert storage.metrics()["local_active"] == 1
+            for node in cluster.nodes:
+                assert node.proc is not None
+                node.proc.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 10.0
+            while (d := await limiter.allow_async("k")).degraded and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert not d.degraded, d
+            m = storage.metrics()
+            assert m["breaker_state"] == "closed" and m["breakers_open"] == 0, m
+            assert m["local_active"] == 0 and "(uncovered)" not in m["nodes"], m
+            await storage.close()
+            await user.aclose()
+
+        asyncio.run(main())
+    finally:
+        for node in cluster.nodes:
+            if node.proc is not None:
+                node.proc.send_signal(signal.SIGCONT)
+        cluster.stop()
+
+
+def test_async_batch_to_a_frozen_node_is_one_failure_a_round_trip() -> None:
+    """redis-py's asyncio cluster node stores a failed read as every
+    command's result: a batch of 40 keys on a frozen node fed its breaker 40
+    failures (opening it from one blip). One round trip is one failure, as
+    on the synchronous storage."""
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    cluster = Cluster(require_binary("redis"), "redis")
+    cluster.start()
+    frozen = cluster.nodes[0]
+    try:
+
+        async def main() -> None:
+            user = RedisCluster(startup_nodes=[ClusterNode(HOST, cluster.nodes[1].port)])
+            storage = AsyncRedisStorage(
+                user, timeout=TIMEOUT, on_error="deny", breaker_threshold=3, breaker_cooldown=5.0
+            )
+            limiter = reference.FixedWindowCounter(
+                10, 3600.0, storage=storage, clock=FakeClock(1e6), rule="f"
+            )
+            assert not (await limiter.allow_async("warm")).degraded  # the slot map is learnt
+            keys = [_key_on(storage, limiter, frozen.port, f"f{i}_") for i in range(40)]
+            assert len(set(keys)) == 40
+            assert not any(
+                v[5] for v in await storage.run_kernel_many_async(limiter.config, keys, [1] * 40, 1e6)
+            )
+            assert frozen.proc is not None
+            frozen.proc.send_signal(signal.SIGSTOP)
+            verdicts = await storage.run_kernel_many_async(limiter.config, keys, [1] * 40, 1e6)
+            assert all(v[5] and not v[0] for v in verdicts)  # by policy: on_error="deny"
+            m = storage.metrics()
+            assert m["errors"] == 1, m["errors"]
+            assert m["nodes"][f"{HOST}:{frozen.port}"]["breaker_state"] == "closed"  # one blip of three
+            frozen.proc.send_signal(signal.SIGCONT)
+            await storage.close()
+            await user.aclose()
+
+        asyncio.run(main())
+    finally:
+        if frozen.proc is not None:
+            frozen.proc.send_signal(signal.SIGCONT)
+        cluster.stop()
 
 
 def test_a_batch_splits_by_node_and_spares_the_dead_one(dying_cluster: Cluster, coverage: str) -> None:

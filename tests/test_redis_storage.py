@@ -364,6 +364,25 @@ def test_near_cache_reports_the_stores_wait_not_its_own_lifetime(
     assert cached.headers(wall_now=0.0)["Retry-After"] == "50"
 
 
+@pytest.mark.parametrize("near", [False, True], ids=["plain", "near-cache"])
+def test_a_clock_that_ran_ahead_and_came_back_is_not_a_year_of_lockout(
+    backend: types.SimpleNamespace, make_storage: Any, near: bool
+) -> None:
+    # an injected clock a year ahead spends the key, then comes back: Redis's
+    # MAX_CLOCK_LEAD rule answers within a window; a near-cache denial stamped
+    # a year ahead had denied the key for a year (retry_after: a year)
+    storage = make_storage(near_cache=near, prefix=f"jump{near}:")
+    clock = backend.FakeClock(1_000_000.0)
+    limiter = backend.TokenBucket(5, 10.0, storage, clock, rule="jump")
+    clock.set(1_000_000.0 + 365 * 86400.0)
+    assert [limiter.allow("k").allowed for _ in range(6)] == [True] * 5 + [False]
+    clock.set(1_000_001.0)  # back: the clock's error is over
+    back = limiter.allow("k")
+    assert back.retry_after <= 10.0, back
+    clock.advance(back.retry_after + 0.01)
+    assert limiter.allow("k").allowed
+
+
 def test_near_cache_is_bounded(make_storage: Any) -> None:
     storage = make_storage(near_cache=True, near_cache_size=10)
     cfg = LimiterConfig.build("gcra", 1, 60.0, rule="b")

@@ -567,7 +567,9 @@ class AsyncRedisStorage(_RedisBase):
         return await self._call("EVALSHA", script.sha, len(keys), *keys, *args, node=node)
 
     async def _ready(self) -> None:
-        """An asyncio cluster learns its slot map before its first decision."""
+        """An asyncio cluster learns its slot map before its first decision
+        (not while its breaker is open, at most once per ``REFRESH_INTERVAL``:
+        ``NodeRoutes.initialize``)."""
         routes = self._routes
         if routes is not None and not routes.ready:
             # no node answered: the decision fails on an uncovered slot, by policy

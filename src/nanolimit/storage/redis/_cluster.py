@@ -40,6 +40,7 @@ log = logging.getLogger("nanolimit.storage.redis")
 
 #: The breaker of keys whose slot no node owns in the client's map.
 UNCOVERED = "(uncovered)"
+SLOTS = 16384  # a cluster's hash slots
 
 
 class NodeRoutes:
@@ -60,6 +61,8 @@ class NodeRoutes:
         self._last_refresh = -1e18
         self._refreshing = False
         self._task: Any = None  # the asyncio refresh in flight (a reference keeps it alive)
+        self._init_task: asyncio.Task[Any] | None = None  # an asyncio first slot map in flight
+        self._last_init = -1e18
         self.refreshes = 0
         # a synchronous client's node -> its own client (redis-py: ``redis_connection``)
         self._node_client: Any = getattr(client, "get_redis_connection", None) or getattr(
@@ -201,8 +204,36 @@ class NodeRoutes:
 
     # -- asyncio calls ---------------------------------------------------------------
     async def initialize(self) -> None:
-        """An asyncio cluster's first slot map (once, before its first decision)."""
+        """An asyncio cluster's first slot map, before its first decision.
+        Not while the breaker of unmapped keys is open, and tried at most
+        once per ``REFRESH_INTERVAL``: each try connects to every startup
+        node, so a cluster that did not answer cost every decision 155-311
+        ms with a 50 ms timeout, breaker open or not. Meanwhile a decision
+        fails on the uncovered slot, by policy. Decisions that come while a
+        try is in flight await that one."""
+        loop = asyncio.get_running_loop()
+        task = self._init_task
+        if task is None or task.get_loop() is not loop:
+            unmapped = self._breakers.get(UNCOVERED)  # not made here: a healthy start has none
+            if unmapped is not None and unmapped.state == "open":
+                return
+            now = time.monotonic()
+            if now - self._last_init < self.REFRESH_INTERVAL:
+                return
+            self._last_init = now
+            task = self._init_task = loop.create_task(self._first_map())
+            task.add_done_callback(self._initialized)
+        await asyncio.shield(task)  # a cancelled decision leaves the try to the others
+
+    async def _first_map(self) -> None:
         await self.client.initialize()
+        self._prune()  # the unmapped keys' outage, if any, is over
+
+    def _initialized(self, task: asyncio.Task[Any]) -> None:
+        if self._init_task is task:
+            self._init_task = None
+        if not task.cancelled():
+            task.exception()  # retrieved: its awaiters (if any) see it too
 
     async def call_async(self, node: Any, args: tuple[Any, ...]) -> Any:
         """:meth:`call` on an asyncio cluster node (its own connections)."""
@@ -237,13 +268,20 @@ class NodeRoutes:
     async def pipeline_async(
         self, node: Any, commands: list[tuple[Any, ...]], asking: bool = False
     ) -> list[Any]:
-        """:meth:`pipeline` on an asyncio cluster node."""
+        """:meth:`pipeline` on an asyncio cluster node. The node stores a
+        failed read as each command's result: the first such connection or
+        timeout error is raised, so a failed round trip is one failure of
+        the node's breaker (as on a synchronous client), not one per command."""
         command_type = inspect.getmodule(type(self.client))
         if asking:
             commands = [c for command in commands for c in (("ASKING",), command)]
         made = [command_type.PipelineCommand(i, *c) for i, c in enumerate(commands)]  # type: ignore[union-attr]
         await node.execute_pipeline(made)
         replies = [c.result for c in made]
+        lost = (self._exceptions.ConnectionError, self._exceptions.TimeoutError, OSError)
+        for reply in replies:
+            if isinstance(reply, lost):
+                raise reply
         return replies[1::2] if asking else replies
 
     # -- the topology, off the decision path -----------------------------------------
@@ -294,19 +332,26 @@ class NodeRoutes:
         """Forget the breakers of nodes that own no slot in the new map (a
         replica took over a dead master's slots, or a node was removed):
         their keys have a new owner and breaker, and ``metrics()`` must not
-        report an outage that no key meets any more."""
-        owners = {nodes[0].name for nodes in list(self.client.nodes_manager.slots_cache.values()) if nodes}
+        report an outage that no key meets any more. So with ``(uncovered)``
+        once every slot has an owner: no key is routed to it any more, and
+        its breaker and local episode had stayed for good."""
+        owned = [nodes[0].name for nodes in list(self.client.nodes_manager.slots_cache.values()) if nodes]
+        owners = set(owned)
         if not owners:
             return
+        covered = len(owned) == SLOTS
         with self._lock:
-            gone = [name for name in self._breakers if name != UNCOVERED and name not in owners]
+            gone = [name for name in self._breakers if name not in owners and (name != UNCOVERED or covered)]
             for name in gone:
                 # retired before the storage hands the episode over: a decision
                 # that took this route before the new map must see it
                 self._breakers.pop(name).retired = True
         for name in gone:
             self.pruned += 1
-            log.info("nanolimit: cluster node %s owns no slot any more; its breaker is dropped", name)
+            if name == UNCOVERED:
+                log.info("nanolimit: every cluster slot has an owner again; the %s breaker is dropped", name)
+            else:
+                log.info("nanolimit: cluster node %s owns no slot any more; its breaker is dropped", name)
             if self.on_gone is not None:
                 self.on_gone(name)
 
