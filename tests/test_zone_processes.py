@@ -675,6 +675,51 @@ def test_stale_segment_of_a_killed_creator(zone_cls, zone_name, children, if_sta
     zone.close()
 
 
+def test_closing_a_second_object_keeps_the_process_registered(zone_cls, zone_name, children):
+    """The registry holds one slot per process. A second object of a
+    deciding process (an ``attach`` to read metrics), closed, had cleared
+    it: a later ``if_stale="reset"`` then took the live zone for stale and
+    made a new one, and the key was admitted twice its limit (10 + 10)."""
+    zone = zone_cls(zone_name, **OPTS)
+    lim = frozen(zone, "FixedWindowCounter", 10)
+    assert sum(lim.allow("k").allowed for _ in range(4)) == 4
+    probe = zone_cls.attach(zone_name)
+    probe.close()
+    assert os.getpid() in zone.attached_pids()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    join_all([children.start(ctx, zw.reset_and_spend, zone_name, OPTS, "k", 10, queue)])
+    assert get(queue) == (False, 6)  # the live zone kept, and its budget
+    assert not lim.allow("k").allowed
+    zone.close()  # the last object of this process: it leaves, and the zone is stale now
+    join_all([children.start(ctx, zw.reset_and_spend, zone_name, OPTS, "k", 10, queue)])
+    assert get(queue) == (True, 10)
+
+
+def test_a_second_object_never_resets_its_own_process_zone(zone_cls, zone_name):
+    """``if_stale="reset"`` twice in one process (two apps, a factory built
+    again): the first object is attached and deciding, so the zone is live,
+    not stale (each object had admitted the whole limit on its own zone)."""
+    first = zone_cls(zone_name, **OPTS, if_stale="reset")
+    assert sum(frozen(first, "FixedWindowCounter", 10).allow("k").allowed for _ in range(20)) == 10
+    second = zone_cls(zone_name, **OPTS, if_stale="reset")
+    assert second.created is False
+    assert sum(frozen(second, "FixedWindowCounter", 10).allow("k").allowed for _ in range(20)) == 0
+    second.close()
+    first.close()
+
+
+@pytest.mark.parametrize(("max_keys", "stripes", "wanted"), [(64 * 0xFFFFFE + 1, 64, 128), (0xFFFFFF, 1, 2)])
+def test_more_keys_a_stripe_than_it_can_index_is_refused(zone_cls, zone_name, max_keys, stripes, wanted):
+    """A stripe's index holds 24-bit positions: 2**30 keys over the default
+    64 stripes had put 2**24 in each, and the last position wrapped to 0
+    (a corrupt stripe, a key dropped). Refused, naming the stripes to ask for."""
+    from nanolimit import ValidationError
+
+    with pytest.raises(ValidationError, match=f"stripes={wanted} or more"):
+        zone_cls(zone_name, max_keys=max_keys, stripes=stripes)
+
+
 def test_pool_workers_share_one_budget(zone_cls, zone_name):
     ctx = mp.get_context("spawn")
     zone = zone_cls(zone_name, **OPTS)

@@ -348,6 +348,16 @@ def try_attach(name: str, opts: dict[str, Any], queue: Any) -> None:
     zone.close()
 
 
+def reset_and_spend(name: str, opts: dict[str, Any], key: str, limit: int, queue: Any) -> None:
+    """Open with ``if_stale="reset"`` and spend all of ``key``'s budget;
+    report ``(created, admitted)``."""
+    bound_self()
+    zone = open_zone(name, {**opts, "if_stale": "reset"})
+    lim = limiter("FixedWindowCounter", limit, 60.0, zone, FrozenClock())
+    queue.put((zone.created, sum(lim.allow(key).allowed for _ in range(2 * limit))))
+    zone.close()
+
+
 def stale_creator(name: str, opts: dict[str, Any], key: str, limit: int, spend: int, ready: Any) -> None:
     """Create the zone, spend ``spend`` of ``key``'s budget, set ``ready``,
     then keep deciding on other keys until SIGKILLed (never closes)."""

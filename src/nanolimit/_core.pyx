@@ -52,7 +52,7 @@ from nanolimit._table cimport (
     NAMESPACE_CHUNK, NS_ALGORITHM_MASK, Bounds, CompoundKeys, ObjectList, Stripe, entry_hash, entry_key, prefetch_entry,
     prefetch_slot, stripe_clear, stripe_delete, stripe_evict, stripe_find, stripe_reclaim,
     BatchReaders, IndexHeader, batch_join, batch_leave,
-    stripe_insert,
+    stripe_insert, MAX_STRIPE_ENTRIES,
 )
 from nanolimit._types cimport (
     ALG_APPLY, ALG_FIXED_WINDOW, ALG_GCRA, ALG_LEAKY_BUCKET, ALG_SLIDING_COUNTER,

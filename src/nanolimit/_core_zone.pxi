@@ -106,6 +106,13 @@ cdef class SharedMemoryStorage:
                 f"is fixed at creation), got {max_keys!r}")
         stripes, self.max_key_bytes, max_keys, on_full, evict_idle_after = check_storage_options(
             stripes, max_key_bytes, max_keys, on_full, evict_idle_after)
+        if -(-max_keys // stripes) > MAX_STRIPE_ENTRIES:
+            wanted = stripes
+            while -(-max_keys // wanted) > MAX_STRIPE_ENTRIES:
+                wanted *= 2
+            raise ValidationError(
+                f"max_keys={max_keys:,} over stripes={stripes} puts {-(-max_keys // stripes):,} keys in a stripe, "
+                f"past the {MAX_STRIPE_ENTRIES:,} one can index: use stripes={wanted} or more")
         if arena_bytes is None:
             arena_bytes = max(1 << 20, 4 * max_keys)
         elif isinstance(arena_bytes, bool) or not isinstance(arena_bytes, int) or not 0 <= arena_bytes <= 1 << 40:
@@ -228,7 +235,9 @@ cdef class SharedMemoryStorage:
             if nlz_load_u64_acquire(&h.magic) != ZONE_MAGIC:
                 return False                          # retired while we waited: attach again
             for i in range(<uint32_t>ZONE_PROCESSES):
-                if h.processes[i] != 0 and h.processes[i] != nlz_self_token():
+                if h.processes[i] == nlz_self_token():
+                    live = True     # another object of this process is attached and deciding
+                elif h.processes[i] != 0:
                     if nlz_token_alive(h.processes[i]):
                         live = True
                     else:
@@ -843,6 +852,10 @@ cdef class SharedMemoryStorage:
         cdef int got
         if self.is_closed:
             return
+        _ZONES.discard(self)
+        if self.process_still_attached():
+            self.is_closed = True   # the slot is the process's: another object here still decides
+            return
         with nogil:
             got = nlz_lock_timed(&self.z.header.registry_lock, ZONE_LOCK_SECONDS)
         # with the lock held by a live process that does not let go, this
@@ -856,7 +869,19 @@ cdef class SharedMemoryStorage:
                 self.z.header.lock_recoveries += 1
             nlz_unlock(&self.z.header.registry_lock)
         self.is_closed = True
-        _ZONES.discard(self)
+
+    cdef bint process_still_attached(self):
+        """Whether another open object of this process maps this segment:
+        the registry holds one slot per process (its token), not per object,
+        so the slot stays until the last of them closes (a second attach to
+        read metrics had unregistered the process, and a later
+        ``if_stale="reset"`` then took the live zone for stale)."""
+        cdef SharedMemoryStorage other
+        for zone in list(_ZONES):
+            other = <SharedMemoryStorage>zone
+            if other is not self and not other.is_closed and other.z.base != NULL and other.ident == self.ident:
+                return True
+        return False
 
     def unlink(self):
         """Remove the zone's name: processes attached keep deciding on it
