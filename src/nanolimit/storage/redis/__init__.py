@@ -646,6 +646,8 @@ class AsyncRedisStorage(_RedisBase):
         assert routes is not None
         for breaker, node, calls in run.by_node():
             await self._node_batch(run, breaker, node, calls, False)
+        if run.redirects:
+            await routes.learn_redirects_async(run.redirects)  # move_slot is a coroutine here
         for breaker, node, asking, calls in run.follow_redirects(routes):
             await self._node_batch(run, breaker, node, calls, asking)
         return run.result()
