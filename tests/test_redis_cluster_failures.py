@@ -493,3 +493,96 @@ def test_a_failed_over_master_hands_its_keys_and_its_outage_to_the_replica() -> 
     finally:
         client.close()
         cluster.stop()
+
+
+@pytest.mark.parametrize("lost", [False, True], ids=["learnt", "unknown-target"])
+def test_a_batch_moved_to_a_new_master_is_answered_by_it_sync_and_async(lost: bool) -> None:
+    """A slot resharded to a fourth master the clients' maps do not know
+    yet: a batch meets ``MOVED`` to an unknown node. The synchronous client
+    learns it in ``move_slot``; the asyncio one's is a coroutine that was
+    never awaited, so its calls were lost: answered by the local store in
+    the standalone scope, whose episode nothing on a cluster ends (errors 0,
+    every breaker closed, ``local_active`` 1 for good). Both now answer every
+    key from Redis, exactly, and leave no episode. ``lost``: a target the
+    client cannot learn is answered in its first node's episode, which that
+    node's answers end."""
+    import redis
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+    from redis_servers import Server, free_port
+
+    binary = require_binary("redis")
+    cluster = Cluster(binary, "redis")
+    cluster.start()
+    bus = free_port()
+    extra = Server(binary, "redis", extra=("--cluster-enabled", "yes", "--cluster-port", str(bus)))
+    extra.extra = (*extra.extra, "--cluster-config-file", f"{extra.dir}/nodes.conf")
+    clients: list[Any] = []
+    try:
+        extra.start()
+        sync_user = cluster.client()
+        sync_storage = RedisStorage(sync_user, timeout=2.0, on_error="local")
+        clock = FakeClock(1_000_000.0)
+        sync_limiter = reference.FixedWindowCounter(100, 3600.0, storage=sync_storage, clock=clock, rule="n")
+        keys = ["k", *(f"o{i}" for i in range(8))]
+
+        def check(verdicts: list[Any], remaining: float) -> None:
+            assert not any(v[5] for v in verdicts), [v[6:7] for v in verdicts]
+            assert verdicts[0][1] == remaining and all(v[1] == remaining for v in verdicts), verdicts
+
+        async def main() -> None:
+            user = RedisCluster(startup_nodes=[ClusterNode(HOST, cluster.nodes[0].port)], socket_timeout=5.0)
+            storage = AsyncRedisStorage(user, timeout=2.0, on_error="local")
+            config = sync_limiter.config
+            check(sync_storage.run_kernel_many(config, keys, [1] * len(keys), 1e6), 99)
+            check(await storage.run_kernel_many_async(config, keys, [1] * len(keys), 1e6), 98)
+            # a fourth master joins and the key's slot is resharded to it
+            slot = redis.crc.key_slot(storage.redis_key(config, "k").encode())
+            new = extra.client(socket_timeout=5.0)
+            old = [n.client(socket_timeout=5.0) for n in cluster.nodes]
+            clients.extend([new, *old])
+            new.execute_command("CLUSTER", "MEET", HOST, cluster.nodes[0].port, cluster.bus_ports[0])
+            deadline = time.monotonic() + 30.0
+            while not all(
+                "cluster_known_nodes:4" in info and "cluster_state:ok" in info and "slots_ok:16384" in info
+                for info in (str(c.execute_command("CLUSTER", "INFO")) for c in [new, *old])
+            ):
+                assert time.monotonic() < deadline, "the fourth master did not join"
+                await asyncio.sleep(0.05)
+            ids = [c.execute_command("CLUSTER", "MYID") for c in old]
+            new_id = new.execute_command("CLUSTER", "MYID")
+            counts = [c.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) for c in old]
+            owner = next(i for i, count in enumerate(counts) if count)
+            new.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
+            old[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", new_id)
+            moving = old[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+            old[owner].execute_command("MIGRATE", HOST, extra.port, "", 0, 5000, "KEYS", *moving)
+            for c in [new, *old]:
+                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", new_id)
+            # the key's first call meets MOVED to a node neither map knows
+            check(sync_storage.run_kernel_many(config, keys, [1] * len(keys), 1e6), 97)
+            if lost:  # the redirect names a node the client cannot know
+                routes = storage._routes
+                routes._target = lambda exc: None
+                verdicts = await storage.run_kernel_many_async(config, keys, [1] * len(keys), 1e6)
+                assert verdicts[0][5] and verdicts[0][6] == REASON_STORE_UNAVAILABLE_LOCAL, verdicts[0]
+                check(verdicts[1:], 96)
+                # in the first node's episode, ended by that node's answers to the others
+                assert storage.metrics()["local_active"] == 0, storage.metrics()
+                del routes._target
+                check(await storage.run_kernel_many_async(config, ["k"], [1], 1e6), 96)  # not charged before
+            else:
+                check(await storage.run_kernel_many_async(config, keys, [1] * len(keys), 1e6), 96)
+            for m, episodes in ((sync_storage.metrics(), 0), (storage.metrics(), int(lost))):
+                assert m["local_active"] == 0 and m["local_episodes"] == episodes and m["errors"] == 0, m
+            assert new.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot) == 1
+            await storage.close()
+            await user.aclose()
+
+        asyncio.run(main())
+        sync_storage.client.close()
+        sync_user.close()
+    finally:
+        for c in clients:
+            c.close()
+        extra.stop()
+        cluster.stop()

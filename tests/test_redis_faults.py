@@ -6,6 +6,7 @@ breaker stops the hammering, and decisions resume by themselves."""
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 import types
@@ -244,6 +245,31 @@ def test_a_probe_that_never_reports_does_not_hold_the_breaker_open() -> None:
     assert breaker.allow_call()  # a new probe
     breaker.success()
     assert breaker.state == "closed" and breaker.allow_call()
+
+
+def test_each_failed_probe_counts_as_an_opening(backend: types.SimpleNamespace, own_server: Any) -> None:
+    """A frozen server (SIGSTOP) across several cooldowns: each half-open
+    probe fails and opens the breaker again, and ``breaker_opened`` counts
+    every one (it read 1 after a dozen failed probes). Decisions refused
+    while it is open are no openings."""
+    storage = _storage(own_server, on_error="deny", breaker_threshold=2, breaker_cooldown=0.6)
+    limiter = backend.FixedWindowCounter(100, 60.0, storage, rule="probe")
+    assert not limiter.allow("k").degraded
+    assert own_server.proc is not None
+    own_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert limiter.allow("k").degraded and limiter.allow("k").degraded  # the threshold
+        assert storage.metrics()["breaker_opened"] == 1
+        for probes in range(1, 5):
+            time.sleep(0.7)  # past the cooldown: the next decision probes, and fails
+            assert limiter.allow("k").degraded and limiter.allow("k").degraded  # the probe, a skip
+            m = storage.metrics()
+            assert m["breaker_opened"] == 1 + probes and m["breaker_state"] == "open", m
+        assert storage.metrics()["breaker_open_skips"] >= 4
+    finally:
+        own_server.proc.send_signal(signal.SIGCONT)
+    assert until_healthy(limiter, "k").allowed
+    storage.client.close()
 
 
 # ---------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """``on_error="local"`` on real Redis 7 and Valkey 9 servers: while the
 server is unreachable (killed, refused, frozen with SIGSTOP, behind the open
 breaker) decisions are made in a bounded local store at a share of each
-limit, degraded with ``reason="store_unavailable_local"``; the first answer
-from the server hands decisions back to Redis, and what was admitted
-locally is never replayed there (docs/redis.md, "Failures").
+limit, degraded with ``reason="store_unavailable_local"``; the server's
+breaker closed again (once it opened, after ``breaker_threshold`` answers
+in a row, the probe's the first; before it opened, at the first answer)
+hands decisions back to Redis, and what was admitted locally is never
+replayed there (docs/redis.md, "Failures").
 
 The exact-count tests run on an injected clock that stays inside one window,
 and on a server with an fsync-always append-only file: a SIGKILL then keeps
@@ -284,6 +286,34 @@ def test_each_outage_starts_a_fresh_bounded_store(backend: types.SimpleNamespace
     assert sum(limiter.allow("x").allowed for _ in range(8)) == 5
     m = storage.metrics()
     assert m["local_episodes"] == 2 and m["local_active"] == 1
+
+
+def test_the_episode_ends_when_the_breaker_is_closed_again(
+    backend: types.SimpleNamespace, own_server: Server
+) -> None:
+    """What docs/redis.md says of the handover: the episode ends when the
+    breaker is closed again: once it opened, after ``breaker_threshold``
+    answers in a row, the probe's the first (not at the first answer);
+    before it opened, at the first answer."""
+    storage = _storage(own_server, breaker_threshold=3)
+    limiter = _limiter(backend, "fixed_window", storage, backend.FakeClock(T0), "handover")
+    own_server.kill()
+    assert limiter.allow("k").reason == LOCAL  # one failure of three: the breaker is closed
+    own_server.start()
+    assert not limiter.allow("k").degraded and storage.metrics()["local_active"] == 0
+    own_server.kill()
+    for _ in range(4):
+        assert limiter.allow("k").reason == LOCAL
+    assert storage.metrics()["breaker_state"] != "closed"
+    own_server.start()
+    deadline = time.monotonic() + 10.0
+    while limiter.allow("k").degraded:  # until the probe's answer: recovering
+        assert time.monotonic() < deadline, "decisions did not come back from Redis"
+        time.sleep(0.02)
+    assert storage.metrics()["local_active"] == 1
+    assert not limiter.allow("k").degraded and storage.metrics()["local_active"] == 1
+    assert not limiter.allow("k").degraded and storage.metrics()["local_active"] == 0
+    assert storage.metrics()["local_episodes"] == 2
 
 
 def test_per_rule_local_and_key_errors(backend: types.SimpleNamespace, own_server: Server) -> None:

@@ -138,10 +138,12 @@ class RedisStorage(_RedisBase):
     processes sharing this Redis, default 1): a share of 1 lets N instances
     admit N times the limit between them during an outage, ``1 / N`` keeps
     the fleet within it. Such decisions are ``degraded`` with
-    ``reason="store_unavailable_local"``. The first answer from the server
-    hands decisions back to Redis; the units admitted locally are not
-    replayed there and the local state is dropped (the next outage starts
-    a fresh one). A key's error reply is denied under ``"local"``.
+    ``reason="store_unavailable_local"``. The server's breaker closed
+    again (once it opened, after ``breaker_threshold`` answers in a row,
+    the probe's the first; before it opened, at the first answer) hands
+    decisions back to Redis; the units admitted locally are not replayed
+    there and the local state is dropped (the next outage starts a fresh
+    one). A key's error reply is denied under ``"local"``.
 
     ``batch``: ``"script"`` (default) decides an ``allow_many`` with one
     batch script per node/slot (about twice the throughput), ``"pipeline"``
@@ -646,6 +648,8 @@ class AsyncRedisStorage(_RedisBase):
         assert routes is not None
         for breaker, node, calls in run.by_node():
             await self._node_batch(run, breaker, node, calls, False)
+        if run.redirects:
+            await routes.learn_redirects_async(run.redirects)  # move_slot is a coroutine here
         for breaker, node, asking, calls in run.follow_redirects(routes):
             await self._node_batch(run, breaker, node, calls, asking)
         return run.result()

@@ -895,7 +895,9 @@ class _BatchRun:
                 self.route_of[call[3][0]] = (breaker, node)  # its answer feeds this breaker
             out.append((breaker, node, asking, calls))
         for call, exc in lost:
-            self._policy(call[3], exc, None)
+            # in its first node's episode: that node's next answer ends it
+            # (None is the standalone scope, which nothing on a cluster ends)
+            self._policy(call[3], exc, self.route_of[call[3][0]][0])
         return out
 
     def by_node(self) -> list[tuple[_Breaker, Any, list[_Call]]]:

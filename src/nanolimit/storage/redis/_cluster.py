@@ -242,14 +242,7 @@ class NodeRoutes:
         except self._exceptions.ResponseError as exc:
             if not (self._moved(exc) or self._asked(exc)):
                 raise
-            if self._moved(exc):
-                mover = getattr(self.client.nodes_manager, "move_slot", None)
-                if callable(mover) and inspect.iscoroutinefunction(mover):
-                    try:
-                        await mover(exc)
-                    except Exception:
-                        log.debug("nanolimit: move_slot failed", exc_info=True)
-                self.refresh_soon()
+            await self._learn_async(exc)
             target = self._target(exc)
             if target is None:
                 raise
@@ -264,6 +257,32 @@ class NodeRoutes:
                 replies[1].answered_by = target  # type: ignore[attr-defined]
                 raise replies[1] from None
             return replies[1]
+
+    async def _learn_async(self, exc: Any) -> None:
+        """Learn a ``MOVED`` on an asyncio client, whose ``move_slot`` is a
+        coroutine (:meth:`_redirected` cannot await it): a node the map did
+        not know yet, a newly added master, is known after it."""
+        if not self._moved(exc):
+            return
+        mover = getattr(self.client.nodes_manager, "move_slot", None)
+        if callable(mover) and inspect.iscoroutinefunction(mover):
+            try:
+                await mover(exc)
+            except Exception:
+                log.debug("nanolimit: move_slot failed", exc_info=True)
+        self.refresh_soon()
+
+    async def learn_redirects_async(self, redirects: list[tuple[Any, BaseException]]) -> None:
+        """An asyncio batch's ``MOVED`` replies learnt (each slot once) before
+        :meth:`redirect_groups`: else a call moved to a node the map did not
+        know yet was lost, answered by policy although its new node is up."""
+        seen = set()
+        for _, exc in redirects:
+            slot = getattr(exc, "slot_id", None)
+            if slot in seen:
+                continue
+            seen.add(slot)
+            await self._learn_async(exc)
 
     async def pipeline_async(
         self, node: Any, commands: list[tuple[Any, ...]], asking: bool = False

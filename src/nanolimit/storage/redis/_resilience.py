@@ -219,12 +219,15 @@ class _Breaker:
     def failure(self) -> bool:
         """A failure; True when it starts an outage."""
         with self._lock:
-            self._probing = False
+            probe, self._probing = self._probing, False
             began = not self._down
             self._down = True
             if self._tripped or self._recovering:
-                if not self._tripped:
-                    self.opened += 1  # a relapse during the recovery: open again at once
+                # open again at once: a relapse during the recovery, or a failed
+                # half-open probe (each is an opening; a call that was in flight
+                # when it opened is not)
+                if not self._tripped or probe:
+                    self.opened += 1
                 self._tripped = True
                 self._recovering = 0
                 self._open_until = time.monotonic() + self.cooldown
