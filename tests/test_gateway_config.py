@@ -273,3 +273,41 @@ def test_a_file_nested_too_deeply_is_a_config_error(tmp_path: Path, suffix: str)
 def test_a_rule_name_may_not_end_in_a_newline() -> None:
     with pytest.raises(ValidationError):
         rule("api\n")
+
+
+# Numbers no float or int() can hold: each is a problem of the file, never a
+# raw OverflowError / ValueError / TypeError out of the loader or the watcher.
+HUGE_NUMBER_FILES = {
+    "window.json": '{"rules": [{"name": "a", "limit": 5, "window_seconds": ' + "1" * 400 + "}]}",
+    "rate.toml": '[[rules]]\nname = "a"\nrate = "' + "9" * 5000 + '/minute"\n',
+    "burst.toml": '[[rules]]\nname = "a"\nrate = "5/minute burst ' + "9" * 5000 + '"\n',
+    "storage.toml": '[[rules]]\nname = "a"\nrate = "5/minute"\n[storage]\ntype = []\n',
+}
+
+
+@pytest.mark.parametrize("name", HUGE_NUMBER_FILES)
+def test_a_number_past_float_or_int_is_a_config_error(tmp_path: Path, name: str) -> None:
+    f = tmp_path / name
+    _write(f, HUGE_NUMBER_FILES[name])
+    with pytest.raises(ConfigError) as info:
+        load_rules(f)
+    assert len(info.value.problems) == 1
+
+
+@pytest.mark.parametrize("name", HUGE_NUMBER_FILES)
+def test_the_watcher_counts_a_huge_number_as_a_bad_file(tmp_path: Path, name: str) -> None:
+    f = tmp_path / name
+    _write(
+        f,
+        '{"rules": [{"name": "keep", "rate": "5/minute"}]}'
+        if name.endswith(".json")
+        else '[[rules]]\nname = "keep"\nrate = "5/minute"\n',
+    )
+    registry = RuleRegistry([])
+    seen: list[Exception] = []
+    watcher = ConfigWatcher(f, registry, on_error=seen.append)
+    watcher.load()
+    _write(f, HUGE_NUMBER_FILES[name])
+    assert not watcher.check()
+    assert watcher.errors == 1 and len(seen) == 1 and isinstance(seen[0], ConfigError)
+    assert [r.name for r in registry.rules()] == ["keep"]

@@ -187,6 +187,16 @@ def test_bad_items_are_named(value: object, match: str) -> None:
         parse_rates(value)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["9" * 5000 + "/minute", "5/minute burst " + "9" * 5000],
+)
+def test_a_count_past_python_int_digit_limit_is_a_validation_error(text: str) -> None:
+    # int() refuses over 4300 digits with a bare ValueError
+    with pytest.raises(ValidationError, match="digits"):
+        parse_rate(text)
+
+
 def test_parse_rates_is_a_root_name() -> None:
     assert nanolimit.parse_rates is parse_rates
     assert "parse_rates" in nanolimit.__all__

@@ -282,7 +282,7 @@ def _storage(table: Any, problems: list[Problem]) -> StorageSection | None:
         problems.append(Problem("-", "storage", f"must be a table, got {type(table).__name__}"))
         return None
     kind = table.get("type", "memory")
-    if kind not in _STORAGE_FIELDS:
+    if not isinstance(kind, str) or kind not in _STORAGE_FIELDS:  # a list is unhashable: str first
         kinds = ", ".join(_STORAGE_FIELDS)
         problems.append(Problem("storage", "type", f"must be one of {kinds}, got {kind!r}"))
         return None
@@ -537,6 +537,12 @@ class ConfigWatcher:
                 self._install(raw)
             except ValidationError as exc:
                 self._fail(exc, digest)
+                return False
+            except (ValueError, TypeError, ArithmeticError) as exc:
+                # a value the loader failed to check: still a bad file, logged
+                # once per content, not a traceback per poll
+                problem = Problem("-", "-", f"cannot load: {type(exc).__name__}: {exc}")
+                self._fail(ConfigError(str(self.path), [problem]), digest)
                 return False
             return True
 

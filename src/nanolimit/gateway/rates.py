@@ -75,6 +75,18 @@ class Rate(NamedTuple):
     burst: int | None = None
 
 
+def _whole(text: str, what: str, digits: str) -> int:
+    """A limit or burst as an int. ``int()`` refuses a string past Python's
+    digit limit (4300) with a bare ValueError; such a count is far above any
+    limit a limiter takes, so it is a ValidationError here."""
+    try:
+        return int(digits)
+    except ValueError:
+        raise ValidationError(
+            f"cannot parse rate {text[:60]!r}...: the {what} has {len(digits)} digits"
+        ) from None
+
+
 def parse_rate(text: str) -> Rate:
     """Parse a rate the way users write one elsewhere (flask-limiter, slowapi,
     nginx): ``"5/minute"``, ``"100 per 10 seconds"``, ``"1000/hour"``,
@@ -103,13 +115,13 @@ def parse_rate(text: str) -> Rate:
     unit = _UNITS.get(m["unit"].lower())
     if unit is None:
         raise ValidationError(f"cannot parse rate {text!r}: unknown unit {m['unit']!r}; {_RATE_HELP}")
-    limit = int(m["limit"])
+    limit = _whole(text, "limit", m["limit"])
     count = float(m["count"]) if m["count"] is not None else 1.0
     if limit <= 0:
         raise ValidationError(f"cannot parse rate {text!r}: the limit must be >= 1")
     if count <= 0 or not math.isfinite(count):
         raise ValidationError(f"cannot parse rate {text!r}: the window must be > 0")
-    burst = int(m["burst"]) if m["burst"] is not None else None
+    burst = _whole(text, "burst", m["burst"]) if m["burst"] is not None else None
     if burst is not None and burst <= 0:
         raise ValidationError(f"cannot parse rate {text!r}: the burst must be >= 1")
     return Rate(limit, count * unit, burst)
