@@ -98,7 +98,7 @@ def test_check_config_shows_routes_costs_counting_lists_and_exempt(
     assert cli.main(["check-config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "OK, 3 rule(s)" in out
-    assert "avatar:5/60s" in out and "avatar:100/3600s" in out and "route /users/{id}/avatar" in out
+    assert "avatar:60s" in out and "avatar:3600s" in out and "route /users/{id}/avatar" in out
     assert "group avatar" in out and "cost 2 counts 401,403" in out and "exempt: /health" in out
 
 

@@ -193,6 +193,31 @@ def test_watcher_hot_reload_keeps_state_and_survives_a_broken_file(
     assert watcher.check() is False and mw.registry.rules() == rules_before
 
 
+@pytest.mark.parametrize("rates", ["{}/hour", "{}/hour;100/day"], ids=["one-rate", "rate-list"])
+@pytest.mark.parametrize(("after", "more"), [(4, 1), (2, 0)], ids=["raised", "lowered"])
+def test_a_limit_edit_by_reload_never_hands_back_spent_budget(
+    backend, tmp_path: Path, rates: str, after: int, more: int
+) -> None:
+    """docs/spec.md §6, for a rate list too: its rules are named by window, so
+    editing a limit keeps each key's state (a name with the limit in it gave
+    every key a fresh budget: 3 + 4 in the hour for "4/hour;100/day")."""
+    f = tmp_path / "rules.toml"
+    table = '[[rules]]\nname = "api"\nalgorithm = "fixed_window"\nrate = "{}"\n'
+    _write(f, table.format(rates.format(3)))
+    clock = backend.FakeClock(1_000_000.0)  # 800 s before the hour's window ends
+    mw = gateway(backend, [], clock)
+    watcher = ConfigWatcher(f, mw.registry, mw.factory)
+    watcher.load()
+    assert sum(mw(get(), ok_handler).status == 200 for _ in range(10)) == 3
+    _write(f, table.format(rates.format(after)))
+    assert watcher.check()
+    clock.advance(1.0)
+    # raised to 4: one more, 4 in the hour; lowered to 2: none until the window ends
+    assert sum(mw(get(), ok_handler).status == 200 for _ in range(10)) == more
+    clock.advance(800.0)
+    assert sum(mw(get(), ok_handler).status == 200 for _ in range(10)) == after
+
+
 def test_watcher_thread_picks_up_a_change_without_a_restart(backend, tmp_path: Path) -> None:
     f = tmp_path / "rules.json"
     f.write_text(json.dumps({"rules": [{"name": "x", "rate": "1/minute"}]}))
