@@ -334,7 +334,7 @@ def test_default_rate_list_decides_together(backend: types.SimpleNamespace) -> N
 
     limiter.init_app(app)
     rules = {r.name for r in limiter.check_routes(app)}
-    assert rules == {"default_limit:2/1s", "default_limit:3/3600s"}
+    assert rules == {"default_limit:1s", "default_limit:3600s"}
     assert _statuses(app.test_client(), "/", 3) == [200, 200, 429]
 
 

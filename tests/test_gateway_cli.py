@@ -67,6 +67,24 @@ def test_check_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "INVALID, 2 problem(s)" in err and "rule 'x': rate" in err and "rule 'y': algorithm" in err
 
 
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("window.json", '{"rules": [{"name": "a", "limit": 5, "window_seconds": ' + "1" * 400 + "}]}"),
+        ("rate.toml", '[[rules]]\nname = "a"\nrate = "' + "9" * 5000 + '/minute"\n'),
+        ("storage.toml", '[[rules]]\nname = "a"\nrate = "5/minute"\n[storage]\ntype = []\n'),
+    ],
+)
+def test_check_config_reports_a_huge_number_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    assert cli.main(["check-config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "INVALID, 1 problem(s)" in captured.err and "Traceback" not in captured.err + captured.out
+
+
 def test_check_config_shows_routes_costs_counting_lists_and_exempt(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -80,7 +98,7 @@ def test_check_config_shows_routes_costs_counting_lists_and_exempt(
     assert cli.main(["check-config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "OK, 3 rule(s)" in out
-    assert "avatar:5/60s" in out and "avatar:100/3600s" in out and "route /users/{id}/avatar" in out
+    assert "avatar:60s" in out and "avatar:3600s" in out and "route /users/{id}/avatar" in out
     assert "group avatar" in out and "cost 2 counts 401,403" in out and "exempt: /health" in out
 
 

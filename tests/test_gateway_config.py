@@ -193,6 +193,31 @@ def test_watcher_hot_reload_keeps_state_and_survives_a_broken_file(
     assert watcher.check() is False and mw.registry.rules() == rules_before
 
 
+@pytest.mark.parametrize("rates", ["{}/hour", "{}/hour;100/day"], ids=["one-rate", "rate-list"])
+@pytest.mark.parametrize(("after", "more"), [(4, 1), (2, 0)], ids=["raised", "lowered"])
+def test_a_limit_edit_by_reload_never_hands_back_spent_budget(
+    backend, tmp_path: Path, rates: str, after: int, more: int
+) -> None:
+    """docs/spec.md §6, for a rate list too: its rules are named by window, so
+    editing a limit keeps each key's state (a name with the limit in it gave
+    every key a fresh budget: 3 + 4 in the hour for "4/hour;100/day")."""
+    f = tmp_path / "rules.toml"
+    table = '[[rules]]\nname = "api"\nalgorithm = "fixed_window"\nrate = "{}"\n'
+    _write(f, table.format(rates.format(3)))
+    clock = backend.FakeClock(1_000_000.0)  # 800 s before the hour's window ends
+    mw = gateway(backend, [], clock)
+    watcher = ConfigWatcher(f, mw.registry, mw.factory)
+    watcher.load()
+    assert sum(mw(get(), ok_handler).status == 200 for _ in range(10)) == 3
+    _write(f, table.format(rates.format(after)))
+    assert watcher.check()
+    clock.advance(1.0)
+    # raised to 4: one more, 4 in the hour; lowered to 2: none until the window ends
+    assert sum(mw(get(), ok_handler).status == 200 for _ in range(10)) == more
+    clock.advance(800.0)
+    assert sum(mw(get(), ok_handler).status == 200 for _ in range(10)) == after
+
+
 def test_watcher_thread_picks_up_a_change_without_a_restart(backend, tmp_path: Path) -> None:
     f = tmp_path / "rules.json"
     f.write_text(json.dumps({"rules": [{"name": "x", "rate": "1/minute"}]}))
@@ -273,3 +298,41 @@ def test_a_file_nested_too_deeply_is_a_config_error(tmp_path: Path, suffix: str)
 def test_a_rule_name_may_not_end_in_a_newline() -> None:
     with pytest.raises(ValidationError):
         rule("api\n")
+
+
+# Numbers no float or int() can hold: each is a problem of the file, never a
+# raw OverflowError / ValueError / TypeError out of the loader or the watcher.
+HUGE_NUMBER_FILES = {
+    "window.json": '{"rules": [{"name": "a", "limit": 5, "window_seconds": ' + "1" * 400 + "}]}",
+    "rate.toml": '[[rules]]\nname = "a"\nrate = "' + "9" * 5000 + '/minute"\n',
+    "burst.toml": '[[rules]]\nname = "a"\nrate = "5/minute burst ' + "9" * 5000 + '"\n',
+    "storage.toml": '[[rules]]\nname = "a"\nrate = "5/minute"\n[storage]\ntype = []\n',
+}
+
+
+@pytest.mark.parametrize("name", HUGE_NUMBER_FILES)
+def test_a_number_past_float_or_int_is_a_config_error(tmp_path: Path, name: str) -> None:
+    f = tmp_path / name
+    _write(f, HUGE_NUMBER_FILES[name])
+    with pytest.raises(ConfigError) as info:
+        load_rules(f)
+    assert len(info.value.problems) == 1
+
+
+@pytest.mark.parametrize("name", HUGE_NUMBER_FILES)
+def test_the_watcher_counts_a_huge_number_as_a_bad_file(tmp_path: Path, name: str) -> None:
+    f = tmp_path / name
+    _write(
+        f,
+        '{"rules": [{"name": "keep", "rate": "5/minute"}]}'
+        if name.endswith(".json")
+        else '[[rules]]\nname = "keep"\nrate = "5/minute"\n',
+    )
+    registry = RuleRegistry([])
+    seen: list[Exception] = []
+    watcher = ConfigWatcher(f, registry, on_error=seen.append)
+    watcher.load()
+    _write(f, HUGE_NUMBER_FILES[name])
+    assert not watcher.check()
+    assert watcher.errors == 1 and len(seen) == 1 and isinstance(seen[0], ConfigError)
+    assert [r.name for r in registry.rules()] == ["keep"]

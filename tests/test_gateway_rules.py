@@ -94,6 +94,8 @@ def test_rule_is_frozen_normalised_and_hashable() -> None:
         ({"window_seconds": 0}, "window_seconds"),
         ({"window_seconds": float("inf")}, "window_seconds"),
         ({"window_seconds": float("nan")}, "window_seconds"),
+        ({"window_seconds": 10**400}, "window_seconds"),  # float() of it raises OverflowError
+        ({"window_seconds": -(10**400)}, "window_seconds"),
         ({"window_seconds": "60"}, "window_seconds"),
         ({"burst": 0}, "burst"),
         ({"burst": 5, "algorithm": "fixed_window"}, "burst"),

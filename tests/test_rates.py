@@ -8,7 +8,7 @@ import pytest
 import nanolimit
 from nanolimit import Algorithm, RateLimitRule, UnknownAlgorithmError, ValidationError
 from nanolimit.gateway.config import parse_rules
-from nanolimit.gateway.rates import Rate, parse_rate, parse_rates
+from nanolimit.gateway.rates import Rate, parse_rate, parse_rates, rate_rule_name
 
 DAY = 86_400.0
 
@@ -165,9 +165,31 @@ def test_duplicates_are_the_same_limit_and_window(value: str | list[str], match:
         parse_rates(value)
 
 
-def test_same_limit_other_window_or_same_window_other_limit_is_no_duplicate() -> None:
+def test_same_limit_other_window_is_no_duplicate() -> None:
     assert parse_rates("5/minute;5/hour") == (Rate(5, 60.0), Rate(5, 3600.0))
-    assert parse_rates("5/minute;6/minute") == (Rate(5, 60.0), Rate(6, 60.0))
+
+
+@pytest.mark.parametrize("value", ["5/minute;6/minute", "5/minute;6 per 60 seconds", "1/s;10/s burst 20"])
+def test_the_same_window_with_another_limit_is_a_duplicate(value: str) -> None:
+    # each window of a list is one rule, named by its window alone
+    with pytest.raises(ValidationError, match="the same window twice"):
+        parse_rates(value)
+
+
+@pytest.mark.parametrize(
+    ("window", "name"),
+    [
+        (60.0, "api:60s"),
+        (3600, "api:3600s"),
+        (0.1, "api:0.1s"),
+        (1_000_000.0, "api:1000000s"),
+        (1_000_001.0, "api:1000001s"),  # :g wrote both as 1e+06
+        (1.5, "api:1.5s"),
+    ],
+)
+def test_rate_rule_name_is_the_exact_window(window: float, name: str) -> None:
+    assert rate_rule_name("api", window) == name
+    assert RateLimitRule(name, "*", "/", "ip", "fixed_window", 1, window).name == name
 
 
 @pytest.mark.parametrize(
@@ -185,6 +207,16 @@ def test_same_limit_other_window_or_same_window_other_limit_is_no_duplicate() ->
 def test_bad_items_are_named(value: object, match: str) -> None:
     with pytest.raises(ValidationError, match=match):
         parse_rates(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["9" * 5000 + "/minute", "5/minute burst " + "9" * 5000],
+)
+def test_a_count_past_python_int_digit_limit_is_a_validation_error(text: str) -> None:
+    # int() refuses over 4300 digits with a bare ValueError
+    with pytest.raises(ValidationError, match="digits"):
+        parse_rate(text)
 
 
 def test_parse_rates_is_a_root_name() -> None:

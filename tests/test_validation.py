@@ -191,6 +191,8 @@ def test_bad_limit(limiter_cls, backend, limit):
         pytest.param(math.nan, id="nan"),
         pytest.param(math.inf, id="inf"),
         pytest.param(-math.inf, id="-inf"),
+        pytest.param(10**400, id="int-past-float"),  # float() of it raises OverflowError
+        pytest.param(-(10**400), id="-int-past-float"),
         pytest.param("60", id="str"),
         pytest.param(None, id="none"),
         pytest.param(True, id="bool"),
@@ -293,6 +295,7 @@ BAD_NOW = [
     pytest.param("1000.0", id="str"),
     pytest.param(None, id="none"),
     pytest.param(1e300, id="absurd"),
+    pytest.param(10**400, id="int-past-float"),
 ]
 
 
@@ -309,7 +312,7 @@ def test_bad_clock(backend, primed, now, op):
 
 
 @pytest.mark.not_on_zone
-@pytest.mark.parametrize("now", [math.nan, math.inf, -math.inf, "1000.0", None])
+@pytest.mark.parametrize("now", [math.nan, math.inf, -math.inf, "1000.0", None, 10**400])
 def test_bad_now_in_storage_apply(backend, now):
     storage = backend.InMemoryStorage()
     storage.apply("k", T0, lambda s: (1, None))
@@ -338,6 +341,10 @@ def test_infinite_eviction_cutoffs(backend):
     assert len(storage) == 1
     assert storage.evict_idle(math.inf) == 1
     assert len(storage) == 0
+    # an int past a float is its infinity, not an OverflowError
+    storage.apply("k", T0, lambda s: (1, None))
+    assert storage.evict_idle(-(10**400)) == 0
+    assert storage.evict_idle(10**400) == 1
 
 
 # --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import math
 import time
 from typing import Protocol, runtime_checkable
 
+from ._validation import _shown, as_float
 from .errors import ValidationError
 
 __all__ = ["MAX_CLOCK_LEAD", "MAX_TIME", "Clock", "FakeClock", "SystemClock", "check_now"]
@@ -79,9 +80,9 @@ def check_now(now: object) -> float:
     """
     if isinstance(now, bool) or not isinstance(now, (int, float)):
         raise ValidationError(f"clock returned {type(now).__name__}, expected float seconds")
-    value = float(now)
+    value = as_float(now)
     if not math.isfinite(value):
-        raise ValidationError(f"clock returned a non-finite time: {value!r}")
+        raise ValidationError(f"clock returned a non-finite time: {_shown(now)}")
     if not -MAX_TIME < value < MAX_TIME:
         raise ValidationError(f"clock returned {value!r}, outside ±{MAX_TIME:.0f} s")
     return value

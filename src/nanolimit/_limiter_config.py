@@ -9,7 +9,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from ._validation import MAX_LIMIT, MAX_LOG_CAPACITY, MAX_WINDOW, MIN_WINDOW
+from ._validation import MAX_LIMIT, MAX_LOG_CAPACITY, MAX_WINDOW, MIN_WINDOW, _shown, as_float
 from .errors import UnknownAlgorithmError, ValidationError
 
 __all__ = [
@@ -141,9 +141,9 @@ class LimiterConfig:
         lim = _check_count("limit", limit)
         if isinstance(window_seconds, bool) or not isinstance(window_seconds, (int, float)):
             raise ValidationError(f"window_seconds must be a number, got {type(window_seconds).__name__}")
-        window = float(window_seconds)
+        window = as_float(window_seconds)
         if not math.isfinite(window) or window <= 0:
-            raise ValidationError(f"window_seconds must be finite and > 0, got {window!r}")
+            raise ValidationError(f"window_seconds must be finite and > 0, got {_shown(window_seconds)}")
         if not MIN_WINDOW <= window <= MAX_WINDOW:
             raise ValidationError(
                 f"window_seconds must be within [{MIN_WINDOW}, {MAX_WINDOW:.0f}], got {window!r}"

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 from ._clocks import MAX_TIME, SystemClock, check_now
 from ._decision_py import BatchResult, KernelVerdict
 from ._limiter_config import LimiterConfig, LimiterState
-from ._validation import MAX_KEY_BYTES, check_cost, check_key
+from ._validation import MAX_KEY_BYTES, _shown, as_float, check_cost, check_key
 from .errors import ValidationError
 
 __all__ = [
@@ -83,9 +83,9 @@ def check_at(at: object) -> float | None:
         return None
     if isinstance(at, bool) or not isinstance(at, numbers.Real):
         raise ValidationError(f"at must be a Decision.at time in seconds or None, got {type(at).__name__}")
-    value = float(at)
+    value = as_float(at)
     if not math.isfinite(value):
-        raise ValidationError(f"at must be a finite time, got {value!r}")
+        raise ValidationError(f"at must be a finite time, got {_shown(at)}")
     if not -MAX_TIME < value < MAX_TIME:
         raise ValidationError(f"at {value!r} is outside ±{MAX_TIME:.0f} s")
     return value

@@ -6,6 +6,7 @@ core re-implements the hot checks in C and uses these for messages.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Sequence
 from typing import Any, SupportsIndex, cast
@@ -24,6 +25,7 @@ __all__ = [
     "MIN_KEYS_PER_STRIPE",
     "MIN_WINDOW",
     "ON_FULL_POLICIES",
+    "as_float",
     "check_batch",
     "check_bounds",
     "check_cost",
@@ -77,6 +79,18 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def as_float(value: float | numbers.Real) -> float:
+    """``value`` as a float, an int or other real too large for one as ±inf.
+
+    ``float(10**400)`` and ``math.isfinite(10**400)`` raise OverflowError:
+    converted here, such a value meets the caller's finiteness check and is
+    refused as a ValidationError like ``inf``."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf  # type: ignore[operator]
+
+
 def check_int_option(name: str, value: object, low: int, high: int) -> int:
     """An int option in ``[low, high]``, checked where it is given: ``bool``
     is refused (``True`` is not a count), and so is a value the store could
@@ -95,7 +109,7 @@ def check_seconds_option(
     ok = (
         not isinstance(value, bool)
         and isinstance(value, (int, float))
-        and math.isfinite(value)
+        and math.isfinite(as_float(value))
         and (low < value if low_open else low <= value)
         and value <= high
     )
@@ -119,10 +133,7 @@ def check_bounds(
     if evict_idle_after is not None:
         if isinstance(evict_idle_after, bool) or not isinstance(evict_idle_after, (int, float)):
             raise ValidationError(f"evict_idle_after must be seconds or None, got {_shown(evict_idle_after)}")
-        try:
-            idle = float(evict_idle_after)
-        except OverflowError:
-            idle = math.inf
+        idle = as_float(evict_idle_after)
         if not math.isfinite(idle) or idle <= 0:
             raise ValidationError(f"evict_idle_after must be finite and > 0, got {_shown(evict_idle_after)}")
     assert isinstance(on_full, str)
@@ -188,7 +199,7 @@ def check_cutoff(cutoff: object) -> float:
     """An eviction cutoff: any number but NaN (``inf`` forgets every key)."""
     if isinstance(cutoff, bool) or not isinstance(cutoff, (int, float)):
         raise ValidationError(f"cutoff must be a number of seconds, got {type(cutoff).__name__}")
-    value = float(cutoff)
+    value = as_float(cutoff)  # 10**400 is inf: it forgets every key
     if math.isnan(value):
         raise ValidationError("cutoff must not be NaN")
     return value

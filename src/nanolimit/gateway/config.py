@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 from ..errors import ConfigError, Problem, RuleValidationError, ValidationError
 from .factory import LimiterFactory
-from .rates import parse_rates
+from .rates import parse_rates, rate_rule_name
 from .registry import RuleRegistry
 from .rules import RateLimitRule
 
@@ -215,7 +215,8 @@ class LoadedRules:
 
 def _rule(table: Any, label: str, problems: list[Problem], defaults: dict[str, Any]) -> list[RateLimitRule]:
     """The rules of one table: one, or one per rate of a rate list (named
-    ``<name>:<limit>/<window>s``, one group: they decide together)."""
+    ``<name>:<window>s`` by :func:`rate_rule_name`, so a limit edit keeps
+    the spent budget; one group: they decide together)."""
     if not isinstance(table, dict):
         problems.append(Problem(label, "-", f"a rule must be a table, got {type(table).__name__}"))
         return []
@@ -251,7 +252,7 @@ def _rule(table: Any, label: str, problems: list[Problem], defaults: dict[str, A
         return []
     out = []
     for limit, window, burst_ in rates:
-        rule_name = name if len(rates) == 1 else f"{name}:{limit}/{window:g}s"
+        rule_name = name if len(rates) == 1 else rate_rule_name(name, window)
         try:
             out.append(
                 RateLimitRule(
@@ -282,7 +283,7 @@ def _storage(table: Any, problems: list[Problem]) -> StorageSection | None:
         problems.append(Problem("-", "storage", f"must be a table, got {type(table).__name__}"))
         return None
     kind = table.get("type", "memory")
-    if kind not in _STORAGE_FIELDS:
+    if not isinstance(kind, str) or kind not in _STORAGE_FIELDS:  # a list is unhashable: str first
         kinds = ", ".join(_STORAGE_FIELDS)
         problems.append(Problem("storage", "type", f"must be one of {kinds}, got {kind!r}"))
         return None
@@ -537,6 +538,12 @@ class ConfigWatcher:
                 self._install(raw)
             except ValidationError as exc:
                 self._fail(exc, digest)
+                return False
+            except (ValueError, TypeError, ArithmeticError) as exc:
+                # a value the loader failed to check: still a bad file, logged
+                # once per content, not a traceback per poll
+                problem = Problem("-", "-", f"cannot load: {type(exc).__name__}: {exc}")
+                self._fail(ConfigError(str(self.path), [problem]), digest)
                 return False
             return True
 

@@ -49,7 +49,7 @@ from .headers import RATE_HEADERS
 from .keys import DefaultKeyExtractor
 from .metrics import Metrics
 from .middleware import WSGI_PAIRS, Outcome, RateLimitPipeline
-from .rates import parse_rates
+from .rates import parse_rates, rate_rule_name
 from .registry import ExemptRoute, RuleRegistry, RuleSet
 from .request import Request
 from .routes import Limit, RouteInfo, RouteLimits, declarations, refuse_foreign, view_name
@@ -476,7 +476,7 @@ class Limiter:
         registry, factory = self._ruleset(rules_source, storage)
         defaults = [
             RateLimitRule(
-                DEFAULT_RULE if len(rates) == 1 else f"{DEFAULT_RULE}:{r.limit}/{r.window_seconds:g}s",
+                DEFAULT_RULE if len(rates) == 1 else rate_rule_name(DEFAULT_RULE, r.window_seconds),
                 "*",
                 "/",
                 scope,

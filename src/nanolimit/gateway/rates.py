@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 from ..errors import ValidationError
 
-__all__ = ["Rate", "parse_rate", "parse_rates"]
+__all__ = ["Rate", "parse_rate", "parse_rates", "rate_rule_name"]
 
 
 _UNITS: dict[str, float] = {}
@@ -75,6 +75,18 @@ class Rate(NamedTuple):
     burst: int | None = None
 
 
+def _whole(text: str, what: str, digits: str) -> int:
+    """A limit or burst as an int. ``int()`` refuses a string past Python's
+    digit limit (4300) with a bare ValueError; such a count is far above any
+    limit a limiter takes, so it is a ValidationError here."""
+    try:
+        return int(digits)
+    except ValueError:
+        raise ValidationError(
+            f"cannot parse rate {text[:60]!r}...: the {what} has {len(digits)} digits"
+        ) from None
+
+
 def parse_rate(text: str) -> Rate:
     """Parse a rate the way users write one elsewhere (flask-limiter, slowapi,
     nginx): ``"5/minute"``, ``"100 per 10 seconds"``, ``"1000/hour"``,
@@ -103,16 +115,28 @@ def parse_rate(text: str) -> Rate:
     unit = _UNITS.get(m["unit"].lower())
     if unit is None:
         raise ValidationError(f"cannot parse rate {text!r}: unknown unit {m['unit']!r}; {_RATE_HELP}")
-    limit = int(m["limit"])
+    limit = _whole(text, "limit", m["limit"])
     count = float(m["count"]) if m["count"] is not None else 1.0
     if limit <= 0:
         raise ValidationError(f"cannot parse rate {text!r}: the limit must be >= 1")
     if count <= 0 or not math.isfinite(count):
         raise ValidationError(f"cannot parse rate {text!r}: the window must be > 0")
-    burst = int(m["burst"]) if m["burst"] is not None else None
+    burst = _whole(text, "burst", m["burst"]) if m["burst"] is not None else None
     if burst is not None and burst <= 0:
         raise ValidationError(f"cannot parse rate {text!r}: the burst must be >= 1")
     return Rate(limit, count * unit, burst)
+
+
+def rate_rule_name(name: str, window_seconds: float) -> str:
+    """The rule name of one rate of a list: ``<name>:<window>s``, e.g.
+    ``api:3600s``. A key's state is kept per rule name, so the name holds
+    the window alone: editing a limit on reload keeps the budget already
+    spent (docs/spec.md §6), where a name with the limit in it started every
+    key over. The window is its shortest exact repr (``60``, ``0.1``,
+    ``1000001``): two windows never share a name, as ``:g`` made 1000000 and
+    1000001 do. :func:`parse_rates` refuses one window twice."""
+    text = repr(float(window_seconds))
+    return f"{name}:{text.removesuffix('.0')}s"
 
 
 def parse_rates(text: str | Sequence[str]) -> tuple[Rate, ...]:
@@ -123,8 +147,10 @@ def parse_rates(text: str | Sequence[str]) -> tuple[Rate, ...]:
 
     Refused, with a :class:`ValidationError` naming the item: an empty item
     (``"5/minute;;100/hour"``: a typo must not drop a limit), a rate that does
-    not parse, the same limit and window twice (one of them would be dead
-    weight, or a copy-paste that meant another window), and an empty list.
+    not parse, the same window twice (each window of a list is one rule,
+    named by its window so a limit edit keeps its spent budget: see
+    :func:`rate_rule_name`; two limits over one window are dead weight or a
+    copy-paste that meant another window), and an empty list.
     Whether the limits are enforced together is up to the caller (stacked
     rules); this only reads them."""
     if isinstance(text, str):
@@ -142,7 +168,7 @@ def parse_rates(text: str | Sequence[str]) -> tuple[Rate, ...]:
     if not parts or items == [""]:
         raise ValidationError(f"no rates in {shown!r}: expected e.g. '5/minute;100/hour'")
     rates: list[Rate] = []
-    seen: dict[tuple[int, float], str] = {}
+    seen: dict[float, str] = {}
     for n, item in enumerate(items, 1):
         if not item:
             raise ValidationError(f"rate {n} of {shown!r} is empty (a doubled or trailing separator?)")
@@ -150,11 +176,12 @@ def parse_rates(text: str | Sequence[str]) -> tuple[Rate, ...]:
             rate = parse_rate(item)
         except ValidationError as exc:
             raise ValidationError(f"rate {n} of {shown!r}: {exc}") from None
-        first = seen.get((rate.limit, rate.window_seconds))
+        first = seen.get(rate.window_seconds)
         if first is not None:
             raise ValidationError(
-                f"rate {n} of {shown!r}, {item!r}, repeats {first!r}: the same limit and window twice"
+                f"rate {n} of {shown!r}, {item!r}, repeats {first!r}: the same window twice "
+                "(each window of a list is one rule, named by its window)"
             )
-        seen[(rate.limit, rate.window_seconds)] = item
+        seen[rate.window_seconds] = item
         rates.append(rate)
     return tuple(rates)

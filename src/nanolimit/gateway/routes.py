@@ -12,7 +12,8 @@ compound all-or-nothing with global rules, ``nanolimit check-config``),
 and a route-level limit costs what a middleware rule costs.
 
 Names: a view's limit is named after the view (``module.function``), with
-``:<limit>/<window>s`` added when it has several rates; a shared limit
+``:<window>s`` added when it has several rates (the window alone, so a
+limit edit keeps the spent budget: :func:`.rates.rate_rule_name`); a shared limit
 carries the name it was given. A reload of a rules file keeps every
 declared rule (:meth:`nanolimit.gateway.registry.RuleRegistry.replace`).
 """
@@ -30,7 +31,7 @@ from typing import Any, ClassVar, TypeVar
 
 from .._limiter_config import Algorithm
 from ..errors import RuleValidationError, UnenforcedLimitWarning, ValidationError
-from .rates import Rate, parse_rates
+from .rates import Rate, parse_rates, rate_rule_name
 from .registry import ExemptRoute, RuleRegistry
 from .rules import KeyScope, RateLimitRule, key_function_problem, route_key
 
@@ -110,7 +111,7 @@ class Limit:
                 if len(own) > 1:
                     rule_name += f"@{method}"
                 if len(self.rates) > 1:
-                    rule_name += f":{rate.limit}/{rate.window_seconds:g}s"
+                    rule_name = rate_rule_name(rule_name, rate.window_seconds)
                 out.append(
                     RateLimitRule(
                         rule_name,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._limiter_config import Algorithm, LimiterConfig
+from .._validation import _shown, as_float
 from ..errors import (
     RuleAlgorithmError,
     RuleValidationError,
@@ -354,8 +355,9 @@ class RateLimitRule:
             raise RuleValidationError(
                 name, "window_seconds", f"must be a number, got {type(window).__name__}"
             )
-        if not math.isfinite(window) or window <= 0:
-            raise RuleValidationError(name, "window_seconds", f"must be finite and > 0, got {window!r}")
+        # as_float: an int too large for a float (10**400) is inf, refused here
+        if not math.isfinite(as_float(window)) or window <= 0:
+            raise RuleValidationError(name, "window_seconds", f"must be finite and > 0, got {_shown(window)}")
         setter(self, "window_seconds", float(window))
         if self.tier is not None and (not isinstance(self.tier, str) or not self.tier):
             raise RuleValidationError(name, "tier", f"must be a non-empty str or None, got {self.tier!r}")
