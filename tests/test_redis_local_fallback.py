@@ -370,6 +370,8 @@ def test_storage_from_uri_takes_the_local_options(own_server: Server) -> None:
     for bad, name in (("local_share=2", "local_share"), ("local_instances=0", "local_instances")):
         with pytest.raises(ValidationError, match=name):
             storage_from_uri(f"{base}&{bad}")
+    with pytest.raises(ValidationError, match="local_share"):  # past a float: no OverflowError
+        storage_from_uri(base, local_share=10**400)
 
 
 def test_the_async_store_falls_back_and_hands_over(

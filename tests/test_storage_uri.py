@@ -371,6 +371,7 @@ def test_zone_options_without_max_keys_are_refused() -> None:
         (f"redis://:{SECRET}@h?timeout=soon", {}, "option 'timeout' must be a number"),
         ("redis://h?timeout=0", {}, "option 'timeout' must be a number of seconds > 0"),
         ("redis://h?timeout=nan", {}, "option 'timeout' must be a finite"),
+        ("redis://h", {"timeout": 10**400}, "option 'timeout' must be a finite"),  # no OverflowError
         ("redis://h?near_cache=maybe", {}, "option 'near_cache' must be a bool"),
         ("redis://h?breaker_threshold=0", {}, "option 'breaker_threshold' must be an int >= 1"),
         ("redis://h?keep_connections=1.5", {}, "option 'keep_connections' must be an int"),

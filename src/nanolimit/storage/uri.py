@@ -25,7 +25,7 @@ from typing import Any, Final
 from urllib.parse import unquote, unquote_plus
 
 from .._protocols import Storage
-from .._validation import MAX_KEYS, MAX_STRIPES, MAX_WINDOW
+from .._validation import MAX_KEYS, MAX_STRIPES, MAX_WINDOW, as_float
 from ..errors import ValidationError
 
 __all__ = [
@@ -113,7 +113,11 @@ def _float(positive: bool, high: float | None = None) -> Callable[[Any], float]:
                 value = float(value.strip())
             except ValueError:
                 raise _Bad("must be a number of seconds") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(as_float(value))
+        ):
             raise _Bad("must be a finite number of seconds")
         if value < 0 or (positive and value == 0):
             raise _Bad("must be a number of seconds " + ("> 0" if positive else ">= 0"))

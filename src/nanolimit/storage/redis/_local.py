@@ -36,7 +36,7 @@ from typing import Any
 from ..._decision_py import KernelVerdict
 from ..._limiter_config import LIMITER_CLASS_NAMES, LimiterConfig
 from ..._select import twin
-from ..._validation import MAX_KEYS, check_int_option
+from ..._validation import MAX_KEYS, as_float, check_int_option
 from ...errors import ValidationError
 from ._resilience import _Breaker
 
@@ -60,7 +60,7 @@ def check_local_options(
     if (
         isinstance(local_share, bool)
         or not isinstance(local_share, (int, float))
-        or not math.isfinite(local_share)
+        or not math.isfinite(as_float(local_share))
         or not 0 < local_share <= 1
     ):
         raise ValidationError(f"local_share must be a number in (0, 1], got {str(local_share)[:60]}")
