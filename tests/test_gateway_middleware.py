@@ -439,9 +439,16 @@ def test_decide_scope_reads_the_scope_as_request_from_scope_does(backend) -> Non
         assert first is not None and second is not None, scope
         assert first.allowed and second.allowed
         assert int(first.headers["X-RateLimit-Remaining"]) == int(second.headers["X-RateLimit-Remaining"]) + 1
-    for scope in ({**base, "path": "/x"}, {**base, "path": ""}, {**base, "root_path": "/v1"}):
+    # the root is in the path only at a segment boundary, as Starlette routes:
+    # "/api/x" under "/ap" is the public "/ap/api/x", outside the /api rule
+    outside = {**base, "path": "/api/x", "root_path": "/ap"}
+    for scope in ({**base, "path": "/x"}, {**base, "path": ""}, {**base, "root_path": "/v1"}, outside):
         assert mw.decide_scope(scope, None, request_from_scope) is None
         assert python_twin(mw, scope, None, request_from_scope) is None
+    assert request_from_scope(outside).path == "/ap/api/x"
+    assert request_from_scope({**base, "path": "/v1beta/x", "root_path": "/v1"}).path == "/v1/v1beta/x"
+    assert request_from_scope({**base, "path": "/v1", "root_path": "/v1"}).path == "/v1"
+    assert request_from_scope({**base, "path": "/v1/x", "root_path": "/v1/"}).path == "/v1/x"
     # a scope with no method is a GET, as request_from_scope reads it
     get_scope = {"type": "http", "path": "/api/q", "client": ("192.0.2.1", 1)}
     assert mw.decide_scope(get_scope, None, request_from_scope) is not None

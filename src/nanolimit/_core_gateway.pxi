@@ -793,8 +793,9 @@ cdef class PipelineLanes:
         item = PyDict_GetItemWithError(scope, S_ROOT)
         if item != NULL and <object>item:
             root = <object>item
-            if not path.startswith(root):
-                path = root + path if path[:1] == S_SLASH else f"{root}/{path}"
+            if not (path.startswith(root) and (len(path) == len(root) or path[len(root)] == S_SLASH
+                                              or root.endswith(S_SLASH))):
+                path = root + path if path[:1] == S_SLASH else f"{root}/{path}"   # public_path
             if context is not None:
                 context = f"{context}\x00{root}"
         item = PyDict_GetItemWithError(scope, S_METHOD)

@@ -42,7 +42,7 @@ from .metrics import Metrics
 from .middleware import ASGI_PAIRS, AWAIT, DICT, INLINE, CostTooHigh, Outcome, decide_mode, render_body
 from .middleware import RateLimitPipeline as Core
 from .registry import RuleRegistry
-from .request import Request, under_root
+from .request import Request, public_path
 from .routes import RouteLimits, registry_and_limits
 
 __all__ = ["ASGIApp", "RateLimitMiddleware", "request_from_scope"]
@@ -123,8 +123,8 @@ def request_from_scope(scope: Scope) -> Request:
         raw = scope.get("raw_path")
         if isinstance(raw, bytes):
             path = unquote(raw.decode("latin-1")) or "/"
-    if root and not path.startswith(root):
-        path = under_root(root, path)
+    if root:
+        path = public_path(root, path)
     return Request(
         scope.get("method", "GET") if scope["type"] == "http" else "GET",
         path,

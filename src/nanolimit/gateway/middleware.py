@@ -41,7 +41,7 @@ from .keys import DefaultKeyExtractor, KeyExtractor
 from .metrics import ALLOWED, DENIED, NEAR_LIMIT, SHADOW_DENIED, Metrics
 from .outcome import CostTooHigh, Outcome, Response, _DenialLog, _outcome, render_body
 from .registry import CACHE_KEY_BYTES, MAX_CACHED_KEY_BYTES, RuleRegistry, RuleSet, key_bytes
-from .request import Request, under_root
+from .request import Request, public_path
 from .rules import KeyScope, RateLimitRule
 
 __all__ = ["CostTooHigh", "Outcome", "RateLimitPipeline", "Request", "Response", "deny_body", "render_body"]
@@ -582,8 +582,7 @@ class RateLimitPipeline:
         path = scope.get("path", "/") or "/"
         root = scope.get("root_path")
         if root:
-            if not path.startswith(root):
-                path = under_root(root, path)
+            path = public_path(root, path)
             if context is not None:
                 context = f"{context}\x00{root}"
         client = scope.get("client")

@@ -51,3 +51,14 @@ def under_root(root: str, path: str) -> str:
     """``path`` under an ASGI ``root_path`` it does not start with: rules are
     written against the public URL, where a mount's prefix is part of it."""
     return root + path if path[:1] == "/" else f"{root}/{path}"
+
+
+def public_path(root: str, path: str) -> str:
+    """The public URL of an ASGI ``path`` under a non-empty ``root_path``. A
+    server that follows the spec puts the root in ``path``; an older one
+    leaves it out, and then it is joined. The root counts as in ``path``
+    only at a segment boundary, as Starlette routes it: ``/v1beta/x`` under
+    ``/v1`` is ``/v1/v1beta/x``, not a request for ``/v1beta/x``."""
+    if path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/" or root.endswith("/")):
+        return path
+    return under_root(root, path)
