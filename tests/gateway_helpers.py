@@ -22,7 +22,7 @@ def rule(name: str, rate_limit: int = 5, window: float = 60.0, **kw: Any) -> Rat
         "algorithm": "token_bucket",
         "burst": None,
     }
-    extra = {k: kw.pop(k) for k in ("tier", "dry_run", "shape") if k in kw}
+    extra = {k: kw.pop(k) for k in ("tier", "dry_run", "shape", "count_when") if k in kw}
     fields.update(kw)
     return RateLimitRule(
         name,

@@ -10,6 +10,7 @@ import threading
 import time
 import types
 import warnings
+from http import HTTPStatus
 from typing import Any
 
 import pytest
@@ -207,6 +208,26 @@ def test_compound_with_a_shadow_rule_never_rejects_for_it(backend) -> None:
     assert [mw(get(), ok_handler).status for _ in range(4)] == [200, 200, 200, 429]
     snap = mw.metrics.snapshot()
     assert snap["trial"]["shadow_denied"] == 3 and snap["enforced"]["denied"] == 1
+
+
+@pytest.mark.parametrize(
+    "count_when", [lambda status: status != 200, lambda status: HTTPStatus(status) >= 500]
+)
+def test_a_refused_stack_gives_its_shadow_charges_back_whatever_they_count(backend, count_when) -> None:
+    """An enforced rule refuses the request: the shadow rule's charge goes
+    back, since the request never ran. It was settled as status -1, which a
+    ``count_when`` callable may count (``!= 200``: kept spent, so the trial
+    rule reported denials no response had earned) or refuse (``HTTPStatus(-1)``
+    raises ValueError: a 500 instead of the 429)."""
+    rules = [
+        rule("enforced", 2, 60.0, algorithm="fixed_window"),
+        rule("trial", 5, 60.0, scope="global", dry_run=True, algorithm="fixed_window", count_when=count_when),
+    ]
+    mw = gateway(backend, rules, stacked=True)
+    assert [mw(get(), ok_handler).status for _ in range(10)] == [200, 200] + [429] * 8
+    snap = mw.metrics.snapshot()
+    assert snap["enforced"]["denied"] == 8
+    assert snap["trial"]["shadow_denied"] == 0  # every charge went back: 200s and refusals alike
 
 
 def test_compound_needs_a_storage_that_can_decide_all_at_once(backend) -> None:

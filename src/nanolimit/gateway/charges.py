@@ -79,6 +79,16 @@ class Charges:
             back += cost
         return back
 
+    def refund(self) -> int:
+        """Give every charge back, whatever each rule counts: the request
+        never ran (an enforced rule of its stack refused it). Not a status
+        to settle by: a ``count_when`` callable may count any status, or
+        raise on one no server sends."""
+        items, self.items = self.items, []
+        for b, key, cost, d in items:
+            b.limiter.refund(key, cost, at=d.at)
+        return sum(item[2] for item in items)
+
     async def settle_async(self, status: int) -> int:
         """:meth:`settle` awaiting the store (``AsyncRedisStorage``)."""
         back = 0

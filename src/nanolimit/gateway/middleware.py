@@ -810,7 +810,7 @@ class RateLimitPipeline:
             charge = Charges(charged) if charged else None
             return _outcome(Outcome, (True, headers, delay, binding.name, 0, summary, charge))
         if charged:
-            Charges(charged).settle(-1)  # the shadow rules' charges: the request never ran
+            Charges(charged).refund()  # the shadow rules' charges: the request never ran
         outcome = self._refusal(binding, decision, summary.retry_after, summary)
         self._breached(request, outcome)
         return outcome
