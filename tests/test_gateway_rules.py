@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 from gateway_helpers import rule
@@ -268,6 +269,33 @@ def test_replace_swaps_the_whole_ruleset_and_keeps_the_old_on_error() -> None:
     reg.replace([], default=None)
     with pytest.raises(RuleNotFoundError):
         reg.rule_for("GET", "/a")
+
+
+def test_a_reload_racing_a_declaration_loses_neither() -> None:
+    """declare() (an app binding its route limits) and replace() (a rules
+    file reloaded) each read the current set and assign a new one. One
+    interleaved with the other assigned a set built on the old one: the
+    reloaded file's rules vanished behind the declaration's. They take turns."""
+    reg = RuleRegistry([rule("file-v1", path_prefix="/a")])
+    started, go = threading.Event(), threading.Event()
+
+    def slow_routes() -> Iterator[str]:  # declare() reads these while it builds its set
+        started.set()
+        assert go.wait(5)
+        yield "/b"
+
+    declaring = threading.Thread(
+        target=reg.declare, args=([rule("route", path_prefix="/b")],), kwargs={"known_routes": slow_routes()}
+    )
+    declaring.start()
+    assert started.wait(5)
+    reloading = threading.Thread(target=reg.replace, args=([rule("file-v2", path_prefix="/a")],))
+    reloading.start()
+    reloading.join(0.3)
+    go.set()
+    declaring.join(5)
+    reloading.join(5)
+    assert {r.name for r in reg.rules()} == {"file-v2", "route"}
 
 
 def test_replace_is_atomic_under_concurrent_lookups() -> None:

@@ -15,6 +15,7 @@ templates they match, are in :mod:`nanolimit.gateway.rules`.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -418,7 +419,7 @@ class RuleRegistry:
     limits); otherwise the most specific one does (docs/spec.md §6).
     """
 
-    __slots__ = ("_cache_bytes", "_cache_size", "_declared_exempt", "declared", "ruleset")
+    __slots__ = ("_cache_bytes", "_cache_size", "_declared_exempt", "_writing", "declared", "ruleset")
 
     # what the declared exemptions are kept as (see :func:`exempt_routes`)
     _declared_exempt: frozenset[ExemptRoute]
@@ -442,6 +443,9 @@ class RuleRegistry:
         # rules declared on routes (nanolimit.gateway.routes): every replace() keeps them
         self.declared: tuple[RateLimitRule, ...] = ()
         self._declared_exempt = frozenset()
+        # replace() and declare() read the current set and assign a new one:
+        # one at a time, or a reload racing an app's route limits drops one
+        self._writing = threading.Lock()
         # The current snapshot: read it once per request (the pipeline does);
         # assign it only through replace(), which validates first.
         self.ruleset = RuleSet(
@@ -508,6 +512,12 @@ class RuleRegistry:
         ``default``, ``stacked``, ``exempt`` and the app's ``known_routes``
         (see :meth:`declare`) are kept unless given, and so is whether
         route rules add to the prefix rules (:meth:`declare`'s ``adds``)."""
+        with self._writing:
+            return self._replace(rules, default, stacked, exempt, known_routes)
+
+    def _replace(
+        self, rules: Iterable[RateLimitRule], default: Any, stacked: Any, exempt: Any, known_routes: Any
+    ) -> RuleSet:
         current = self.ruleset
         declared = set(self.declared)
         if isinstance(rules, RateLimitRule):
@@ -541,6 +551,10 @@ class RuleRegistry:
         every later :meth:`replace`, and one naming no route is an error.
         ``adds``: route rules add to what the prefix rules decide, even
         unstacked (kept by later calls unless given)."""
+        with self._writing:
+            return self._declare(rules, exempt, known_routes, adds)
+
+    def _declare(self, rules: Iterable[RateLimitRule], exempt: Any, known_routes: Any, adds: Any) -> RuleSet:
         rules = tuple(rules)
         keys = exempt_routes(exempt)
         current = self.ruleset
