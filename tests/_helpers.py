@@ -98,8 +98,12 @@ needs_shared_memory = pytest.mark.skipif(
 
 def two_tier_fleet(server: Any, prefix: str, n: int, **kwargs: Any) -> list[Any]:
     """``n`` TwoTierStorage members of one fleet on ``server``, no background
-    syncs (the test calls ``sync_now``)."""
+    syncs (the test calls ``sync_now``). A sync waits up to 5 s for its
+    reply unless told otherwise: under valgrind on a busy host the default
+    0.25 s could lapse and turn a sync the test compares into a partition."""
     from nanolimit.storage.two_tier import TwoTierStorage
+
+    kwargs.setdefault("timeout", 5.0)
 
     return [
         TwoTierStorage(None, server.client(), instance_id=f"i{i}", prefix=prefix, start=False, **kwargs)
