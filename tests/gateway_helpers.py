@@ -83,3 +83,26 @@ def audit_decisions(monkeypatch: Any) -> list[bool | None]:
 
     monkeypatch.setattr(RateLimitPipeline, "__init__", audited_init)
     return log
+
+
+async def post_statuses(mw: Any, times: int) -> list[object]:
+    """What ``times`` POSTs to /login get from the ASGI middleware ``mw``:
+    the status sent, or the app's ValueError (the server's 500)."""
+    out: list[object] = []
+    for _ in range(times):
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request"}
+
+        client = ("203.0.113.9", 1)
+        scope = {"type": "http", "method": "POST", "path": "/login", "client": client, "headers": []}
+        try:
+            await mw(scope, receive, send)
+            out.append(sent[0]["status"])
+        except ValueError:
+            out.append(500)
+    return out

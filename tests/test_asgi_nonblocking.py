@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from adversarial_servers import raw_request, uvicorn_server
+from gateway_helpers import post_statuses
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.responses import PlainTextResponse
@@ -107,28 +108,8 @@ def test_a_status_the_server_cannot_read_settles_a_redis_charge_as_500(own_serve
     registry = RuleRegistry([rule("fails", "/login", 3, count_when={401})])
     mw = RateLimitMiddleware(app, registry, LimiterFactory(make(own_server, on_error="raise")))
 
-    async def post() -> object:
-        sent: list[dict[str, Any]] = []
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request"}
-
-        client = ("203.0.113.9", 1)
-        scope = {"type": "http", "method": "POST", "path": "/login", "client": client, "headers": []}
-        try:
-            await mw(scope, receive, send)
-        except ValueError:
-            return 500
-        return sent[0]["status"]
-
-    async def five() -> list[object]:
-        return [await post() for _ in range(5)]
-
     assert mw.decide in ("await", "thread")
-    assert asyncio.run(five()) == [500] * 5
+    assert asyncio.run(post_statuses(mw, 5)) == [500] * 5
 
 
 @pytest.mark.parametrize("make", [async_store, sync_store], ids=["async", "sync"])

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from gateway_helpers import rule
+from gateway_helpers import post_statuses, rule
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request as StarletteRequest
@@ -395,29 +395,6 @@ def test_the_send_wrapper_adds_headers_and_settles_only_at_the_response_start(he
     assert seen == [{"type": "http.response.start", "status": 200}] and charge.statuses == [401]
 
 
-async def _bad_status_answers(mw: RateLimitMiddleware, times: int) -> list[object]:
-    """What ``times`` POSTs to /login get from ``mw``: the status sent, or
-    the app's error (the server's 500)."""
-    out: list[object] = []
-    for _ in range(times):
-        sent: list[dict[str, Any]] = []
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        async def receive() -> dict[str, Any]:
-            return {"type": "http.request"}
-
-        client = ("203.0.113.9", 1)
-        scope = {"type": "http", "method": "POST", "path": "/login", "client": client, "headers": []}
-        try:
-            await mw(scope, receive, send)
-            out.append(sent[0]["status"])
-        except ValueError:
-            out.append(500)
-    return out
-
-
 @pytest.mark.parametrize("decide", ["inline", "thread"])
 def test_a_status_the_server_cannot_read_settles_the_charge_as_500(backend, decide: str) -> None:
     """An app whose response start carries a status ``int()`` rejects has
@@ -430,4 +407,4 @@ def test_a_status_the_server_cannot_read_settles_the_charge_as_500(backend, deci
     failed = RateLimitRule("failed-logins", "*", "/login", "ip", "fixed_window", 3, 60.0, count_when={401})
     factory = LimiterFactory(backend.InMemoryStorage(), backend.FakeClock(0.0))
     mw = RateLimitMiddleware(app, RuleRegistry([failed]), factory, decide=decide)
-    assert asyncio.run(_bad_status_answers(mw, 5)) == [500] * 5
+    assert asyncio.run(post_statuses(mw, 5)) == [500] * 5

@@ -17,6 +17,7 @@ Each test starts a cluster of its own (a master is killed in it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Iterator
@@ -248,6 +249,28 @@ def test_async_cluster_a_dead_master_costs_only_its_own_keys(dying_cluster: Clus
     asyncio.run(main())
 
 
+@contextlib.contextmanager
+def frozen_cluster() -> Iterator[Cluster]:
+    """A real three-master cluster with every node SIGSTOPped, so an asyncio
+    client's first slot map gets no answer; thawed and stopped at the end."""
+    cluster = Cluster(require_binary("redis"), "redis")
+    cluster.start()
+    try:
+        for node in cluster.nodes:
+            assert node.proc is not None
+            node.proc.send_signal(signal.SIGSTOP)
+        yield cluster
+    finally:
+        thaw(cluster)
+        cluster.stop()
+
+
+def thaw(cluster: Cluster) -> None:
+    for node in cluster.nodes:
+        if node.proc is not None:
+            node.proc.send_signal(signal.SIGCONT)
+
+
 def test_async_cluster_unreachable_at_startup_is_answered_within_the_timeout() -> None:
     """An asyncio cluster whose nodes do not answer its first slot map: each
     try at the map connects to every startup node (155-311 ms with a 50 ms
@@ -256,12 +279,7 @@ def test_async_cluster_unreachable_at_startup_is_answered_within_the_timeout() -
     the timeout; once the nodes answer, the map is learnt and Redis decides."""
     from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-    cluster = Cluster(require_binary("redis"), "redis")
-    cluster.start()
-    try:
-        for node in cluster.nodes:
-            assert node.proc is not None
-            node.proc.send_signal(signal.SIGSTOP)
+    with frozen_cluster() as cluster:
 
         async def main() -> None:
             user = RedisCluster(startup_nodes=[ClusterNode(HOST, n.port) for n in cluster.nodes])
@@ -281,9 +299,7 @@ def test_async_cluster_unreachable_at_startup_is_answered_within_the_timeout() -
                 assert d.degraded and not d.allowed  # on_error="deny"
             assert max(times) <= TIMEOUT + MARGIN, times
             assert storage.metrics()["breaker_open_skips"] >= 10
-            for node in cluster.nodes:
-                assert node.proc is not None
-                node.proc.send_signal(signal.SIGCONT)
+            thaw(cluster)
             deadline = time.monotonic() + 10.0
             while (d := await limiter.allow_async("k")).degraded and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
@@ -292,11 +308,6 @@ def test_async_cluster_unreachable_at_startup_is_answered_within_the_timeout() -
             await user.aclose()
 
         asyncio.run(main())
-    finally:
-        for node in cluster.nodes:
-            if node.proc is not None:
-                node.proc.send_signal(signal.SIGCONT)
-        cluster.stop()
 
 
 def test_the_uncovered_breaker_and_its_episode_end_once_every_slot_has_an_owner() -> None:
@@ -306,12 +317,7 @@ def test_the_uncovered_breaker_and_its_episode_end_once_every_slot_has_an_owner(
     for good (``metrics()`` an open breaker, an active episode)."""
     from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-    cluster = Cluster(require_binary("redis"), "redis")
-    cluster.start()
-    try:
-        for node in cluster.nodes:
-            assert node.proc is not None
-            node.proc.send_signal(signal.SIGSTOP)
+    with frozen_cluster() as cluster:
 
         async def main() -> None:
             user = RedisCluster(startup_nodes=[ClusterNode(HOST, n.port) for n in cluster.nodes])
@@ -322,9 +328,7 @@ def test_the_uncovered_breaker_and_its_episode_end_once_every_slot_has_an_owner(
             for _ in range(3):
                 assert (await limiter.allow_async("k")).reason == REASON_STORE_UNAVAILABLE_LOCAL
             assert storage.metrics()["local_active"] == 1
-            for node in cluster.nodes:
-                assert node.proc is not None
-                node.proc.send_signal(signal.SIGCONT)
+            thaw(cluster)
             deadline = time.monotonic() + 10.0
             while (d := await limiter.allow_async("k")).degraded and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
@@ -336,11 +340,6 @@ def test_the_uncovered_breaker_and_its_episode_end_once_every_slot_has_an_owner(
             await user.aclose()
 
         asyncio.run(main())
-    finally:
-        for node in cluster.nodes:
-            if node.proc is not None:
-                node.proc.send_signal(signal.SIGCONT)
-        cluster.stop()
 
 
 def test_async_batch_to_a_frozen_node_is_one_failure_a_round_trip() -> None:
