@@ -69,7 +69,8 @@ def main(argv: list[str]) -> int:
             "no:cacheprovider",
             *argv,
         ]
-        env = dict(os.environ, PYTHONMALLOC="malloc")
+        # NANOLIMIT_MEMCHECK: the tests repeat each path fewer times (tests/_helpers.rounds)
+        env = dict(os.environ, PYTHONMALLOC="malloc", NANOLIMIT_MEMCHECK="1")
         if shards == 1:
             runs = [subprocess.Popen(command, env=env)]
         else:

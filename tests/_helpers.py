@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -9,6 +10,18 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+# Set by .ci/memcheck.py: the tests run under valgrind, about 50x slower.
+UNDER_MEMCHECK = os.environ.get("NANOLIMIT_MEMCHECK") == "1"
+
+
+def rounds(full: int, memcheck: int) -> int:
+    """How many times a test repeats one path: ``full`` in the suite, fewer
+    under memcheck, which looks for a bad read or a leak on each path and
+    finds it in the first few rounds as surely as in the last (the suite
+    still runs every round)."""
+    return memcheck if UNDER_MEMCHECK else full
+
 
 FIELDS = (
     "allowed",

@@ -106,6 +106,13 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--no-c-extensions"):
         # Run the identical suite pure: `import nanolimit` must pick the reference too.
         os.environ[NO_EXTENSIONS_ENV] = "1"
+    if os.environ.get("NANOLIMIT_MEMCHECK") == "1":
+        # under valgrind a property's first examples reach its C paths; the
+        # suite runs all of them (see _helpers.rounds)
+        from hypothesis import settings
+
+        settings.register_profile("memcheck", max_examples=25)
+        settings.load_profile("memcheck")
 
 
 def native_skip_reason(config: pytest.Config) -> str | None:

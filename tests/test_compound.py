@@ -8,6 +8,7 @@ import threading
 import types
 
 import pytest
+from _helpers import rounds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -137,7 +138,7 @@ def test_compound_under_eight_threads(backend) -> None:
     assert sum(len(a.state(f"pair{p}").log or ()) for p in range(4) if a.state(f"pair{p}")) == 80
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=rounds(60, 15), deadline=None)
 @given(
     st.lists(
         st.tuples(st.sets(st.integers(0, 2), min_size=1), st.integers(1, 3), st.floats(0, 2.0)),

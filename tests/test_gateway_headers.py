@@ -11,6 +11,7 @@ import types
 from typing import Any
 
 import pytest
+from _helpers import rounds
 from gateway_helpers import WALL, gateway, get, ok_handler, rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -105,7 +106,7 @@ def test_the_native_lane_and_the_python_fallback_write_the_same_bytes(
     assert fast.allowed == n and metrics.snapshot()["r"]["allowed"] == n  # refusals count nothing
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=rounds(200, 40), deadline=None)
 @given(
     remaining=st.integers(0, 2**53),
     reset=st.floats(0.0, 1e12, allow_nan=False),

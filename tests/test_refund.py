@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from _helpers import DictStorage, needs_shared_memory
+from _helpers import DictStorage, needs_shared_memory, rounds
 from conftest import ALGORITHM_CLASSES, ALGORITHMS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -332,7 +332,11 @@ def run_trace(module: Any, storage: Any, algorithm: str, ops: Any) -> list[Any]:
 
 @pytest.mark.native
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=rounds(150, 25),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(ops=OPS)
 def test_twins_agree_on_traces_with_refunds(native: types.ModuleType, algorithm: str, ops: Any) -> None:
     reference = importlib.import_module("nanolimit.reference")

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import pytest
-from _helpers import cut_off_switch, from_window
+from _helpers import cut_off_switch, from_window, rounds
 from _helpers import two_tier_fleet as fleet
 
 from nanolimit import FakeClock, ValidationError, reference
@@ -627,7 +627,8 @@ def test_many_keys_come_and_go_and_c_answers_like_python(native: Any, redis_serv
         lim_fast = getattr(native, cls)(4, 10.0, storage=fast, clock=clock)
         lim_slow = getattr(reference, cls)(4, 10.0, storage=slow, clock=clock)
         keys = [f"k{i}" for i in range(400)]
-        for step in range(3000):
+        steps = rounds(3000, 600)
+        for step in range(steps):
             op = rng.random()
             if op < 0.02:
                 assert fast.sync_now() == slow.sync_now()
@@ -649,7 +650,7 @@ def test_many_keys_come_and_go_and_c_answers_like_python(native: Any, redis_serv
                 want = getattr(lim_slow, method)(key)
                 assert got == want, (step, method, key, clock.now())
         assert len(fast) == len(slow) and len(fast._books[lim_fast.config]) == len(fast)
-        assert fast.metrics()["decisions_native"] > 1000  # of ~2800: the C index found the keys
+        assert fast.metrics()["decisions_native"] > steps // 3  # of ~0.93 of them: the C index found the keys
         assert slow.metrics()["decisions_native"] == 0
     finally:
         fast.close(deregister=False)
