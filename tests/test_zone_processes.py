@@ -814,6 +814,45 @@ def test_concurrent_first_attach_creates_one_zone(zone_cls, zone_names, children
         assert sum(got for _, _, got in answers) == 1_000, answers
 
 
+def test_processes_the_full_registry_cannot_record_keep_the_zone_live(zone_cls, zone_name, children):
+    """130 workers attached at once: the registry records 128, and counts the
+    other 2. Once the 128 have closed, the 2 still decide, so an
+    ``if_stale="reset"`` attach must keep the zone (it had reset it, and the
+    two kept spending a budget the new zone handed out again)."""
+    zone_cls(zone_name, **OPTS).close()  # made, then left: forked workers inherit no open zone
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    leave_recorded, leave_all = ctx.Event(), ctx.Event()
+    try:
+        workers = [
+            children.start(ctx, zw.hold_attached, zone_name, OPTS, q, leave_recorded, leave_all)
+            for _ in range(130)
+        ]
+        said = dict(get(q, 60.0) for _ in workers)
+        assert all(isinstance(recorded, bool) for recorded in said.values()), said
+        unrecorded = sorted(pid for pid, recorded in said.items() if not recorded)
+        assert len(unrecorded) == 2, unrecorded
+        leave_recorded.set()
+        join_all([w for w in workers if w.pid not in unrecorded], 60.0)
+        reset = {**OPTS, "if_stale": "reset"}
+        answers = mp.get_context("spawn").Queue()
+        child = children.start(mp.get_context("spawn"), zw.try_attach, zone_name, reset, answers)
+        assert get(answers) == ("attached", False)  # kept: two processes still decide on it
+        join_all([child])
+        zone = zone_cls(zone_name, **OPTS)
+        assert zone.metrics()["processes_unrecorded"] == 2
+        assert zw.spent(frozen(zone, "FixedWindowCounter", 1_000_000, 3600.0), "visits") == 130
+        zone.close()
+    finally:
+        leave_recorded.set()
+        leave_all.set()
+    join_all(workers, 60.0)
+    # all gone, each closed: nothing counted, and the zone is stale again
+    child = children.start(mp.get_context("spawn"), zw.try_attach, zone_name, reset, answers)
+    assert get(answers) == ("attached", True)
+    join_all([child])
+
+
 def test_registry_outlives_many_short_lived_workers(zone_cls, zone_name, children):
     """More workers come and go than the registry has slots (128): the dead
     ones' slots are reused, and staleness still follows the live ones."""

@@ -308,6 +308,22 @@ def attach_once(name: str, opts: dict[str, Any], close: bool) -> None:
         zone.close()
 
 
+def hold_attached(name: str, opts: dict[str, Any], queue: Any, leave_recorded: Any, leave_all: Any) -> None:
+    """Attach, spend one ``visits``, say ``(pid, recorded in the registry)``,
+    stay attached until told to leave (a recorded worker at
+    ``leave_recorded``, the others at ``leave_all``), then close."""
+    bound_self(60)
+    try:
+        zone = open_zone(name, opts)
+        limiter("FixedWindowCounter", 1_000_000, 3600.0, zone, FrozenClock()).allow("visits")
+        recorded = os.getpid() in zone.attached_pids()
+        queue.put((os.getpid(), recorded))
+        (leave_recorded if recorded else leave_all).wait(50)
+        zone.close()
+    except BaseException:
+        queue.put((os.getpid(), traceback.format_exc()))
+
+
 # ---------------------------------------------------------------------------
 # 4. lifecycle
 

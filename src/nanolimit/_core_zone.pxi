@@ -18,6 +18,7 @@ cdef str ZONE_NAME_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ
 
 nlz_refresh_identity()
 _ZONES = weakref.WeakSet()      # this process's zones, registered again in a forked child
+_UNRECORDED = set()             # (pid, segment ident): counted in a full registry's ``unrecorded``
 
 
 def _zone_after_fork():
@@ -242,6 +243,8 @@ cdef class SharedMemoryStorage:
                         live = True
                     else:
                         h.processes[i] = 0
+            if h.unrecorded:
+                live = True         # a process the full registry could not record may be deciding
             if not live and reset_stale:
                 nlz_store_u64_release(&h.magic, ZONE_RETIRED)
                 nlz_unlink_if(self.segment_name.encode(), self.ident)
@@ -270,10 +273,12 @@ cdef class SharedMemoryStorage:
         if got == 1:
             self.z.header.lock_recoveries += 1
 
-    cdef void add_process(self) noexcept:
+    cdef void add_process(self) except *:
         """Record this process (the caller holds the registry lock); the
-        slot of a dead one is reused, and with every slot live it is not
-        recorded (stale detection then relies on the others)."""
+        slot of a dead one is reused. With every slot live the process is
+        counted in ``unrecorded`` instead, until it closes: while that count
+        is not 0 no attacher can take the zone for stale (the recorded
+        processes all gone, an unrecorded one may still be deciding)."""
         cdef ZoneHeader* h = self.z.header
         cdef uint32_t i
         cdef int free_slot = -1
@@ -284,6 +289,11 @@ cdef class SharedMemoryStorage:
                 free_slot = i
         if free_slot >= 0:
             h.processes[free_slot] = nlz_self_token()
+            return
+        mark = (os.getpid(), self.ident)
+        if mark not in _UNRECORDED:
+            _UNRECORDED.add(mark)
+            h.unrecorded += 1
 
     cdef void register_process(self) except *:
         if self.is_closed or self.z.base == NULL:
@@ -776,6 +786,7 @@ cdef class SharedMemoryStorage:
             "arena_failures": a.failures,
             "namespaces": self.z.header.namespace_count,
             "processes": len(self.attached_pids()),
+            "processes_unrecorded": self.z.header.unrecorded,
         })
         return out
 
@@ -867,6 +878,11 @@ cdef class SharedMemoryStorage:
         if got >= 0:
             if got == 1:
                 self.z.header.lock_recoveries += 1
+            mark = (os.getpid(), self.ident)
+            if mark in _UNRECORDED:   # without the lock it stays counted: the zone looks live
+                _UNRECORDED.discard(mark)
+                if self.z.header.unrecorded:
+                    self.z.header.unrecorded -= 1
             nlz_unlock(&self.z.header.registry_lock)
         self.is_closed = True
 

@@ -116,7 +116,7 @@ ctypedef struct ZoneHeader:
     uint64_t registry_lock          # namespaces and processes
     uint64_t lock_recoveries        # locks taken over from dead owners (all kinds)
     uint32_t name_len
-    uint32_t _pad0
+    uint32_t unrecorded             # attached processes the full registry could not record
     char name[200]
     uint64_t processes[128]         # tokens of attached processes; 0: free
     uint64_t pid_namespace          # the creator's PID namespace (Linux); 0: none to compare
