@@ -805,6 +805,30 @@ def test_append_slash_redirects_never_spend_the_views_budget(nano: Any) -> None:
         assert statuses(client, "/slashed/", 3) == [200, 200, 429]  # its own limit, not DEFAULT's
 
 
+def test_every_language_prefix_of_i18n_patterns_spends_the_views_budget(nano: Any) -> None:
+    """Under ``i18n_patterns`` the route Django reports carries the prefix
+    of the language the request activated (``fr/quota``): a limit bound to
+    the default language's spelling alone let ``/fr/quota`` and
+    ``/de/quota`` through unlimited. Each prefix is the same view and
+    spends its one budget; so does the unprefixed default language."""
+    middleware = [project.MIDDLEWARE[0], "django.middleware.locale.LocaleMiddleware", *project.MIDDLEWARE[1:]]
+    languages = [("en", "English"), ("fr", "French"), ("de", "German")]
+    with override_settings(
+        ROOT_URLCONF="django_project.urls_i18n",
+        MIDDLEWARE=middleware,
+        USE_I18N=True,
+        LANGUAGE_CODE="en",
+        LANGUAGES=languages,
+    ):
+        client = Client()
+        assert statuses(client, "/en/quota", 2) == [200, 200]
+        assert statuses(client, "/fr/quota", 2) == [429, 429]
+        assert statuses(client, "/de/quota", 2) == [429, 429]
+        assert statuses(client, "/fr/plain", 1) == [429]  # the same view, unprefixed in English
+        assert statuses(client, "/en/quota", 1, ip="192.0.2.11") == [200]  # still per client
+        assert statuses(client, "/plain", 2, ip="192.0.2.11") == [200, 429]
+
+
 def test_a_per_request_urlconf_never_poisons_the_root_urlconfs_limits(nano: Any) -> None:
     """A middleware routing some requests by another URLconf: ``/hello``
     there is a 404 (no route), ``/items/1`` a route the root lacks. Neither

@@ -26,6 +26,7 @@ from django.conf import settings  # type: ignore[import-untyped]
 from django.core import checks  # type: ignore[import-untyped]
 from django.core.signals import request_started, setting_changed  # type: ignore[import-untyped]
 from django.urls import URLPattern, URLResolver, get_resolver  # type: ignore[import-untyped]
+from django.urls.resolvers import LocalePrefixPattern  # type: ignore[import-untyped]
 from django.utils.module_loading import import_string  # type: ignore[import-untyped]
 
 from ..errors import UnenforcedLimitWarning
@@ -51,15 +52,42 @@ def _join(route1: str, route2: str) -> str:
     return route1 + route2.removeprefix("^")
 
 
+def _language_prefixes(pattern: Any) -> list[str]:
+    """Every spelling of an ``i18n_patterns`` prefix in
+    ``ResolverMatch.route``: ``str(pattern)`` is the prefix of the language
+    active when the request is resolved (``fr/`` for ``/fr/...``, as
+    ``LocaleMiddleware`` activates it), and ``""`` for the default language
+    without ``prefix_default_language``. Read once, at bind time, it would
+    name one language only, and every other prefix of the same view would
+    escape its limit."""
+    from django.utils.translation import to_language  # type: ignore[import-untyped]
+
+    default = settings.LANGUAGE_CODE
+    codes = [to_language(code) for code, _ in getattr(settings, "LANGUAGES", ())]
+    codes += [default, to_language(default)]  # what get_language() falls back to
+    out: list[str] = []
+    for code in codes:
+        # as LocalePrefixPattern.language_prefix spells it for that language
+        prefix = "" if code == default and not pattern.prefix_default_language else f"{code}/"
+        if prefix not in out:
+            out.append(prefix)
+    return out
+
+
 def routes_of(resolver: Any = None) -> list[RouteInfo]:
     """Every view of the URLconf (``get_resolver()`` by default), nested
     ``include()``s joined, with templates spelt as ``ResolverMatch.route``
-    spells them (``users/<int:id>/avatar``)."""
+    spells them (``users/<int:id>/avatar``); a view under ``i18n_patterns``
+    once per language prefix (``en/quota``, ``fr/quota``)."""
     root = get_resolver() if resolver is None else resolver
     out: list[RouteInfo] = []
 
     def walk(patterns: Iterable[Any], prefix: str) -> None:
         for p in patterns:
+            if isinstance(p, URLResolver) and isinstance(p.pattern, LocalePrefixPattern):
+                for language in _language_prefixes(p.pattern):
+                    walk(p.url_patterns, _join(prefix, language))
+                continue
             route = _join(prefix, str(p.pattern))
             if isinstance(p, URLResolver):
                 walk(p.url_patterns, route)
