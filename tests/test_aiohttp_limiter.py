@@ -278,6 +278,31 @@ def test_a_template_matching_no_route_fails_the_startup_naming_the_rule() -> Non
         asyncio.run(asyncio.wait_for(main(), 30.0))
 
 
+def test_a_limit_on_a_method_of_a_web_view_fails_the_startup() -> None:
+    """``@limits.limit`` on ``async def post`` of a ``web.View`` bound to
+    nothing: the POSTs ran unlimited. The startup fails, naming it."""
+    limits = RouteLimits()
+
+    class Things(web.View):
+        @limits.limit("2/minute")
+        async def post(self) -> web.Response:
+            return web.Response(text="made")
+
+    app = web.Application()
+    app.router.add_view("/things", Things)
+    nl_aiohttp.setup(app, limits=limits)
+
+    async def main() -> None:
+        server = TestServer(app, host="127.0.0.1")
+        try:
+            await server.start_server()
+        finally:
+            await server.close()
+
+    with pytest.raises(ValidationError, match=r"Things\.post declares a limit.*methods=\['POST'\]"):
+        asyncio.run(asyncio.wait_for(main(), 30.0))
+
+
 def test_without_setup_the_first_request_binds_and_a_good_template_decides() -> None:
     app = web.Application()
     app.router.add_get("/users/{name}", hello)

@@ -530,6 +530,19 @@ def test_system_check_catches_a_bad_declaration(nano: Any) -> None:
     assert [e.id for e in errors] == ["nanolimit.E003"] and "'dup'" in errors[0].msg
 
 
+def test_a_limit_on_a_handler_method_of_a_class_based_view_is_refused(nano: Any) -> None:
+    """``@method_decorator(limit(...))`` on ``def get`` (django-ratelimit's
+    idiom) marks a method nanolimit never reads: the view answered
+    200, 200, 200 unlimited. It is an error of the system check, and every
+    request fails loudly rather than limiting nothing."""
+    with override_settings(ROOT_URLCONF="django_project.urls_methods"):
+        errors = checks.run_checks(tags=["nanolimit"])
+        assert [e.id for e in errors] == ["nanolimit.E003"]
+        assert "OnGet.get" in errors[0].msg and "methods=['GET']" in errors[0].msg
+        with pytest.raises(Exception, match="class-based view"):
+            Client().get("/onget", REMOTE_ADDR=IP)
+
+
 def test_manage_py_check_fails_at_startup_on_a_bad_template(tmp_path: Path) -> None:
     """``django-admin check`` in a fresh process: the app entry registers
     the check before Django runs it."""

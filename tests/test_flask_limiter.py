@@ -127,6 +127,30 @@ def test_method_view_class_and_its_decorators_list(backend: types.SimpleNamespac
     assert client.get("/orders").status_code == 429
 
 
+def test_a_limit_on_a_method_of_a_method_view_is_refused(backend: types.SimpleNamespace) -> None:
+    """flask-limiter users decorate ``def post`` of a ``MethodView``;
+    nanolimit reads the class and the view only, so the POSTs ran
+    unlimited (200, 200, 200) without a word. Binding refuses it, naming
+    the method and the declaration that works."""
+    limiter = _limiter(backend)
+
+    class Items(MethodView):
+        def get(self) -> str:
+            return "items"
+
+        @limiter.limit("2/minute")
+        def post(self) -> str:
+            return "made"
+
+    app = Flask("methodlimit")
+    app.add_url_rule("/items", view_func=Items.as_view("items"))
+    limiter.init_app(app)
+    with pytest.raises(ValidationError, match=r"Items\.post declares a limit.*methods=\['POST'\]"):
+        limiter.check_routes(app)
+    reply = app.test_client().post("/items")  # and no request runs it unlimited
+    assert reply.status_code == 500 and reply.data != b"made"
+
+
 def test_blueprint_limit_covers_each_route_and_nested_blueprints(backend: types.SimpleNamespace) -> None:
     limiter = _limiter(backend)
     api = Blueprint("api", __name__, url_prefix="/api")

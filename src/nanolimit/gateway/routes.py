@@ -45,6 +45,8 @@ EXEMPT = "__nanolimit_exempt__"
 GUARD = "__nanolimit_guarded__"  # on a view's guard: the view it calls
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:@/+-]")
+# the handler methods of class-based views (Django, Flask, aiohttp, Starlette)
+_HANDLER_METHODS = ("get", "head", "post", "put", "patch", "delete", "options", "trace", "connect")
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,6 +339,7 @@ class RouteLimits:
             before = views.get(id(info.endpoint), frozenset())
             views[id(info.endpoint)] = None if before is None or not info.methods else before | info.methods
         for info in routes:
+            self._refuse_method_declarations(info.endpoint)
             template = route_key(info.template)
             found: list[Limit] = []
             skip = False
@@ -377,6 +380,27 @@ class RouteLimits:
         for d, templates in shared.values():
             rules.extend(_rules_by_methods(d, d.name or "shared", templates))
         return rules, exempt
+
+    def _refuse_method_declarations(self, endpoint: Any) -> None:
+        """A declaration on a handler method of a class-based view (``def
+        post`` of a Django ``View``, a Flask ``MethodView``, an aiohttp
+        ``web.View``, a Starlette ``HTTPEndpoint``) is an error: only the
+        class and the route's view are read, so it would bind to nothing
+        and the method would run unlimited without a word (flask-limiter
+        and django-ratelimit users write it there)."""
+        cls = endpoint if isinstance(endpoint, type) else getattr(endpoint, "view_class", None)
+        if not isinstance(cls, type):
+            return
+        for method in _HANDLER_METHODS:
+            handler = getattr(cls, method, None)
+            if handler is None:
+                continue
+            if any(d.owner is self or d.owner is None for d in declarations(handler)):
+                raise ValidationError(
+                    f"{view_name(cls)}.{method} declares a limit on a method of a "
+                    "class-based view, where it would be enforced nowhere: declare it on the "
+                    f"class (or its as_view()) with methods=[{method.upper()!r}]"
+                )
 
     def bind(
         self, routes: Iterable[RouteInfo], *, known: Iterable[str] | None = None
