@@ -10,6 +10,7 @@ checks warns once at its first request. Driven through
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import warnings
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from django.core import checks  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 from django.core.management.base import SystemCheckError  # noqa: E402
 from django.http import HttpRequest, HttpResponse  # noqa: E402
-from django.test import Client, override_settings  # noqa: E402
+from django.test import AsyncClient, Client, override_settings  # noqa: E402
 from django.urls import path  # noqa: E402
 
 import nanolimit.django as nd  # noqa: E402
@@ -195,3 +196,18 @@ def test_a_long_key_is_limited_and_a_bad_one_is_one_error_per_request() -> None:
         calls.clear()
         assert client.get("/by-header", REMOTE_ADDR=IP).status_code == 500
     assert calls == ["/by-header"]  # decided once: the key function ran once, its error logged once
+
+
+def test_a_bad_key_is_one_error_per_request_under_the_async_handler_too() -> None:
+    """The async handler decided again after Django had answered the key
+    function's error: the function ran twice per request and its error
+    was logged twice (``['/by-header', '/by-header']``)."""
+    calls.clear()
+
+    async def status() -> int:
+        client = AsyncClient(raise_request_exception=False)
+        return (await client.get("/by-header", REMOTE_ADDR=IP)).status_code
+
+    with override_settings(ROOT_URLCONF=__name__, DEBUG_PROPAGATE_EXCEPTIONS=False):
+        assert asyncio.run(status()) == 500
+    assert calls == ["/by-header"]

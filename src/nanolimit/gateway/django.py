@@ -767,7 +767,13 @@ class RateLimitMiddleware:
 
     async def _aprocess_view(self, request: Any, view: Any, args: Any, kwargs: Any) -> Any:
         live = _state()
-        outcome = await self._acheck(live, request)
+        try:
+            outcome = await self._acheck(live, request)
+        except BaseException:
+            # as in process_view: Django answers what the key function
+            # raised, and __acall__ must not decide (and run it) again
+            setattr(request, _ATTR, None)
+            raise
         setattr(request, _ATTR, outcome)
         if outcome is None:
             return None
