@@ -842,6 +842,31 @@ def test_every_language_prefix_of_i18n_patterns_spends_the_views_budget(nano: An
         assert statuses(client, "/plain", 2, ip="192.0.2.11") == [200, 429]
 
 
+def test_a_middleware_answering_before_the_view_still_spends_the_views_limit(nano: Any) -> None:
+    """A middleware after nanolimit's (an API-key check) answers 401 itself,
+    so ``process_view`` never runs: the request used to be decided with no
+    route, by ``DEFAULT`` alone, and failed logins through it ran
+    unlimited (eight 401s past ``5/hour, count_when={401}``). Its path is
+    resolved now, and the view's limit decides it, as it would decide the
+    view's own answers."""
+    middleware = [*project.MIDDLEWARE, "django_project.middleware.ApiKeyGate"]
+    with override_settings(MIDDLEWARE=middleware):
+        client = Client()
+        failed = statuses(client, "/login", 7, method="post", data="{}", content_type="application/json")
+        assert failed == [401] * 5 + [429] * 2
+        assert statuses(client, "/hello", 4) == [401, 401, 401, 429]
+        assert statuses(client, "/nope", 4) == [401] * 4  # no view: no view's limit (and no DEFAULT)
+        assert statuses(client, "/health", 5) == [401] * 5  # exempt
+        good = {"HTTP_X_API_KEY": "good"}
+        assert statuses(client, "/hello", 2, ip="192.0.2.11", **good) == [200, 200]
+
+        async def run() -> list[int]:  # Django's async handler: the same
+            aclient = AsyncClient()
+            return [(await aclient.get("/hello", REMOTE_ADDR="192.0.2.12")).status_code for _ in range(4)]
+
+        assert asyncio.run(run()) == [401, 401, 401, 429]
+
+
 def test_a_per_request_urlconf_never_poisons_the_root_urlconfs_limits(nano: Any) -> None:
     """A middleware routing some requests by another URLconf: ``/hello``
     there is a 404 (no route), ``/items/1`` a route the root lacks. Neither

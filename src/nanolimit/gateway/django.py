@@ -10,8 +10,10 @@ the pipeline's (:meth:`nanolimit.gateway.middleware.RateLimitPipeline.check`), o
 per request, on one pipeline per process: this module builds it once from
 the settings and shares it between threads and between the sync and async
 handlers. A request that never reaches a view (a 404 from the resolver, a
-redirect by an earlier middleware) is decided after its response, so a
-flood of unknown paths spends budget too; its denial replaces the response.
+response from a middleware after this one) is decided after its response,
+with the route its path resolves to, so a flood of unknown paths spends
+budget too, and a view's limit covers what such a middleware answers for
+it; its denial replaces the response.
 
 Declarations (:func:`limit`, :func:`shared`, :func:`exempt`) go to one
 module-level :class:`~nanolimit.gateway.routes.RouteLimits` (or the one the
@@ -49,6 +51,7 @@ from django.core.exceptions import (  # type: ignore[import-untyped]
 )
 from django.core.signals import setting_changed  # type: ignore[import-untyped]
 from django.http import HttpResponse  # type: ignore[import-untyped]
+from django.urls import Resolver404, resolve  # type: ignore[import-untyped]
 from django.utils.module_loading import import_string  # type: ignore[import-untyped]
 
 from .._limiter_config import Algorithm
@@ -105,6 +108,7 @@ SETTINGS: Mapping[str, Any] = {
 _ATTR = "_nanolimit_outcome"
 _DENIED = "_nanolimit_denied"
 _USER = "_nanolimit_user"
+_ROUTE = "_nanolimit_route"  # the route of a request no view was resolved for
 _UNDECIDED: Any = object()
 # stores whose operations cross the network: the async path calls them in a thread
 _NETWORK_MODULES = ("nanolimit.storage.redis", "nanolimit.storage.two_tier")
@@ -508,15 +512,36 @@ def _lazy_user(request: Request) -> str | None:
 _MetaHeaders = _EnvironHeaders
 
 
-def _request(request: Any, user: str | None = None) -> Request:
+def _route(request: Any) -> str | None:
+    """The route template of Django's ``request``: the one it was resolved
+    to, or, for a request that never reached ``process_view`` (a
+    middleware after nanolimit's answered it: an API-key check's 401, a
+    maintenance 503), the one its path resolves to, looked up once. Left
+    unknown, such a request spent ``DEFAULT`` alone, so a view's limit
+    (say, on failed logins) never saw the requests the middleware answered.
+    None: the path resolves to no view (a 404)."""
     match = getattr(request, "resolver_match", None)
+    if match is not None:
+        return match.route or "/"
+    route = getattr(request, _ROUTE, _UNDECIDED)
+    if route is _UNDECIDED:
+        try:
+            found = resolve(request.path_info, getattr(request, "urlconf", None))
+        except Resolver404:
+            found = None
+        route = None if found is None else found.route or "/"
+        setattr(request, _ROUTE, route)
+    return route  # type: ignore[no-any-return]
+
+
+def _request(request: Any, user: str | None = None) -> Request:
     return Request(
         request.method or "GET",
         request.path,
         _MetaHeaders(request.META),
         request.META.get("REMOTE_ADDR") or None,
         user if user is not None else getattr(request, _USER, None),  # read already: async, or a rule
-        route=None if match is None else match.route or "/",
+        route=_route(request),
         native=request,
     )
 
@@ -524,13 +549,12 @@ def _request(request: Any, user: str | None = None) -> Request:
 def _decide(live: _Live, request: Any) -> Outcome | None:
     """The pipeline's decision on Django's ``request``: from its method,
     path, peer and route, a Request built only if a rule needs one."""
-    match = getattr(request, "resolver_match", None)
     return live.core.decide(
         request,
         request.method or "GET",
         request.path,
         request.META.get("REMOTE_ADDR") or None,
-        None if match is None else match.route or "/",
+        _route(request),
         _request,
         live.form,
     )
