@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from adversarial_servers import SRC, TESTS, free_port, raw_request
-from flask import Blueprint, Flask, jsonify, request
+from flask import Blueprint, Flask, abort, jsonify, request
 from flask.views import MethodView
 
 import nanolimit
@@ -149,6 +149,38 @@ def test_a_limit_on_a_method_of_a_method_view_is_refused(backend: types.SimpleNa
         limiter.check_routes(app)
     reply = app.test_client().post("/items")  # and no request runs it unlimited
     assert reply.status_code == 500 and reply.data != b"made"
+
+
+def test_an_app_hook_added_after_init_app_is_limited_and_one_added_before_is_not(
+    backend: types.SimpleNamespace,
+) -> None:
+    """docs/flask.md: before_request hooks run in the order they were added;
+    an API-key check added after ``init_app`` has its 401s spend the
+    route's limit, one added before it answers unlimited."""
+
+    def gated(first: bool) -> list[int]:
+        limiter = _limiter(backend)
+        app = Flask("gated")
+
+        @app.post("/login")
+        @limiter.limit("3/minute", count_when={401})
+        def login() -> str:
+            return "ok"
+
+        def api_key() -> None:
+            if request.headers.get("X-Key") != "secret":
+                abort(401)
+
+        if first:
+            app.before_request(api_key)
+        limiter.init_app(app)
+        if not first:
+            app.before_request(api_key)
+        client = app.test_client()
+        return [client.post("/login").status_code for _ in range(5)]
+
+    assert gated(first=False) == [401, 401, 401, 429, 429]
+    assert gated(first=True) == [401] * 5
 
 
 def test_blueprint_limit_covers_each_route_and_nested_blueprints(backend: types.SimpleNamespace) -> None:
