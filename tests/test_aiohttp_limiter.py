@@ -303,6 +303,31 @@ def test_a_limit_on_a_method_of_a_web_view_fails_the_startup() -> None:
         asyncio.run(asyncio.wait_for(main(), 30.0))
 
 
+def test_a_middleware_listed_before_setups_answers_unlimited() -> None:
+    """docs/aiohttp.md: ``setup`` appends nanolimit's middleware, so one the
+    app lists already runs first, and what it answers by itself (an API-key
+    check's 401) never reaches the limit; one appended after ``setup`` is
+    limited."""
+
+    @web.middleware
+    async def api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.headers.get("X-Key") != "secret":
+            raise web.HTTPUnauthorized()
+        return await handler(request)
+
+    async def statuses(first: bool) -> list[int]:
+        app = web.Application(middlewares=[api_key] if first else [])
+        app.router.add_post("/login", hello)
+        nl_aiohttp.setup(app, RuleRegistry([rule("login", 3, count_when=frozenset({401}))]))
+        if not first:
+            app.middlewares.append(api_key)
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            return [(await client.post("/login")).status for _ in range(5)]
+
+    assert asyncio.run(asyncio.wait_for(statuses(first=False), 30.0)) == [401, 401, 401, 429, 429]
+    assert asyncio.run(asyncio.wait_for(statuses(first=True), 30.0)) == [401] * 5
+
+
 def test_without_setup_the_first_request_binds_and_a_good_template_decides() -> None:
     app = web.Application()
     app.router.add_get("/users/{name}", hello)
