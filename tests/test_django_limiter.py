@@ -867,6 +867,36 @@ def test_a_middleware_answering_before_the_view_still_spends_the_views_limit(nan
         assert asyncio.run(run()) == [401, 401, 401, 429]
 
 
+def test_a_class_routed_by_two_as_view_calls_is_one_view_with_one_budget(nano: Any) -> None:
+    """``path("r1", Report.as_view())`` and ``path("r2", Report.as_view())``
+    (a list and a detail URL): each ``as_view()`` is a new function, so the
+    class's limit became two rules of one name, and every request failed
+    with a 500 (``two rules share this name``). The class is the view: its
+    routes share its one budget, as a function's do."""
+    with override_settings(ROOT_URLCONF="django_project.urls_twice"):
+        assert checks.run_checks(tags=["nanolimit"]) == []
+        client = Client()
+        assert statuses(client, "/r1", 2) + statuses(client, "/r2", 1) == [200, 200, 429]
+
+
+def test_a_limit_on_a_drf_viewset_is_enforced(nano: Any) -> None:
+    """DRF's ``ViewSet.as_view(actions)`` names its class ``cls``, not
+    ``view_class``: a ``@limit`` on the ViewSet bound to nothing and the
+    list answered 200, 200, 200. An ``APIView`` (``view_class`` set) was
+    limited already."""
+    pytest.importorskip("rest_framework")
+    with override_settings(
+        ROOT_URLCONF="django_project.urls_drf", INSTALLED_APPS=[*project.INSTALLED_APPS, "rest_framework"]
+    ):
+        client = Client()
+        assert statuses(client, "/items", 3) == [200, 200, 429]
+        assert statuses(client, "/things", 2) + statuses(client, "/things/1", 1) == [200, 200, 429]
+    with override_settings(ROOT_URLCONF="django_project.urls_drf_listed"):  # a limit on an action: refused
+        errors = checks.run_checks(tags=["nanolimit"])
+        assert [e.id for e in errors] == ["nanolimit.E003"] and "Listed.list" in errors[0].msg
+        assert "methods=['GET']" in errors[0].msg
+
+
 def test_a_per_request_urlconf_never_poisons_the_root_urlconfs_limits(nano: Any) -> None:
     """A middleware routing some requests by another URLconf: ``/hello``
     there is a 404 (no route), ``/items/1`` a route the root lacks. Neither

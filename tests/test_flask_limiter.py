@@ -127,6 +127,25 @@ def test_method_view_class_and_its_decorators_list(backend: types.SimpleNamespac
     assert client.get("/orders").status_code == 429
 
 
+def test_a_method_view_routed_by_two_as_view_calls_keeps_one_budget(backend: types.SimpleNamespace) -> None:
+    """``Items.as_view("items")`` and ``Items.as_view("item")`` (a list and
+    a detail URL) are two functions of one class: its limit made two rules
+    of one name and every request failed (500). One view, one budget."""
+    limiter = _limiter(backend)
+
+    @limiter.limit("2/minute")
+    class Items(MethodView):
+        def get(self, item_id: int | None = None) -> str:
+            return "items"
+
+    app = Flask("twoviews")
+    app.add_url_rule("/items", view_func=Items.as_view("items"))
+    app.add_url_rule("/items/<int:item_id>", view_func=Items.as_view("item"))
+    limiter.init_app(app)
+    client = app.test_client()
+    assert _statuses(client, "/items", 1) + _statuses(client, "/items/1", 2) == [200, 200, 429]
+
+
 def test_a_limit_on_a_method_of_a_method_view_is_refused(backend: types.SimpleNamespace) -> None:
     """flask-limiter users decorate ``def post`` of a ``MethodView``;
     nanolimit reads the class and the view only, so the POSTs ran

@@ -30,7 +30,7 @@ from django.urls.resolvers import LocalePrefixPattern  # type: ignore[import-unt
 from django.utils.module_loading import import_string  # type: ignore[import-untyped]
 
 from ..errors import UnenforcedLimitWarning
-from .routes import RouteInfo, declarations, view_name
+from .routes import RouteInfo, declarations, view_class, view_name
 
 __all__ = ["NanolimitConfig", "check_middleware", "routes_of", "unenforced"]
 
@@ -128,7 +128,7 @@ def _what_is_declared() -> list[str]:
         routes = []
     for info in routes:
         view = info.endpoint
-        if any(declarations(h) for h in (view, getattr(view, "view_class", None)) if h is not None):
+        if any(declarations(h) for h in (view, view_class(view)) if h is not None):
             name = view_name(view)
             if name not in found:
                 found.append(name)

@@ -170,10 +170,32 @@ def is_exempt(target: Any) -> bool:
         return bool(getattr(target, EXEMPT, False))
 
 
+def view_class(endpoint: Any) -> type | None:
+    """The class of a class-based view: the endpoint itself (aiohttp's
+    ``web.View``, Starlette's ``HTTPEndpoint``), or the class its
+    ``as_view()`` function names: ``view_class`` (Django, Flask, DRF's
+    ``APIView``), or ``cls`` alone (DRF's ``ViewSet.as_view(actions)``). Each
+    ``as_view()`` call makes a new function; the class is the view."""
+    if isinstance(endpoint, type):
+        return endpoint
+    for attr in ("view_class", "cls"):
+        cls = getattr(endpoint, attr, None)
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
+def _view_id(endpoint: Any) -> int:
+    """One id per view: a class routed through several ``as_view()``
+    functions is one view, with one budget, as a function on several
+    routes is."""
+    return id(view_class(endpoint) or endpoint)
+
+
 def view_name(endpoint: Any) -> str:
     """A rule name for a view: ``module.qualname``, in the characters rule
     names allow, at most 96 of them (room for a rate suffix)."""
-    target = getattr(endpoint, "view_class", None) or endpoint  # Django's as_view()
+    target = view_class(endpoint) or endpoint  # as_view()'s class
     module = getattr(target, "__module__", None) or "view"
     qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
     name = _UNSAFE.sub("_", f"{module}.{qual}".replace("<", "").replace(">", ""))
@@ -336,27 +358,29 @@ class RouteLimits:
         answers: dict[str, dict[int, frozenset[str] | None]] = {}
         for info in routes:
             views = answers.setdefault(route_key(info.template), {})
-            before = views.get(id(info.endpoint), frozenset())
-            views[id(info.endpoint)] = None if before is None or not info.methods else before | info.methods
+            view = _view_id(info.endpoint)
+            before = views.get(view, frozenset())
+            views[view] = None if before is None or not info.methods else before | info.methods
         for info in routes:
             self._refuse_method_declarations(info.endpoint)
             template = route_key(info.template)
             found: list[Limit] = []
             skip = False
-            for holder in (*info.marked, info.endpoint, getattr(info.endpoint, "view_class", None)):
+            cls = view_class(info.endpoint)
+            for holder in (*info.marked, info.endpoint, cls if cls is not info.endpoint else None):
                 if holder is None:
                     continue
                 if is_exempt(holder):
                     skip = True
                 found.extend(d for d in declarations(holder) if d.owner is self or d.owner is None)
             if skip:
-                exemption = _exemption(template, id(info.endpoint), answers[template])
+                exemption = _exemption(template, _view_id(info.endpoint), answers[template])
                 if exemption is not None:
                     exempt.append(exemption)
                 continue
             if not found:
                 continue
-            methods = _alone(id(info.endpoint), answers[template])
+            methods = _alone(_view_id(info.endpoint), answers[template])
             for d in found:
                 if d.name is not None:
                     held = shared.setdefault(d.name, (d, {}))
@@ -367,7 +391,7 @@ class RouteLimits:
                     if held[1].setdefault(template, methods) != methods:
                         held[1][template] = None  # views sharing the template spend it alike
                     continue
-                entry = per_view.setdefault(id(info.endpoint), (info.endpoint, {}, []))
+                entry = per_view.setdefault(_view_id(info.endpoint), (info.endpoint, {}, []))
                 entry[1].setdefault(template, methods)
                 if d not in entry[2]:
                     entry[2].append(d)
@@ -388,16 +412,20 @@ class RouteLimits:
         class and the route's view are read, so it would bind to nothing
         and the method would run unlimited without a word (flask-limiter
         and django-ratelimit users write it there)."""
-        cls = endpoint if isinstance(endpoint, type) else getattr(endpoint, "view_class", None)
-        if not isinstance(cls, type):
+        cls = view_class(endpoint)
+        if cls is None:
             return
-        for method in _HANDLER_METHODS:
-            handler = getattr(cls, method, None)
+        handlers = [(method, method) for method in _HANDLER_METHODS]
+        actions = getattr(endpoint, "actions", None)  # DRF's ViewSet: {"get": "list"}
+        if isinstance(actions, dict):
+            handlers += [(a, m) for m, a in actions.items() if isinstance(a, str) and isinstance(m, str)]
+        for attr, method in handlers:
+            handler = getattr(cls, attr, None)
             if handler is None:
                 continue
             if any(d.owner is self or d.owner is None for d in declarations(handler)):
                 raise ValidationError(
-                    f"{view_name(cls)}.{method} declares a limit on a method of a "
+                    f"{view_name(cls)}.{attr} declares a limit on a method of a "
                     "class-based view, where it would be enforced nowhere: declare it on the "
                     f"class (or its as_view()) with methods=[{method.upper()!r}]"
                 )
