@@ -466,8 +466,10 @@ def uvicorn_server(tmp_path: Path) -> Iterator[Callable[..., tuple[str, Path]]]:
     every server is bounded in time and stopped by its PID."""
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(backend_name: str, *flags: str, trusted: str = "") -> tuple[str, Path]:
+    def start(backend_name: str, *flags: str, trusted: str = "", uds: Path | None = None) -> tuple[str, Path]:
         port = _free_port()
+        if uds is not None:
+            flags = (*flags, "--uds", str(uds))  # uvicorn binds the socket, not the port
         env = {k: v for k, v in os.environ.items() if k != "FORWARDED_ALLOW_IPS"}  # uvicorn's defaults
         env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(TESTS), env.get("PYTHONPATH", "")])
         env["NANOLIMIT_TEST_BACKEND"] = backend_name
@@ -486,7 +488,11 @@ def uvicorn_server(tmp_path: Path) -> Iterator[Callable[..., tuple[str, Path]]]:
         while True:
             assert proc.poll() is None, log.read_text(errors="replace")
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                if uds is None:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                else:
+                    with socket.socket(socket.AF_UNIX) as probe:
+                        probe.connect(str(uds))
                 break
             except OSError:
                 assert time.monotonic() < deadline, "uvicorn did not start"
@@ -529,6 +535,54 @@ def test_real_uvicorn_defaults_let_a_local_client_pick_its_identity(
         assert time.monotonic() < deadline, log.read_text(errors="replace")
         time.sleep(0.05)
     assert "RewrittenClientWarning" not in log_off.read_text(errors="replace")
+
+
+def test_unix_trusts_a_peerless_connection_and_nothing_else() -> None:
+    """``"unix"`` in ``trusted_proxies``: a connection with no peer address
+    (a Unix socket) is a trusted hop; a TCP peer outside the networks is
+    still its own key, whatever it writes. Without it a peerless request
+    is ``unknown``, as before."""
+    ex = DefaultKeyExtractor(trusted_proxies=["unix"])
+    assert ex.trust_unix and ex.trusted_proxies == () and ex.peer_keys() is None
+    two = {"x-forwarded-for": "6.6.6.6, 198.51.100.4"}
+    assert _ip(ex, Request("GET", "/", two, None)) == "ip:198.51.100.4"
+    assert _ip(ex, Request("GET", "/", {"x-forwarded-for": "198.51.100.5"}, "")) == "ip:198.51.100.5"
+    assert _ip(ex, Request("GET", "/", {}, None)) == "ip:unknown"
+    assert _ip(ex, Request("GET", "/", {"x-forwarded-for": "junk"}, None)) == "ip:unknown"
+    assert _ip(ex, _proxied("198.51.100.6", peer="192.0.2.9")) == "ip:192.0.2.9"  # a TCP client's header
+    fwd = DefaultKeyExtractor(trusted_proxies=["unix", "10.0.0.0/8"], forwarded_header="forwarded")
+    assert _ip(fwd, Request("GET", "/", {"forwarded": "for=unknown"}, None)) == "ip:unknown@unix"
+    chain = {"forwarded": "for=198.51.100.7, for=10.0.0.3"}
+    assert _ip(fwd, Request("GET", "/", chain, None)) == "ip:198.51.100.7"
+    plain = DefaultKeyExtractor(trusted_proxies=["10.0.0.0/8"])
+    assert _ip(plain, Request("GET", "/", {"x-forwarded-for": "198.51.100.4"}, None)) == "ip:unknown"
+    with pytest.raises(ValidationError, match="trusted_proxies"):
+        DefaultKeyExtractor(trusted_proxies=["unix:/run/app.sock"])
+
+
+def _clients_over(uds: Path) -> list[int]:
+    """What a reverse proxy on a Unix socket sends: client A three times,
+    then clients B and C once each, each named in X-Forwarded-For."""
+    transport = httpx.HTTPTransport(uds=str(uds))
+    with httpx.Client(transport=transport, base_url="http://app", timeout=5.0) as http:
+        sent = [http.get("/", headers={"X-Forwarded-For": "198.51.100.1"}).status_code for _ in range(3)]
+        for other in ("203.0.113.2", "203.0.113.3"):
+            sent.append(http.get("/", headers={"X-Forwarded-For": other}).status_code)
+    return sent
+
+
+def test_real_uvicorn_on_a_unix_socket_keys_each_forwarded_client(
+    backend: types.SimpleNamespace, uvicorn_server: Callable[..., tuple[str, Path]], tmp_path: Path
+) -> None:
+    """Behind a reverse proxy on a Unix socket (uvicorn ``--uds``, gunicorn
+    ``--bind unix:``) the connection has no address: every client was
+    ``ip:unknown``, one budget for the whole site, and no network in
+    ``trusted_proxies`` could name the socket (client A spent it, B and C
+    got 429). ``"unix"`` trusts the socket: each client its own budget."""
+    shared, _ = uvicorn_server(backend.name, "--no-proxy-headers", uds=tmp_path / "shared.sock")
+    assert _clients_over(tmp_path / "shared.sock") == [200, 200, 429, 429, 429]
+    uvicorn_server(backend.name, "--no-proxy-headers", trusted="unix", uds=tmp_path / "unix.sock")
+    assert _clients_over(tmp_path / "unix.sock") == [200, 200, 429, 200, 200]
 
 
 def test_real_uvicorn_without_proxy_headers_and_nanolimit_trusting_loopback(

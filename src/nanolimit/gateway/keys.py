@@ -85,6 +85,8 @@ _XFF_SYNTAX = frozenset(
     }
 )
 _RFC7239 = "forwarded"
+#: In ``trusted_proxies``: a connection with no peer address (a Unix socket).
+UNIX = "unix"
 FORWARDED_HEADERS = frozenset(_XFF_SYNTAX | {_RFC7239})
 
 # Enum attribute access costs ~90 ns on CPython 3.11: compare against locals.
@@ -222,7 +224,10 @@ class DefaultKeyExtractor:
       the authenticated tier; pass ``tier=`` to map keys you have verified.
     - ``trusted_proxies``: networks whose forwarding header is believed.
       The client is the right-most address not in those networks (entries
-      to its left were written by the client and prove nothing).
+      to its left were written by the client and prove nothing). ``"unix"``
+      trusts a connection with no peer address: a reverse proxy on a Unix
+      socket (gunicorn's ``--bind unix:...``, uvicorn's ``--uds``), whose
+      every request otherwise carries no address and shares one budget.
     - ``forwarded_header``: ``"x-forwarded-for"`` (default), another
       address-list header (``x-real-ip``, ``true-client-ip``,
       ``cf-connecting-ip``, ...), or ``"forwarded"`` (RFC 7239). Other
@@ -265,13 +270,20 @@ class DefaultKeyExtractor:
         self.forwarded_header = header
         self._rfc7239 = header == _RFC7239
         networks: list[Network] = []
+        trust_unix = False
         for net in trusted_proxies:
+            if isinstance(net, str) and net.strip().lower() == UNIX:
+                trust_unix = True
+                continue
             try:
                 network = net if not isinstance(net, str) else ipaddress.ip_network(net, strict=False)
             except ValueError as exc:
                 raise ValidationError(f"trusted_proxies: {exc}") from None
             networks.append(_unmapped_network(network))
         self.trusted_proxies: tuple[Network, ...] = tuple(networks)
+        self.trust_unix = trust_unix
+        # whether a forwarding header may decide a key (else the peer alone does)
+        self._reads_header = bool(networks) or trust_unix
         self.cache_bytes = cache_bytes
         # address (a peer, or the canonical client a header walk found) -> storage key
         self._ip_cache: _Cache[str] = _Cache(cache_bytes)
@@ -305,16 +317,22 @@ class DefaultKeyExtractor:
         a trusted proxy, what the forwarding header says about the client
         (the right-most entry outside ``trusted_proxies``, in canonical text).
         The walk stops at the first entry that is not an address and keeps
-        the last one it accepted: the view of the last trusted hop."""
+        the last one it accepted: the view of the last trusted hop. A
+        connection with no peer address (a Unix socket) is a trusted hop
+        only under ``"unix"``."""
         peer = request.client
-        if not self.trusted_proxies or not peer or not self._is_trusted(peer):
-            return peer or None
+        if not peer:
+            if not self.trust_unix:
+                return None
+            peer = ""
+        elif not self.trusted_proxies or not self._is_trusted(peer):
+            return peer
         header = request.headers.get(self.forwarded_header)
         if not header:
-            return peer
+            return peer or None
         if self._rfc7239:
-            return self._walk_forwarded(header, peer)
-        return self._walk_xff(header, peer)
+            return self._walk_forwarded(header, peer) or None
+        return self._walk_xff(header, peer) or None
 
     def _walk_xff(self, header: str, peer: str) -> str:
         """Right to left through a comma-separated address list, slicing one
@@ -381,7 +399,7 @@ class DefaultKeyExtractor:
             if kind == _UNKNOWN:
                 # The writer (a trusted hop) did not know its peer: one bucket
                 # per writer, apart from the writer's own address.
-                return "unknown@" + client
+                return "unknown@" + (client or UNIX)
             client = info[0]
             if kind != _TRUSTED:  # an untrusted address or an obfuscated identifier
                 break
@@ -509,13 +527,13 @@ class DefaultKeyExtractor:
         peer address: a live view, read by the pipeline so that a cached peer
         is keyed with no :class:`Request` built. None with trusted proxies
         (the key then depends on a header)."""
-        return None if self.trusted_proxies else self._ip_keys
+        return None if self._reads_header else self._ip_keys
 
     def storage_key_for(self, request: Request, scope: KeyScope) -> str:
         """``key_for(request, scope).storage_key()`` without the ClientKey
         (the middleware's hot path)."""
         if scope is _IP:
-            if not self.trusted_proxies:
+            if not self._reads_header:
                 hit = self._ip_keys.get(request.client)  # type: ignore[arg-type]
                 if hit is not None:
                     return hit
