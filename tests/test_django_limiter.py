@@ -887,7 +887,6 @@ def test_a_limit_on_a_drf_viewset_is_enforced(nano: Any) -> None:
     ``view_class``: a ``@limit`` on the ViewSet bound to nothing and the
     list answered 200, 200, 200. An ``APIView`` (``view_class`` set) was
     limited already."""
-    pytest.importorskip("rest_framework")
     with override_settings(
         ROOT_URLCONF="django_project.urls_drf", INSTALLED_APPS=[*project.INSTALLED_APPS, "rest_framework"]
     ):
