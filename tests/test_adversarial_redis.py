@@ -768,3 +768,108 @@ def test_a_compound_charges_the_cost_it_checked(backend: types.SimpleNamespace, 
     limiter = backend.limiters["fixed_window"](5, 60.0, storage, clock, "lying")
     assert storage.allow_all([(limiter, "k", _LyingInt(2))]).allowed
     assert limiter.peek("k").remaining == 5 - 2 - 1
+
+
+# --------------------------------------------------------------------------
+# ACL refusals: a deployment fault, raised under every policy
+
+# How an ACL refuses the limiter: its command, its key (a pattern the limiter's
+# prefix is not under; both checked before a script runs), or the SCRIPT LOAD
+# that NOSCRIPT asks for.
+ACL_RULES = {
+    "no-evalsha": ("~*", "+@all", "-evalsha", "-evalsha_ro"),
+    "other-keys": ("~other:*", "+@all"),
+    "no-script-load": ("~*", "+@all", "-script"),
+}
+ACL_PATHS = ("single", "peek", "batch-script", "batch-pipeline", "compound", "refund", "async")
+
+
+@pytest.fixture
+def acl_user(redis_server: Any, admin: Any, request: pytest.FixtureRequest) -> Any:
+    """``make(rules) -> (username, password)``: an ACL user on the shared
+    server, deleted at the end (the server outlives the test)."""
+    made: list[str] = []
+
+    def make(rules: tuple[str, ...]) -> tuple[str, str]:
+        name = f"nanolimit-acl-{len(made)}"
+        admin.execute_command("ACL", "SETUSER", name, "reset", "on", ">pw", *rules)
+        made.append(name)
+        return name, "pw"
+
+    yield make
+    for name in made:
+        admin.execute_command("ACL", "DELUSER", name)
+
+
+@pytest.mark.parametrize("path", ACL_PATHS)
+@pytest.mark.parametrize("refusal", list(ACL_RULES))
+@pytest.mark.parametrize("policy", ["allow", "deny", "local"])
+def test_an_acl_refusal_raises_under_every_policy(
+    backend: types.SimpleNamespace,
+    redis_server: Any,
+    admin: Any,
+    acl_user: Any,
+    policy: str,
+    refusal: str,
+    path: str,
+) -> None:
+    """An ACL that refuses the limiter's command or its keys (``NOPERM``)
+    limits nothing: answered by the policy, ``"allow"`` admitted every
+    request of every key (8 of 8 against a limit of 3), with no log line and
+    the breaker closed. Nobody but the operator can cause it, so it is loud:
+    ``RedisKeyError`` with ``code == "NOPERM"`` on every path, whatever the
+    policy, and nothing is written."""
+    user, password = acl_user(ACL_RULES[refusal])
+
+    def check(call: Callable[[], Any]) -> None:
+        for _ in range(CAPACITY + 2):
+            with pytest.raises(RedisKeyError) as caught:
+                call()
+            assert caught.value.code == "NOPERM"
+
+    if path == "async":
+        import redis.asyncio
+
+        async def main() -> dict[str, Any]:
+            client = redis.asyncio.Redis(
+                host="127.0.0.1", port=redis_server.port, username=user, password=password
+            )
+            storage = AsyncRedisStorage(client, on_error=policy, timeout=2.0)  # type: ignore[arg-type]
+            try:
+                limiter = _limiter(backend, "token_bucket", storage, backend.FakeClock(T0), "acl")
+                many = storage.run_kernel_many_async
+                for call in (
+                    lambda: limiter.allow_async("k"),
+                    lambda: many(limiter.config, ["k", "j"], [1, 1], T0),
+                    lambda: limiter.refund_async("k"),
+                ):
+                    for _ in range(CAPACITY + 2):
+                        with pytest.raises(RedisKeyError) as caught:
+                            await call()
+                        assert caught.value.code == "NOPERM"
+                return storage.metrics()
+            finally:
+                await storage.close()
+                await client.aclose()
+
+        m = asyncio.run(main())
+    else:
+        batch = "pipeline" if path == "batch-pipeline" else "script"
+        client = redis_server.client(username=user, password=password)
+        storage = RedisStorage(client, on_error=policy, timeout=2.0, batch=batch)  # type: ignore[arg-type]
+        limiter = _limiter(backend, "token_bucket", storage, backend.FakeClock(T0), "acl")
+        calls: dict[str, Callable[[], Any]] = {
+            "single": lambda: limiter.allow("k"),
+            "peek": lambda: limiter.peek("k"),
+            "batch-script": lambda: limiter.allow_many(["k", "j"]),
+            "batch-pipeline": lambda: limiter.allow_many(["k", "j"]),
+            "compound": lambda: storage.allow_all([(limiter, "k"), (limiter, "j")]),
+            "refund": lambda: limiter.refund("k"),
+        }
+        try:
+            check(calls[path])
+        finally:
+            client.close()
+        m = storage.metrics()
+    assert m["decisions"] == 0 and m["breaker_opened"] == 0 and m["key_errors"] > 0
+    assert admin.dbsize() == 0  # nothing was written

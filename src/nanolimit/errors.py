@@ -125,8 +125,10 @@ class RedisKeyError(RedisUnavailableError):
     about itself: a value of another type at the limiter's key (``WRONGTYPE``),
     a stored state the limiter did not write (``BADSTATE``), a write refused
     for memory (``OOM``) or persistence (``MISCONF``), an ACL refusal
-    (``NOPERM``), a script error. Raised only under ``on_error="raise"``; it
-    never feeds the circuit breaker (``code`` is the reply's error code)."""
+    (``NOPERM``), a script error. Raised only under ``on_error="raise"``,
+    but for ``NOPERM`` (a wrong ACL, which would otherwise fail open or shut
+    silently), raised under every policy; it never feeds the circuit breaker
+    (``code`` is the reply's error code)."""
 
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)

@@ -39,6 +39,7 @@ from ._local import DEFAULT_LOCAL_MAX_KEYS, LocalFallback, check_local_options
 from ._near_cache import _NearCache
 from ._resilience import (
     ON_ERROR_POLICIES,
+    PERMISSION_CODES,
     SERVER_ERROR_CODES,
     WRITE_REFUSED_CODES,
     OnError,
@@ -500,7 +501,17 @@ class _RedisBase:
         business (the server answered, so it is up: a half-open breaker
         closes), answered by that key's policy, nothing written to it."""
         self._count_key_error(error, breaker)
+        self._raise_if_refused(error)
         return self._fallback(cfg, error, REASON_STORE_ERROR)
+
+    @staticmethod
+    def _raise_if_refused(error: RedisKeyError) -> None:
+        """An ACL refusal (``NOPERM``) raises whatever the policy: under
+        ``"allow"`` it would admit every request silently for as long as the
+        deployment is wrong. The server refuses before a script runs (it
+        checks the command and every key first), so nothing was charged."""
+        if error.code in PERMISSION_CODES:
+            raise error
 
     def _count_key_error(self, error: RedisKeyError, breaker: _Breaker | None = None) -> None:
         with self._count_lock:
@@ -718,6 +729,7 @@ class _RedisBase:
         key_error = self._key_error(exc)
         if key_error is not None:
             self._count_key_error(key_error, breaker)
+            self._raise_if_refused(key_error)
             exc = key_error
         else:
             self._failed(exc, breaker)
@@ -919,11 +931,21 @@ class _BatchRun:
     def node_failed(self, breaker: _Breaker, calls: list[_Call], exc: BaseException) -> None:
         """One node's round trip failed (a cluster's batch): its breaker is
         fed once, its calls are answered by policy, the others go on."""
+        self._raise_if_refused(exc, breaker)
         self.storage._failed(exc, breaker)
         self.down = True
         self.bad.add(breaker.name)
         for call in calls:
             self._policy(call[3], exc, breaker)
+
+    def _raise_if_refused(self, exc: BaseException, breaker: _Breaker | None = None) -> None:
+        """A round trip that failed on an ACL refusal (the ``SCRIPT LOAD``
+        that ``NOSCRIPT`` asked for) raises, as a decision's would."""
+        storage = self.storage
+        key_error = storage._key_error(exc)
+        if key_error is not None and key_error.code in PERMISSION_CODES:
+            storage._count_key_error(key_error, breaker)
+            storage._raise_if_refused(key_error)
 
     def queue(self, pipe: Any) -> None:
         for script, call_keys, args, _ in self.todo:
@@ -952,7 +974,8 @@ class _BatchRun:
                     continue
                 self.failed += len(members)
                 key_error = storage._key_error(reply)
-                if key_error is not None and len(members) == 1:  # one EVALSHA: its key's error
+                if key_error is not None and (len(members) == 1 or key_error.code in PERMISSION_CODES):
+                    # one EVALSHA: its key's error (an ACL refusal raises here)
                     out[members[0]] = storage._key_error_verdict(config, key_error, breaker)
                     continue
                 self.down = True
@@ -985,6 +1008,7 @@ class _BatchRun:
         among the replies instead): a failure of the server or the
         connection; the policy answers what is still open."""
         storage = self.storage
+        self._raise_if_refused(exc)
         storage._failed(exc)
         config, keys, costs, now = self.config, self.keys, self.costs, self.now
         if storage._local is None or storage._policy(config.rule) != "local":

@@ -48,6 +48,11 @@ SERVER_ERROR_CODES: Final = frozenset(
 # Writes refused server-wide (memory full under noeviction, persistence
 # failing): answered per call, not by the breaker, counted in ``write_refused``.
 WRITE_REFUSED_CODES: Final = frozenset({"OOM", "MISCONF"})
+# The server refused this client the command or the key (an ACL): not one
+# key's value, which nobody but the operator can plant, but a deployment that
+# limits nothing. Answering it by the policy made ``"allow"`` admit every
+# request without a single log line, so it raises under every policy.
+PERMISSION_CODES: Final = frozenset({"NOPERM"})
 
 # Codes redis-py/valkey-py strip from the message when they pick a class.
 _CLASS_CODES: Final = {
