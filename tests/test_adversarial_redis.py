@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 from _helpers import FIELDS
-from redis_servers import timed, until_healthy
+from redis_servers import Server, require_binary, timed, until_healthy
 
 from nanolimit import reference
 from nanolimit.errors import RedisKeyError
@@ -873,3 +873,41 @@ def test_an_acl_refusal_raises_under_every_policy(
         m = storage.metrics()
     assert m["decisions"] == 0 and m["breaker_opened"] == 0 and m["key_errors"] > 0
     assert admin.dbsize() == 0  # nothing was written
+
+
+@pytest.mark.parametrize("policy", ["volatile-lru", "volatile-ttl", "noeviction"])
+def test_an_evicting_policy_hands_budgets_back(
+    backend: types.SimpleNamespace, server_kind: str, policy: str
+) -> None:
+    """docs/redis.md, "Expiry": the ``volatile-*`` policies evict only keys
+    with an expiry, and every limiter key has one, so when the application's
+    own keys fill the memory the limiter's go first and each exhausted key is
+    admitted again, exactly, not degraded (the docs once warned only about
+    ``allkeys-*``); under ``noeviction`` they stay denied."""
+    import redis
+
+    server = Server(
+        require_binary(server_kind), server_kind, extra=("--maxmemory", "4mb", "--maxmemory-policy", policy)
+    )
+    server.start()
+    try:
+        admin = server.client()
+        storage = RedisStorage(server.client(), on_error="deny", timeout=2.0)
+        limiter = _limiter(backend, "fixed_window", storage, backend.FakeClock(T0), "evict")
+        users = [f"user{i}" for i in range(50)]
+        for user in users:
+            _exhaust(limiter, user)
+        # the application's own keys, no expiry, until the memory is full
+        with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
+            for i in range(400):
+                admin.set(f"app:{i}", "x" * 20_000)
+        after = [limiter.allow(user) for user in users]
+        assert not any(d.degraded for d in after)
+        evicted = admin.info("stats")["evicted_keys"]
+        if policy == "noeviction":
+            assert sum(d.allowed for d in after) == 0 and evicted == 0
+        else:
+            assert sum(d.allowed for d in after) == len(users) and evicted >= len(users)
+        admin.close()
+    finally:
+        server.stop()
