@@ -911,3 +911,54 @@ def test_an_evicting_policy_hands_budgets_back(
         admin.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "label", "plant"),
+    GARBAGE_CASES,
+    ids=[f"{algo}-{label}" for algo, label, _ in GARBAGE_CASES],
+)
+def test_the_state_of_a_poisoned_key_is_refused_as_decisions_refuse_it(
+    backend: types.SimpleNamespace,
+    make_storage: Any,
+    redis_server: Any,
+    admin: Any,
+    algorithm: str,
+    label: str,
+    plant: Plant,
+) -> None:
+    """``state()`` (and ``nanolimit inspect``, which prints it and reads
+    it to tell whether a reset removed anything) showed a value the
+    decisions refuse as ``BADSTATE`` as if it were the key's state (a count
+    of -1e308, a level of NaN, a window index of 0.5 shown as 0, a hash of
+    another application as "no state"), or failed with a bare ``TypeError``
+    or ``ValueError``. It raises the decisions' ``BADSTATE`` now, sync and
+    async, and reads nothing more into it; a real state still reads back."""
+    import redis.asyncio
+
+    storage = _storage(make_storage)
+    limiter = _limiter(backend, algorithm, storage, backend.FakeClock(T0), "inspect")
+    assert limiter.allow("honest").allowed
+    honest = limiter.state("honest")
+    assert honest is not None and honest.updated_at == T0
+    rkey = storage.redis_key(limiter.config, "evil")
+    plant(admin, rkey)
+    before = _frozen(admin, rkey)
+    with pytest.raises(RedisKeyError) as caught:
+        limiter.state("evil")
+    assert caught.value.code == "BADSTATE" and algorithm in str(caught.value)
+
+    async def main() -> None:
+        client = redis.asyncio.Redis(host="127.0.0.1", port=redis_server.port)
+        astorage = AsyncRedisStorage(client, on_error="allow", timeout=2.0)
+        try:
+            with pytest.raises(RedisKeyError) as caught:
+                await astorage.snapshot_async(limiter.config, "evil")
+            assert caught.value.code == "BADSTATE"
+            assert await astorage.snapshot_async(limiter.config, "honest") == honest
+        finally:
+            await astorage.close()
+            await client.aclose()
+
+    asyncio.run(main())
+    assert _frozen(admin, rkey) == before

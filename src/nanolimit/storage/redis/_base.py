@@ -14,13 +14,20 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, ClassVar, Literal, NoReturn
+from typing import Any, ClassVar, Final, Literal, NoReturn
 
-from ..._clocks import SystemClock, check_now
+from ..._clocks import MAX_CLOCK_LEAD, MAX_TIME, SystemClock, check_now
 from ..._decision_py import REASON_STORE_ERROR, REASON_STORE_UNAVAILABLE, KernelVerdict, decision_from_verdict
 from ..._limiter_config import Algorithm, LimiterConfig, LimiterState
 from ..._select import event_counter, twin_of
-from ..._validation import MAX_KEY_BYTES, MAX_WINDOW, check_cutoff, check_int_option, check_seconds_option
+from ..._validation import (
+    MAX_KEY_BYTES,
+    MAX_LIMIT,
+    MAX_WINDOW,
+    check_cutoff,
+    check_int_option,
+    check_seconds_option,
+)
 from ...errors import CircuitOpenError, RedisKeyError, RedisUnavailableError, ValidationError
 from ._cluster import NodeRoutes
 from ._connections import (
@@ -76,6 +83,42 @@ def _digest(text: str, salt: bytes) -> str:
 # One script call of a batch: script, its keys, its arguments, the batch positions it decides.
 _Call = tuple[LuaScript, list[str], list[str], list[int]]
 _REDIRECT_CODES = frozenset({"MOVED", "ASK"})
+
+
+_MAX_EXACT: Final = float(1 << 53)  # the scripts' MAX_EXACT: window indices and TATs below it
+
+
+def _text(raw: Any) -> str:
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+
+
+def _number(algo: Algorithm, raw: Any) -> float:
+    """A stored field as a number; one that is none is a foreign state."""
+    try:
+        return float(_text(raw))
+    except ValueError:
+        raise _bad_state(algo) from None
+
+
+def _whole(x: float, bound: float) -> bool:
+    return -bound < x < bound and x == int(x)
+
+
+def _count(x: float) -> bool:
+    return 0.0 <= x <= MAX_LIMIT and x == int(x)
+
+
+def _stamp(x: float) -> bool:
+    return -MAX_TIME < x < MAX_TIME
+
+
+def _bad_state(algo: Algorithm) -> RedisKeyError:
+    """What a snapshot of a foreign value raises: the scripts' own ``BADSTATE``."""
+    return RedisKeyError(
+        f"BADSTATE {algo.value}: the stored state is not one this limiter writes "
+        '(docs/redis.md, "Foreign values")',
+        "BADSTATE",
+    )
 
 
 class _RedisBase:
@@ -749,46 +792,65 @@ class _RedisBase:
         self._count("refunds")
 
     def _snapshot_command(self, config: LimiterConfig, key: str) -> tuple[str, ...]:
-        """The one read command that fetches ``key``'s raw state."""
+        """The one read command that fetches ``key``'s raw state (a hash's
+        every field: a hash without the limiter's is told from no key)."""
         rkey = self.redis_key(config, key)
         algo = config.algorithm
         if algo is Algorithm.GCRA:
             return ("GET", rkey)
         if algo is Algorithm.SLIDING_LOG:
             return ("LRANGE", rkey, "0", "-1")
-        if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
-            return ("HMGET", rkey, "l", "u")
-        return ("HMGET", rkey, "k", "n", "p", "u")
+        return ("HGETALL", rkey)
 
     @staticmethod
     def _parse_snapshot(algo: Algorithm, raw: Any) -> LimiterState | None:
-        """The state read by :meth:`_snapshot_command` (not brought up to now), or ``None``."""
+        """The state read by :meth:`_snapshot_command` (not brought up to
+        now), or ``None``. Checked as the scripts check it (``lua/*_state.lua``,
+        docs/redis.md, "Foreign values"): a value the decisions refuse with
+        ``BADSTATE`` raises :class:`RedisKeyError` here too, rather than be
+        shown as a state (a count of -4, a level of NaN, a window index of
+        1.5 shown as 1) or fail with a bare ``TypeError``."""
         if algo is Algorithm.GCRA:
             if raw is None:
                 return None
-            tat, updated = (raw.decode() if isinstance(raw, bytes) else raw).split(" ")
-            return LimiterState(algo, float(updated), tat=int(float(tat)))
+            parts = _text(raw).split(" ")
+            if len(parts) != 2:
+                raise _bad_state(algo)
+            tat, updated = _number(algo, parts[0]), _number(algo, parts[1])
+            if not _whole(tat, _MAX_EXACT) or not _stamp(updated):
+                raise _bad_state(algo)
+            return LimiterState(algo, updated, tat=int(tat))
         if algo is Algorithm.SLIDING_LOG:
             if not raw:
                 return None
-            return LimiterState(algo, float(raw[0]), log=tuple(float(x) for x in raw[1:]))
-        if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
-            level, updated = raw
-            if level is None:
-                return None
-            return LimiterState(algo, float(updated), level=float(level))
-        k, count, previous, updated = raw
-        if k is None:
+            stamps = [_number(algo, x) for x in raw]
+            updated = stamps[0]
+            if not _stamp(updated) or not all(-MAX_TIME < s <= updated + MAX_CLOCK_LEAD for s in stamps[1:]):
+                raise _bad_state(algo)
+            return LimiterState(algo, updated, log=tuple(stamps[1:]))
+        if not raw:
             return None
+        fields = {_text(name): value for name, value in raw.items()}
+
+        def need(name: str) -> float:
+            """A field every state of ``algo`` has, as a number (other
+            fields, which the scripts never read, are not looked at)."""
+            if name not in fields:
+                raise _bad_state(algo)
+            return _number(algo, fields[name])
+
+        if algo in (Algorithm.TOKEN_BUCKET, Algorithm.LEAKY_BUCKET):
+            level, updated = need("l"), need("u")
+            if not 0.0 <= level <= MAX_LIMIT or not _stamp(updated):
+                raise _bad_state(algo)
+            return LimiterState(algo, updated, level=level)
+        k, count, updated = need("k"), need("n"), need("u")
+        previous = need("p") if algo is Algorithm.SLIDING_COUNTER else 0.0
+        if not (_whole(k, _MAX_EXACT) and _count(count) and _count(previous) and _stamp(updated)):
+            raise _bad_state(algo)
         if algo is Algorithm.FIXED_WINDOW:
-            return LimiterState(algo, float(updated), window_index=int(float(k)), count=int(float(count)))
-        return LimiterState(
-            algo,
-            float(updated),
-            window_index=int(float(k)),
-            count=int(float(count)),
-            previous=int(float(previous)),
-        )
+            return LimiterState(algo, updated, window_index=int(k), count=int(count))
+        return LimiterState(algo, updated, window_index=int(k), count=int(count), previous=int(previous))
 
     # -- Storage protocol ---------------------------------------------------------
     def apply(self, key: str, now: float, mutate: Callable[[Any], tuple[Any, Any]]) -> Any:
