@@ -44,19 +44,69 @@ def test_decision_client_is_short_and_never_retries(own_server: Any) -> None:
     assert user.connection_pool.connection_kwargs["socket_timeout"] == 5.0  # the caller's client is untouched
 
 
-@pytest.mark.parametrize(("wait", "expected"), [(0.01, 0.01), (20.0, TIMEOUT)])
-def test_a_blocking_pool_keeps_its_bounded_wait(own_server: Any, wait: float, expected: float) -> None:
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+@pytest.mark.parametrize(("wait", "expected"), [(0.01, 0.01), (20.0, TIMEOUT), (None, TIMEOUT)])
+def test_a_blocking_pool_keeps_its_bounded_wait(
+    own_server: Any, wait: float | None, expected: float, flavour: str
+) -> None:
     """A BlockingConnectionPool waits for a free connection: the derived
-    client's pool waits no longer than the caller's, nor than ``timeout``."""
+    client's pool waits no longer than the caller's, nor than ``timeout``;
+    the caller's ``timeout=None`` (wait for ever) too, which became the
+    constructor's default of 20 s."""
+    import redis
+    import redis.asyncio
+
+    from nanolimit.storage.redis import AsyncRedisStorage
+
+    home: Any = redis if flavour == "sync" else redis.asyncio
+    pool = home.BlockingConnectionPool(
+        host="127.0.0.1", port=own_server.port, max_connections=2, timeout=wait
+    )
+    make = RedisStorage if flavour == "sync" else AsyncRedisStorage
+    storage: Any = make(home.Redis(connection_pool=pool), timeout=TIMEOUT)
+    derived = storage.client.connection_pool
+    assert isinstance(derived, home.BlockingConnectionPool)
+    assert derived.timeout == expected and derived.max_connections == 2
+
+
+def test_a_pool_that_waits_for_ever_still_answers_within_the_timeout(
+    backend: types.SimpleNamespace, own_server: Any
+) -> None:
+    """40 threads deciding through a ``BlockingConnectionPool(timeout=None)``
+    of one connection while ``DEBUG SLEEP`` freezes the server: each gives
+    up on its own wait after ``timeout`` and is answered by the policy. The
+    derived pool used to wait up to 20 s (redis-py's default): the last
+    thread waited for each of the 39 before it, about 2 s."""
     import redis
 
     pool = redis.BlockingConnectionPool(
-        host="127.0.0.1", port=own_server.port, max_connections=2, timeout=wait
+        host="127.0.0.1", port=own_server.port, max_connections=1, timeout=None
     )
-    storage = RedisStorage(redis.Redis(connection_pool=pool), timeout=TIMEOUT)
-    derived = storage.client.connection_pool
-    assert isinstance(derived, redis.BlockingConnectionPool)
-    assert derived.timeout == expected and derived.max_connections == 2
+    storage = RedisStorage(
+        redis.Redis(connection_pool=pool), timeout=TIMEOUT, on_error="allow", breaker_threshold=1000
+    )
+    limiter = backend.TokenBucket(100, 60.0, storage, rule="blocking")
+    assert not limiter.allow("warm").degraded
+    admin = own_server.client()
+    sleeper = threading.Thread(target=lambda: admin.execute_command("DEBUG", "SLEEP", "3"))
+    sleeper.start()
+    time.sleep(0.1)
+    waits: list[float] = []
+
+    def decide() -> None:
+        d, elapsed = timed(lambda: limiter.allow("k"))
+        assert d.degraded and d.allowed
+        waits.append(elapsed)
+
+    threads = [threading.Thread(target=decide) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    sleeper.join(timeout=10)
+    admin.close()
+    assert len(waits) == 40
+    assert max(waits) < BOUND, max(waits)
 
 
 @pytest.mark.parametrize("policy", ["allow", "deny", "raise"])

@@ -315,9 +315,13 @@ def _derive(client: Any, timeout: float) -> Any:
         derived.auto_close_connection_pool = True
         return derived
     extra: dict[str, Any] = {}
-    if isinstance(getattr(pool, "timeout", None), (int, float)):
-        # a BlockingConnectionPool: waiting for a free connection is bounded too
-        extra["timeout"] = min(pool.timeout, timeout)
+    if hasattr(pool, "timeout"):
+        # a BlockingConnectionPool: waiting for a free connection is bounded
+        # too. Its ``timeout=None`` (wait for ever) must not become the
+        # constructor's default of 20 s: 20 threads on one connection of a
+        # frozen server waited 1 s for a 50 ms decision.
+        wait = pool.timeout
+        extra["timeout"] = timeout if not isinstance(wait, (int, float)) else min(wait, timeout)
     try:
         new_pool = type(pool)(
             connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs, **extra
