@@ -813,7 +813,7 @@ class _RedisBase:
         if algo is Algorithm.GCRA:
             if raw is None:
                 return None
-            parts = _text(raw).split(" ")
+            parts = _text(raw).split(" ", 1)  # as the script: the first space splits
             if len(parts) != 2:
                 raise _bad_state(algo)
             tat, updated = _number(algo, parts[0]), _number(algo, parts[1])
