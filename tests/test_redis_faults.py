@@ -5,6 +5,7 @@ breaker stops the hammering, and decisions resume by themselves."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
@@ -413,3 +414,58 @@ def test_a_flask_app_on_a_dead_store_uri_logs_the_outage_once(caplog: pytest.Log
 def test_a_storage_made_from_a_client_names_its_address(own_server: Any) -> None:
     storage = RedisStorage(own_server.client(password=None))
     assert storage.address == f"redis://127.0.0.1:{own_server.port}/0"
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+@pytest.mark.parametrize("batch", ["script", "pipeline"])
+@pytest.mark.parametrize("policy", ["allow", "deny"])
+def test_degraded_counts_every_request_a_policy_answers_in_a_batch(
+    backend: types.SimpleNamespace, own_server: Any, policy: str, batch: str, flavour: str
+) -> None:
+    """``metrics()["degraded"]`` is the number of requests the policy
+    answered. A batch of 10 whose round trip failed, or that the open
+    breaker answered, counted 1 under ``"allow"``/``"deny"`` (10 under
+    ``"local"``, and 10 degraded answers in the result): an operator's
+    degraded/decisions ratio was off by the batch size."""
+    import redis
+    import redis.asyncio
+
+    from nanolimit.storage.redis import AsyncRedisStorage
+
+    keys = [f"k{i}" for i in range(10)]
+    options: dict[str, Any] = {
+        "timeout": TIMEOUT,
+        "on_error": policy,
+        "batch": batch,
+        "breaker_threshold": 1,
+        "breaker_cooldown": 60.0,
+    }
+    if flavour == "sync":
+        storage: Any = RedisStorage(own_server.client(), **options)
+    else:
+        storage = AsyncRedisStorage(redis.asyncio.Redis(host="127.0.0.1", port=own_server.port), **options)
+    limiter = backend.TokenBucket(5, 60.0, storage, rule="degraded")
+
+    own_server.kill()
+    config, costs = limiter.config, [1] * 10
+    if flavour == "sync":
+        failed = storage.run_kernel_many(config, keys, costs, None)  # fails: the breaker opens
+        skipped = storage.run_kernel_many(config, keys, costs, None)  # the open breaker answers
+    else:
+
+        async def both() -> tuple[list[Any], list[Any]]:
+            try:
+                first = await storage.run_kernel_many_async(config, keys, costs, None)
+                return first, await storage.run_kernel_many_async(config, keys, costs, None)
+            finally:
+                await storage.close()
+
+        failed, skipped = asyncio.run(both())
+    for verdicts in (failed, skipped):
+        assert len(verdicts) == 10 and all(v[5] for v in verdicts)  # every one degraded
+        assert all(v[0] is (policy == "allow") for v in verdicts)
+    m = storage.metrics()
+    assert m["breaker_open_skips"] == 1 and m["errors"] == 1
+    assert m["degraded"] == 20
+    if flavour == "sync":
+        storage.close()

@@ -478,15 +478,21 @@ class _RedisBase:
             local.handover(b.name)
 
     def _fallback(
-        self, cfg: LimiterConfig, exc: BaseException | None, reason: str = REASON_STORE_UNAVAILABLE
+        self,
+        cfg: LimiterConfig,
+        exc: BaseException | None,
+        reason: str = REASON_STORE_UNAVAILABLE,
+        answers: int = 1,
     ) -> KernelVerdict:
         """The failure policy's verdict (or raise). ``"local"`` reaches here
         only for what the local store does not decide (a key's error reply,
-        a compound's erring limit): denied, as ``"deny"``."""
+        a compound's erring limit): denied, as ``"deny"``. ``answers``: how
+        many requests this one verdict answers (a batch's), each counted in
+        ``degraded``."""
         policy = self._policy(cfg.rule)
         if policy == "raise":
             self._raise(exc, "decision")
-        self._count("degraded")
+        self._count("degraded", answers)
         if policy == "allow":
             return (True, 0.0, 0.0, 0.0, 0.0, True, reason, 0.0)
         wait = self.deny_retry_after
@@ -694,7 +700,7 @@ class _RedisBase:
             self._count("breaker_open_skips")
             if self._local is not None and self._policy(config.rule) == "local":
                 return [self._unavailable(config, k, c, now, True, None) for k, c in zip(keys, costs)]
-            return [self._fallback(config, None)] * n
+            return [self._fallback(config, None, answers=n)] * n
         p1, p2 = self._params(config)
         now_arg = self._now_arg(now)
         floor_ms = self._floor_ms(now)
@@ -1074,7 +1080,8 @@ class _BatchRun:
         storage._failed(exc)
         config, keys, costs, now = self.config, self.keys, self.costs, self.now
         if storage._local is None or storage._policy(config.rule) != "local":
-            fallback = storage._fallback(config, exc)
+            open_ = sum(1 for v in self.out if v is None)
+            fallback = storage._fallback(config, exc, answers=open_)
             return [fallback if v is None else v for v in self.out]
         return [
             storage._unavailable(config, keys[i], costs[i], now, True, exc) if v is None else v
