@@ -962,3 +962,43 @@ def test_the_state_of_a_poisoned_key_is_refused_as_decisions_refuse_it(
 
     asyncio.run(main())
     assert _frozen(admin, rkey) == before
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio"])
+@pytest.mark.parametrize("prefix", ["", "nanolimit:"])
+def test_keys_len_and_clear_touch_only_the_limiters_keys(
+    backend: types.SimpleNamespace, redis_server: Any, admin: Any, prefix: str, flavour: str
+) -> None:
+    """``keys()``, ``len()``/``count()`` and ``clear()`` matched the prefix
+    alone: with ``prefix=""`` ``clear()`` deleted every key of the database
+    (an application's sessions with it: 4 of 4 gone), ``len()`` counted them
+    all, and one key name that is not UTF-8 under the prefix made all three
+    raise ``UnicodeDecodeError``. Only keys of the limiter's shape
+    (``<prefix><algorithm>:...``) are listed, counted and deleted now."""
+    import redis.asyncio
+
+    foreign = [b"app:session:1", b"nanolimit:other", b"nanolimitX", prefix.encode() + b"\xff\xfe"]
+    for name in foreign:
+        admin.set(name, "precious")
+    sync_storage = RedisStorage(redis_server.client(), prefix=prefix, timeout=2.0)
+    limiter = _limiter(backend, "token_bucket", sync_storage, backend.FakeClock(T0), "r:one")
+    for who in ("a", "b", "{c}"):
+        assert limiter.allow(who).allowed
+    ours = sorted(sync_storage.redis_key(limiter.config, who) for who in ("a", "b", "{c}"))
+    if flavour == "sync":
+        assert sorted(sync_storage.keys()) == ours and len(sync_storage) == 3
+        assert sync_storage.clear() == 3
+    else:
+
+        async def main() -> None:
+            client = redis.asyncio.Redis(host="127.0.0.1", port=redis_server.port)
+            storage = AsyncRedisStorage(client, prefix=prefix, timeout=2.0)
+            try:
+                assert sorted(await storage.keys()) == ours and await storage.count() == 3
+                assert await storage.clear() == 3
+            finally:
+                await storage.close()
+                await client.aclose()
+
+        asyncio.run(main())
+    assert sorted(admin.keys("*")) == sorted(foreign)  # every foreign key kept, ours gone

@@ -433,10 +433,13 @@ class RedisStorage(_RedisBase):
         )
 
     def keys(self) -> list[str]:
-        """Every key under the prefix (``SCAN``; every primary of a cluster)."""
+        """Every limiter key under the prefix (``SCAN``; every primary of a
+        cluster): a key of another shape there is not the limiter's."""
         out = []
         for raw in self.client.scan_iter(match=self._scan_match(), count=1000):
-            out.append(raw.decode() if isinstance(raw, bytes) else raw)
+            name = self._limiter_key(raw)
+            if name is not None:
+                out.append(name)
         return out
 
     def __len__(self) -> int:
@@ -444,7 +447,7 @@ class RedisStorage(_RedisBase):
         return len(self.keys())
 
     def clear(self) -> int:
-        """Delete every key under the prefix; returns how many."""
+        """Delete every limiter key under the prefix (see :meth:`keys`); returns how many."""
         names = self.keys()
         for name in names:
             self.client.delete(name)
@@ -702,18 +705,21 @@ class AsyncRedisStorage(_RedisBase):
         return self._parse_snapshot(config.algorithm, raw)
 
     async def keys(self) -> list[str]:
-        """Every key under the prefix (``SCAN``; every primary of a cluster)."""
-        return [
-            raw.decode() if isinstance(raw, bytes) else raw
-            async for raw in self.client.scan_iter(match=self._scan_match(), count=1000)
-        ]
+        """Every limiter key under the prefix (``SCAN``; every primary of a
+        cluster): a key of another shape there is not the limiter's."""
+        out = []
+        async for raw in self.client.scan_iter(match=self._scan_match(), count=1000):
+            name = self._limiter_key(raw)
+            if name is not None:
+                out.append(name)
+        return out
 
     async def count(self) -> int:
         """Keys under the prefix, counted with ``SCAN`` (O(keys): not for a hot path)."""
         return len(await self.keys())
 
     async def clear(self) -> int:
-        """Delete every key under the prefix; returns how many."""
+        """Delete every limiter key under the prefix (see :meth:`keys`); returns how many."""
         names = await self.keys()
         for name in names:
             await self.client.delete(name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 import threading
 import time
 import weakref
@@ -199,6 +200,10 @@ class _RedisBase:
         self.client = derive_client(client, float(timeout)) if derive else client
         self.cluster = is_cluster_client(client)
         self.prefix = prefix
+        algorithms = "|".join(re.escape(a.value) for a in Algorithm)
+        # what every key of this storage starts with (a two-tier store's
+        # hashes too: they extend a limiter key)
+        self._key_shape = re.compile(re.escape(prefix) + f"(?:{algorithms}):")
         self.clock = clock
         self.batch = batch
         self.on_error: OnError = on_error
@@ -362,6 +367,20 @@ class _RedisBase:
     def _scan_match(self) -> str:
         special = "*?[]\\"
         return "".join("\\" + c if c in special else c for c in self.prefix) + "*"
+
+    def _limiter_key(self, raw: Any) -> str | None:
+        """A key ``SCAN`` found under the prefix, if it is one of this
+        storage's (``<prefix><algorithm>:...``, UTF-8), else None. Why:
+        ``keys()``, ``len()`` and ``clear()`` act on the limiter's keys only;
+        by the prefix alone ``clear()`` with ``prefix=""`` deleted every key
+        of the database, and a key that is not UTF-8 made each of them raise."""
+        if isinstance(raw, bytes):
+            try:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+        name = str(raw)
+        return name if self._key_shape.match(name) else None
 
     # -- metrics ------------------------------------------------------------------
     def _count(self, name: str, n: int = 1) -> None:
