@@ -336,3 +336,24 @@ def test_the_watcher_counts_a_huge_number_as_a_bad_file(tmp_path: Path, name: st
     assert not watcher.check()
     assert watcher.errors == 1 and len(seen) == 1 and isinstance(seen[0], ConfigError)
     assert [r.name for r in registry.rules()] == ["keep"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"rules": [{"name": "login", "rate": "5/minute", "rate": "500/minute"}]}',
+        '{"rules": [{"name": "a", "rate": "5/minute"}], "rules": [{"name": "b", "rate": "1/s"}]}',
+    ],
+    ids=["a-field-twice", "rules-twice"],
+)
+def test_a_json_key_given_twice_is_a_config_error(tmp_path: Path, text: str) -> None:
+    """TOML refuses a key given twice; ``json`` kept the last one without a
+    word: the login rule ran at 500/minute, or rule "a" was dropped."""
+    f = tmp_path / "rules.json"
+    _write(f, text)
+    with pytest.raises(ConfigError, match="is given twice in one object"):
+        load_rules(f)
+    registry = RuleRegistry([rule("keep")])
+    watcher = ConfigWatcher(f, registry)
+    assert not watcher.check()
+    assert [r.name for r in registry.rules()] == ["keep"]

@@ -402,10 +402,23 @@ def parse_rules(data: Any, source: str = "<rules>") -> LoadedRules:
     return LoadedRules(tuple(rules), default, stacked, storage, tuple(exempt))
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose every key is given once: ``json`` keeps the last
+    of a repeated key without a word, so ``{"rate": "5/minute", "rate":
+    "500/minute"}`` would raise a limit (and a second ``"rules"`` drop every
+    rule of the first) where TOML refuses the file."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key[:60]!r} is given twice in one object")
+        out[key] = value
+    return out
+
+
 def _parse_bytes(raw: bytes, path: Path) -> Any:
     text = raw.decode("utf-8")
     if path.suffix.lower() == ".json":
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     if tomllib is None:
         raise ConfigError(
             str(path),
