@@ -357,3 +357,56 @@ def test_a_json_key_given_twice_is_a_config_error(tmp_path: Path, text: str) -> 
     watcher = ConfigWatcher(f, registry)
     assert not watcher.check()
     assert [r.name for r in registry.rules()] == ["keep"]
+
+
+def _kept(caplog: pytest.LogCaptureFixture) -> int:
+    return len([r for r in caplog.records if "keeping the current rules" in r.getMessage()])
+
+
+def test_a_missing_file_is_logged_once_not_at_every_poll(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deleted rules file logged an ERROR (and called on_error) at every
+    poll: 86,400 lines a day at the default interval, where the docs promise
+    one per distinct failure. Back and gone again, it is news again."""
+    f = tmp_path / "rules.toml"
+    good = '[[rules]]\nname = "keep"\nrate = "5/minute"\n'
+    _write(f, good)
+    registry = RuleRegistry([])
+    seen: list[Exception] = []
+    watcher = ConfigWatcher(f, registry, on_error=seen.append)
+    watcher.load()
+    with caplog.at_level(logging.ERROR, logger="nanolimit.config"):
+        f.unlink()
+        assert [watcher.check() for _ in range(5)] == [False] * 5
+        assert watcher.errors == 5 and _kept(caplog) == 1 and len(seen) == 1
+        _write(f, good)  # restored as it was: nothing to install
+        assert watcher.check() is False
+        f.unlink()
+        assert watcher.check() is False
+    assert _kept(caplog) == 2 and len(seen) == 2 and "cannot read" in str(seen[-1])
+    assert [r.name for r in registry.rules()] == ["keep"]
+
+
+def test_the_same_bad_file_after_a_good_one_is_logged_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bad content X (logged), good content installed, X again: X was still
+    remembered as already logged, so the second bad push was kept out
+    without a word."""
+    f = tmp_path / "rules.toml"
+    bad = '[[rules]]\nname = "x"\nrate = "oops"\n'
+    _write(f, '[[rules]]\nname = "one"\nrate = "5/minute"\n')
+    registry = RuleRegistry([])
+    seen: list[Exception] = []
+    watcher = ConfigWatcher(f, registry, on_error=seen.append)
+    watcher.load()
+    with caplog.at_level(logging.ERROR, logger="nanolimit.config"):
+        _write(f, bad)
+        assert watcher.check() is False
+        _write(f, '[[rules]]\nname = "two"\nrate = "5/minute"\n')
+        assert watcher.check() is True
+        _write(f, bad)
+        assert watcher.check() is False
+    assert _kept(caplog) == 2 and len(seen) == 2
+    assert [r.name for r in registry.rules()] == ["two"]

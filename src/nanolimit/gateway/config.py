@@ -521,6 +521,7 @@ class ConfigWatcher:
         if self.factory is not None:
             self.factory.prune((*loaded.active(), *self.registry.declared))
         self._digest = digest
+        self._bad_digest = None  # the same bad file again later is logged again
         self.reloads += 1
         log.info("nanolimit: loaded %d rule(s) from %s", len(loaded.rules), self.path)
         if self.on_reload is not None:
@@ -529,18 +530,20 @@ class ConfigWatcher:
 
     def check(self) -> bool:
         """Reload if the file changed; True when new rules were installed.
-        A bad file is logged (once per distinct content) and changes nothing."""
+        A bad or unreadable file is logged (once per distinct content or read
+        error) and changes nothing."""
         with self._lock:
             try:
                 raw = self.path.read_bytes()
             except OSError as exc:
-                self._fail(
-                    ConfigError(str(self.path), [Problem("-", "-", f"cannot read: {exc.strerror or exc}")]),
-                    None,
-                )
+                why = f"cannot read: {exc.strerror or exc}"
+                # keyed by the reason: a missing file is logged once, not at every poll
+                key = hashlib.blake2b(b"unreadable\0" + why.encode(), digest_size=16).digest()
+                self._fail(ConfigError(str(self.path), [Problem("-", "-", why)]), key)
                 return False
             digest = hashlib.blake2b(raw, digest_size=16).digest()
             if digest == self._digest:
+                self._bad_digest = None  # back to the rules running: a new failure is news
                 return False
             try:
                 if self.path.read_bytes() != raw:
@@ -560,9 +563,12 @@ class ConfigWatcher:
                 return False
             return True
 
-    def _fail(self, exc: Exception, digest: bytes | None) -> None:
+    def _fail(self, exc: Exception, digest: bytes) -> None:
+        """Count every failure; log it (and call ``on_error``) only when it
+        differs from the last one since the rules last installed or read
+        back, so a poll every second does not repeat one error all day."""
         self.errors += 1
-        repeated = digest is not None and digest == self._bad_digest
+        repeated = digest == self._bad_digest
         self._bad_digest = digest
         self.last_error = exc
         if not repeated:
