@@ -141,6 +141,9 @@ def test_check_config_as_a_real_process(tmp_path: Path) -> None:
         {"type": "uri", "uri": f"bad{SECRET}://h"},
         {"type": "uri", "uri": "redis://h", "password": SECRET},
         {"type": "uri", "uri": "redis://h", "sentinel_password": SECRET},
+        # the URI pasted as the type: echoed whole in "must be one of ..., got '...'"
+        {"type": f"redis://app:{SECRET}@h/0"},
+        {"type": f"redis://h/0?password={SECRET}"},
     ],
 )
 def test_a_bad_storage_section_never_echoes_the_password(table: dict[str, Any], tmp_path: Path) -> None:

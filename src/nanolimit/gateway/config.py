@@ -284,8 +284,12 @@ def _storage(table: Any, problems: list[Problem]) -> StorageSection | None:
         return None
     kind = table.get("type", "memory")
     if not isinstance(kind, str) or kind not in _STORAGE_FIELDS:  # a list is unhashable: str first
+        from ..storage.uri import redact_uri
+
         kinds = ", ".join(_STORAGE_FIELDS)
-        problems.append(Problem("storage", "type", f"must be one of {kinds}, got {kind!r}"))
+        # a URI pasted as the type (type = "redis://app:PASSWORD@host") is shown redacted
+        got = repr(redact_uri(kind)) if isinstance(kind, str) else type(kind).__name__
+        problems.append(Problem("storage", "type", f"must be one of {kinds}, got {got}"))
         return None
     fields = _STORAGE_FIELDS[kind]
     before = len(problems)
