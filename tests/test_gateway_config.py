@@ -410,3 +410,28 @@ def test_the_same_bad_file_after_a_good_one_is_logged_again(
         assert watcher.check() is False
     assert _kept(caplog) == 2 and len(seen) == 2
     assert [r.name for r in registry.rules()] == ["two"]
+
+
+def test_an_on_reload_hook_that_raises_never_reads_as_a_refused_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hook ran after the swap, so its ValueError was caught as a bad
+    file: "keeping the current rules" was logged, check() said False and
+    on_error ran, while the new rules were already live."""
+    f = tmp_path / "rules.toml"
+    _write(f, '[[rules]]\nname = "a"\nrate = "5/minute"\n')
+    registry = RuleRegistry([])
+    failures: list[Exception] = []
+
+    def hook(loaded: object) -> None:
+        raise ValueError("the hook's own fault")
+
+    watcher = ConfigWatcher(f, registry, on_reload=hook, on_error=failures.append)
+    with caplog.at_level(logging.ERROR, logger="nanolimit.config"):
+        assert [r.name for r in watcher.load().rules] == ["a"]
+        _write(f, '[[rules]]\nname = "b"\nrate = "5/minute"\n')
+        assert watcher.check() is True
+    assert [r.name for r in registry.rules()] == ["b"]
+    assert watcher.errors == 0 and failures == [] and watcher.reloads == 2
+    assert _kept(caplog) == 0
+    assert len([r for r in caplog.records if "on_reload hook failed" in r.getMessage()]) == 2

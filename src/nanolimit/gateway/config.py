@@ -465,7 +465,9 @@ class ConfigWatcher:
     polls every ``interval`` seconds on a daemon thread until ``stop()``.
     The file's bytes are compared by digest, so an editor that rewrites the
     same content, or a timestamp-preserving copy, is handled correctly.
-    ``on_reload(loaded)`` and ``on_error(exc)`` are optional hooks.
+    ``on_reload(loaded)`` and ``on_error(exc)`` are optional hooks; an
+    exception from ``on_reload`` is logged, and the rules it saw stay
+    installed (they were live before it ran).
     """
 
     def __init__(
@@ -529,7 +531,12 @@ class ConfigWatcher:
         self.reloads += 1
         log.info("nanolimit: loaded %d rule(s) from %s", len(loaded.rules), self.path)
         if self.on_reload is not None:
-            self.on_reload(loaded)
+            try:
+                self.on_reload(loaded)
+            except Exception:  # the hook's own fault, not the file's
+                # the rules are live: a hook's error must not read as a refused
+                # file ("keeping the current rules") nor make check() say False
+                log.exception("nanolimit: rules from %s installed; the on_reload hook failed", self.path)
         return loaded
 
     def check(self) -> bool:
