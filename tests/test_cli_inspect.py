@@ -244,3 +244,23 @@ def test_an_unreachable_redis_is_one_line_and_exit_1() -> None:
         "1/s",
     )
     _one_line_error(done, 1, "nanolimit inspect:", f"redis://:***@{HOST}:{port}")
+
+
+def test_default_names_the_files_default_rule_whatever_its_name(tmp_path: Path) -> None:
+    """The docs promise ``--rule default`` reads the file's default rule; a
+    [default] with a name of its own was refused ("has no rule 'default'").
+    A rule actually named "default" still wins."""
+    rules = tmp_path / "rules.toml"
+    rules.write_text(
+        '[default]\nname = "fallback"\nrate = "100/hour"\n[[rules]]\nname = "login"\nrate = "5/minute"\n'
+    )
+    args = ("--storage", "memory://", "--rules", str(rules), "--json")
+    done = cli("inspect", "10.0.0.1", *args, "--rule", "default")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["rule"]["name"] == "fallback"
+    rules.write_text(
+        '[default]\nname = "fallback"\nrate = "100/hour"\n[[rules]]\nname = "default"\nrate = "5/minute"\n'
+    )
+    done = cli("inspect", "10.0.0.1", *args, "--rule", "default")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["rule"]["limit"] == 5

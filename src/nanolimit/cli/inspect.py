@@ -114,6 +114,9 @@ def _rule(args: argparse.Namespace) -> RateLimitRule:
         for rule in loaded.active():
             if rule.name == args.rule:
                 return rule
+        if args.rule == "default" and loaded.default is not None:
+            # the file's [default] by its role, whatever name it was given
+            return loaded.default
         names = ", ".join(rule.name for rule in loaded.active())
         raise _Refused(f"{args.rules} has no rule {args.rule!r} (it has: {names})")
     if args.rate is None:
