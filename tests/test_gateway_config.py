@@ -87,6 +87,14 @@ def _write(path: Path, text: str) -> None:
     path.write_text(text, encoding="utf-8")
 
 
+def _settled(watcher: ConfigWatcher) -> bool:
+    """Two polls in a row, as the watcher's thread makes them an interval
+    apart: once rules run, new bytes are installed (or refused) only when
+    two polls read them, so the first says False."""
+    assert watcher.check() is False
+    return watcher.check()
+
+
 def test_load_toml(tmp_path: Path) -> None:
     f = tmp_path / "rules.toml"
     _write(f, GOOD)
@@ -175,7 +183,7 @@ def test_watcher_hot_reload_keeps_state_and_survives_a_broken_file(
         '[[rules]]\nname = "b"\npath_prefix = "/b"\nrate = "4/minute"\nalgorithm = "fixed_window"\n'
         '[[rules]]\nname = "c"\npath_prefix = "/c"\nrate = "1/minute"\n',
     )
-    assert watcher.check() is True
+    assert _settled(watcher) is True
     assert [mw(get("/a"), ok_handler).status for _ in range(2)] == [200, 429]
     assert [mw(get("/b"), ok_handler).status for _ in range(2)] == [200, 429]
     assert [mw(get("/c"), ok_handler).status for _ in range(2)] == [200, 429]
@@ -183,7 +191,7 @@ def test_watcher_hot_reload_keeps_state_and_survives_a_broken_file(
     rules_before = mw.registry.rules()
     _write(f, '[[rules]]\nname = "a"\nrate = "oops"\n')
     with caplog.at_level(logging.ERROR, logger="nanolimit.config"):
-        assert watcher.check() is False
+        assert _settled(watcher) is False
         assert watcher.check() is False  # the same bad content is logged once
     assert mw.registry.rules() == rules_before
     assert watcher.errors == 2 and isinstance(watcher.last_error, ConfigError)
@@ -210,7 +218,7 @@ def test_a_limit_edit_by_reload_never_hands_back_spent_budget(
     watcher.load()
     assert sum(mw(get(), ok_handler).status == 200 for _ in range(10)) == 3
     _write(f, table.format(rates.format(after)))
-    assert watcher.check()
+    assert _settled(watcher)
     clock.advance(1.0)
     # raised to 4: one more, 4 in the hour; lowered to 2: none until the window ends
     assert sum(mw(get(), ok_handler).status == 200 for _ in range(10)) == more
@@ -263,7 +271,7 @@ def test_an_empty_or_truncated_file_never_lifts_the_limits(tmp_path: Path) -> No
     watcher.load()
     for text in ("", "\n# only a comment\n", "stacked = true\n"):
         _write(f, text)
-        assert not watcher.check()
+        assert not _settled(watcher)
         assert [r.name for r in registry.rules()] == ["keep"]
     assert watcher.errors >= 1 and "nothing to enforce" in str(watcher.last_error)
     with pytest.raises(ConfigError, match="nothing to enforce"):
@@ -281,9 +289,9 @@ def test_a_file_read_while_it_is_written_waits_for_the_next_poll(tmp_path: Path,
     real = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda self: next(reads, None) or real(self))
     _write(f, '[[rules]]\nname = "new"\nrate = "5/minute"\n')
-    assert not watcher.check()  # two reads disagreed: the file is changing
+    assert not watcher.check()  # half-written bytes, seen by one poll only
     assert [r.name for r in registry.rules()] == ["old"]
-    assert watcher.check()
+    assert _settled(watcher)
     assert [r.name for r in registry.rules()] == ["new"]
 
 
@@ -333,7 +341,7 @@ def test_the_watcher_counts_a_huge_number_as_a_bad_file(tmp_path: Path, name: st
     watcher = ConfigWatcher(f, registry, on_error=seen.append)
     watcher.load()
     _write(f, HUGE_NUMBER_FILES[name])
-    assert not watcher.check()
+    assert not _settled(watcher)
     assert watcher.errors == 1 and len(seen) == 1 and isinstance(seen[0], ConfigError)
     assert [r.name for r in registry.rules()] == ["keep"]
 
@@ -403,11 +411,11 @@ def test_the_same_bad_file_after_a_good_one_is_logged_again(
     watcher.load()
     with caplog.at_level(logging.ERROR, logger="nanolimit.config"):
         _write(f, bad)
-        assert watcher.check() is False
+        assert _settled(watcher) is False
         _write(f, '[[rules]]\nname = "two"\nrate = "5/minute"\n')
-        assert watcher.check() is True
+        assert _settled(watcher) is True
         _write(f, bad)
-        assert watcher.check() is False
+        assert _settled(watcher) is False
     assert _kept(caplog) == 2 and len(seen) == 2
     assert [r.name for r in registry.rules()] == ["two"]
 
@@ -430,8 +438,38 @@ def test_an_on_reload_hook_that_raises_never_reads_as_a_refused_file(
     with caplog.at_level(logging.ERROR, logger="nanolimit.config"):
         assert [r.name for r in watcher.load().rules] == ["a"]
         _write(f, '[[rules]]\nname = "b"\nrate = "5/minute"\n')
-        assert watcher.check() is True
+        assert _settled(watcher) is True
     assert [r.name for r in registry.rules()] == ["b"]
     assert watcher.errors == 0 and failures == [] and watcher.reloads == 2
     assert _kept(caplog) == 0
     assert len([r for r in caplog.records if "on_reload hook failed" in r.getMessage()]) == 2
+
+
+def test_a_file_caught_half_rewritten_in_place_is_never_installed(backend, tmp_path: Path) -> None:
+    """An in-place rewrite (``open(path, "w")``, ``cat >``, an editor) is
+    valid TOML at many points: a poll that caught the bytes up to
+    ``limit = 15`` of ``limit = 1500`` installed login at 15 and dropped the
+    admin rule: /admin ran unlimited until the next poll. Two polls must
+    read the bytes."""
+    f = tmp_path / "rules.toml"
+    text = (
+        '[[rules]]\nname = "login"\npath_prefix = "/login"\nwindow_seconds = 60\nlimit = {}\n'
+        '[[rules]]\nname = "admin"\npath_prefix = "/admin"\nrate = "3/minute"\n'
+    )
+    _write(f, text.format(1000))
+    mw = gateway(backend, [])
+    watcher = ConfigWatcher(f, mw.registry, mw.factory)
+    watcher.load()
+    assert [mw(get("/admin"), ok_handler).status for _ in range(4)] == [200, 200, 200, 429]
+    new = text.format(1500)
+    cut = new.index("limit = 1500") + len("limit = 15")
+    with f.open("w", encoding="utf-8") as out:  # the writer pauses after a valid prefix
+        out.write(new[:cut])
+        out.flush()
+        assert watcher.check() is False
+        assert [(r.name, r.limit) for r in mw.registry.rules()] == [("login", 1000), ("admin", 3)]
+        assert mw(get("/admin"), ok_handler).status == 429  # still limited
+        out.write(new[cut:])
+    assert _settled(watcher) is True
+    assert [(r.name, r.limit) for r in mw.registry.rules()] == [("login", 1500), ("admin", 3)]
+    assert mw(get("/admin"), ok_handler).status == 429  # its spent budget was kept

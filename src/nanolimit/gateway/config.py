@@ -3,9 +3,9 @@
 ``load_rules(path)`` validates the whole file and raises one
 :class:`ConfigError` listing every bad rule with its name and the field at
 fault, so an operator fixes a file in one pass. :class:`ConfigWatcher` polls
-the file; a changed file is validated first and swapped in with
-``RuleRegistry.replace`` (atomic); a bad one leaves the old rules running and
-logs why. Unchanged rules keep their limiters and their keys' state.
+the file; a changed file, once two polls in a row read the same bytes, is
+validated and swapped in with ``RuleRegistry.replace`` (atomic); a bad one
+leaves the old rules running and logs why. Unchanged rules keep their limiters and their keys' state.
 
 File format (TOML; JSON has the same shape)::
 
@@ -493,6 +493,7 @@ class ConfigWatcher:
         self.last_error: Exception | None = None
         self._digest: bytes | None = None
         self._bad_digest: bytes | None = None
+        self._pending: bytes | None = None  # new bytes seen by one poll, not yet by two
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -527,6 +528,7 @@ class ConfigWatcher:
         if self.factory is not None:
             self.factory.prune((*loaded.active(), *self.registry.declared))
         self._digest = digest
+        self._pending = None
         self._bad_digest = None  # the same bad file again later is logged again
         self.reloads += 1
         log.info("nanolimit: loaded %d rule(s) from %s", len(loaded.rules), self.path)
@@ -542,7 +544,15 @@ class ConfigWatcher:
     def check(self) -> bool:
         """Reload if the file changed; True when new rules were installed.
         A bad or unreadable file is logged (once per distinct content or read
-        error) and changes nothing."""
+        error) and changes nothing.
+
+        Once rules are installed, new bytes are installed only when two polls
+        in a row read them: a file rewritten in place (``cat >``, an editor,
+        a chunked copy) is valid TOML at many points of its writing, and a
+        poll that caught one would run a cut rule set for an interval (a
+        limit of ``15`` for ``1500``; a rule not yet written dropped, its
+        paths unlimited). Renaming a finished file over it is the safe way
+        to write."""
         with self._lock:
             try:
                 raw = self.path.read_bytes()
@@ -555,6 +565,11 @@ class ConfigWatcher:
             digest = hashlib.blake2b(raw, digest_size=16).digest()
             if digest == self._digest:
                 self._bad_digest = None  # back to the rules running: a new failure is news
+                self._pending = None
+                return False
+            if self._digest is not None and digest != self._pending:
+                # first sight: the writer may not be done; the next poll decides
+                self._pending = digest
                 return False
             try:
                 if self.path.read_bytes() != raw:
