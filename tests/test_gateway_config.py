@@ -473,3 +473,18 @@ def test_a_file_caught_half_rewritten_in_place_is_never_installed(backend, tmp_p
     assert _settled(watcher) is True
     assert [(r.name, r.limit) for r in mw.registry.rules()] == [("login", 1500), ("admin", 3)]
     assert mw(get("/admin"), ok_handler).status == 429  # its spent budget was kept
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_a_byte_order_mark_is_no_content(tmp_path: Path, suffix: str) -> None:
+    """A rules file saved by a Windows editor starts with a UTF-8 BOM: it was
+    refused as "Invalid statement (at line 1, column 1)" (TOML) or
+    "Unexpected UTF-8 BOM" (JSON), for a character no editor shows."""
+    f = tmp_path / f"rules{suffix}"
+    body = (
+        json.dumps({"rules": [{"name": "login", "rate": "5/minute"}]})
+        if suffix == ".json"
+        else '[[rules]]\nname = "login"\nrate = "5/minute"\n'
+    )
+    f.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    assert [(r.name, r.limit) for r in load_rules(f).rules] == [("login", 5)]

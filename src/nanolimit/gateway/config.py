@@ -420,7 +420,9 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _parse_bytes(raw: bytes, path: Path) -> Any:
-    text = raw.decode("utf-8")
+    # utf-8-sig: a byte-order mark (Windows editors write one) is no content;
+    # kept, it was "Invalid statement (at line 1, column 1)", invisible in the file
+    text = raw.decode("utf-8-sig")
     if path.suffix.lower() == ".json":
         return json.loads(text, object_pairs_hook=_unique_keys)
     if tomllib is None:
