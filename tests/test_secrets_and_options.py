@@ -177,6 +177,21 @@ def test_redact_uri_hides_every_spelling(uri: str) -> None:
     assert shown.startswith(uri.partition("://")[0] + "://")
 
 
+def test_redact_uri_folds_a_secret_looking_continuation_whole() -> None:
+    """``password=ab&pass<rest>=1`` is the password ``ab&pass<rest>=1`` with a
+    raw ``&``: a continuation whose name looked secret was shown by name
+    (``password=***&passPw7QzX9kJ=***``), the rest of the password with it."""
+    for uri in (
+        f"redis://h/0?password=ab&pass{SECRET}=1",
+        f"redis://h/0?password=ab&token{SECRET}=1&db=1",
+        f"rediss://h/0?ssl_password=ab&auth{SECRET}=x&timeout=1",
+    ):
+        shown = redact_uri(uri)
+        assert_hidden(shown)
+        assert shown.count("***") == 1 and "password=***" in shown
+    assert redact_uri("redis://h/0?password=ab&pass1=x&db=1") == "redis://h/0?password=***&db=1"
+
+
 def test_redact_uri_keeps_what_is_no_secret() -> None:
     assert redact_uri("redis://app:pw@db.internal:6380/2") == "redis://app:***@db.internal:6380/2"
     assert redact_uri("redis://db.internal:6379/0?timeout=0.1") == "redis://db.internal:6379/0?timeout=0.1"

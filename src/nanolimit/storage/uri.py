@@ -311,12 +311,12 @@ def _redact_query(query: str) -> str:
         decoded = unquote_plus(name)
         if eq and decoded in names:
             masking = bool(SECRET_FIELD_NAME.search(decoded))
+        elif masking:
+            # the secret value's continuation, its name too (password=ab&passX=1
+            # is the password 'ab&passX=1'): folded into its ***
+            continue
         elif eq and SECRET_FIELD_NAME.search(decoded):
             masking = True  # an unknown secret-looking name: refused, but not shown
-        elif masking:
-            continue  # the secret value's continuation: folded into its ***
-        else:
-            masking = False
         out.append(f"{name}=***" if masking else field)
     return "&".join(out)
 
