@@ -513,6 +513,23 @@ def test_bad_setting_values_are_improperly_configured(nano: Any, conf: dict[str,
     assert nd.limits.registry.ruleset is before  # a bad setting changes nothing
 
 
+@pytest.mark.parametrize(
+    "storage",
+    [("redis://app:Pw7QzX9kJ@h/0",), ["redis://app:Pw7QzX9kJ@h/0"], b"redis://app:Pw7QzX9kJ@h/0"],
+    ids=["trailing-comma-tuple", "list", "bytes"],
+)
+def test_a_storage_setting_of_the_wrong_type_never_echoes_its_password(nano: Any, storage: Any) -> None:
+    """``STORAGE = "redis://app:PASSWORD@h/0",`` (a trailing comma makes a
+    tuple) was refused with ``got ('redis://app:PASSWORD@h/0',)``: the
+    password in the exception, the system check and the server's log."""
+    nano(STORAGE=storage)
+    with pytest.raises(ImproperlyConfigured, match=r"NANOLIMIT\['STORAGE'\]") as caught:
+        Client().get("/hello")
+    assert "Pw7QzX9kJ" not in str(caught.value) and type(storage).__name__ in str(caught.value)
+    errors = checks.run_checks(tags=["nanolimit"])
+    assert errors and all("Pw7QzX9kJ" not in e.msg for e in errors)
+
+
 def test_system_check_catches_a_template_matching_no_route(nano: Any) -> None:
     assert checks.run_checks(tags=["nanolimit"]) == []
     nano(RULES=str(PROJECT_DIR / "rules_bad_route.toml"))

@@ -189,7 +189,11 @@ class _Config:
             raise _bad("RULES", f"must be the path of a rules file or None, got {rules!r}")
         storage = conf["STORAGE"]
         if storage is not None and not isinstance(storage, (str, Storage)):
-            raise _bad("STORAGE", f"must be a storage URI (e.g. 'redis://host/0') or None, got {storage!r}")
+            # its type only: a tuple (a trailing comma) or bytes still holds the URI's password
+            raise _bad(
+                "STORAGE",
+                f"must be a storage URI (e.g. 'redis://host/0') or None, got {type(storage).__name__}",
+            )
         default = conf["DEFAULT"]
         if default is not None:
             if isinstance(default, str):
