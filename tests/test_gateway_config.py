@@ -534,3 +534,28 @@ def test_a_rules_path_swapped_for_a_fifo_a_device_or_a_huge_file_is_refused(
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("cannot read: "), done.stdout
     assert ("not a regular file" if kind != "sparse-terabyte" else "over ") in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ('name = "a/b"\nmax_keys = 1000', "zone's name"),
+        ('name = "' + "z" * 201 + '"\nmax_keys = 1000', "zone's name"),
+        ('name = "api"\nmax_keys = 2147483648', "max_keys of a shared-memory zone"),
+        ('name = "api"\nmax_keys = 1073741824\nstripes = 1', "keys in a stripe"),
+        ('name = "api"\nmax_keys = 1000\nif_stale = "keep"', "if_stale"),
+    ],
+)
+def test_check_config_refuses_a_zone_the_gateway_cannot_make(
+    tmp_path: Path, fields: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """[storage] type = "shared_memory" was range-checked as an in-memory
+    table only: a name with '/', max_keys past the zone's 2**30 or 2**30
+    keys in one stripe passed check-config (exit 0, "OK") and stopped the
+    gateway's start (LoadedRules.factory: ConfigError)."""
+    from nanolimit.cli.check_config import check_config
+
+    f = tmp_path / "rules.toml"
+    _write(f, f'[[rules]]\nname = "a"\nrate = "5/minute"\n[storage]\ntype = "shared_memory"\n{fields}\n')
+    assert check_config(str(f)) == 1
+    assert named in capsys.readouterr().err

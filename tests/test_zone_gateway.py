@@ -15,7 +15,7 @@ import pytest
 from _helpers import needs_shared_memory
 
 from nanolimit.errors import ConfigError, ValidationError
-from nanolimit.gateway.config import ConfigWatcher, load_rules, parse_rules
+from nanolimit.gateway.config import ConfigWatcher, LoadedRules, StorageSection, load_rules, parse_rules
 from nanolimit.gateway.factory import LimiterFactory
 from nanolimit.gateway.middleware import RateLimitPipeline, Request, Response
 from nanolimit.gateway.registry import RuleRegistry
@@ -96,13 +96,17 @@ def test_a_bad_storage_section_is_one_problem_each(section, field, message):
 
 
 def test_a_zone_that_cannot_be_made_is_a_config_error(native):
-    loaded = parse_rules(
-        {
-            "rules": [{"name": "r", "rate": "1/second"}],
-            "storage": {"type": "shared_memory", "name": "a/b", "max_keys": 10},
-        }
+    data = {
+        "rules": [{"name": "r", "rate": "1/second"}],
+        "storage": {"type": "shared_memory", "name": "a/b", "max_keys": 10},
+    }
+    with pytest.raises(ConfigError, match=r"storage.*name"):  # refused when the file is read
+        parse_rules(data)
+    loaded = LoadedRules(
+        parse_rules({"rules": data["rules"]}).rules,
+        storage=StorageSection("shared_memory", (("name", "a/b"), ("max_keys", 10))),
     )
-    with pytest.raises(ConfigError, match=r"storage.*name"):
+    with pytest.raises(ConfigError, match=r"storage.*name"):  # and when it is built
         loaded.factory()
 
 

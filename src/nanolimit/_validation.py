@@ -166,6 +166,60 @@ def check_storage_options(
     return stripes_within(stripes, bounded), max_key_bytes, bounded, policy, idle
 
 
+#: A zone's bounds, as ``_core_zone.pxi`` checks them when a zone is made
+#: (its ZONE_NAME_BYTES, ZONE_NAME_CHARS, ZONE_MAX_KEYS, and _table.pxd's
+#: MAX_STRIPE_ENTRIES); test_storage_uri keeps the two in step.
+ZONE_NAME_BYTES = 200
+ZONE_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+ZONE_MAX_KEYS = 1 << 30
+MAX_STRIPE_ENTRIES = 0xFFFFFE
+
+
+def check_zone_name(name: object) -> str:
+    """A shared-memory zone's name, as the zone checks it."""
+    if not isinstance(name, str):
+        raise ValidationError(f"a shared-memory zone's name must be a str, got {type(name).__name__}")
+    if not 1 <= len(name) <= ZONE_NAME_BYTES or not set(name) <= ZONE_NAME_CHARS:
+        raise ValidationError(
+            f"a shared-memory zone's name is 1 to {ZONE_NAME_BYTES} characters of A-Z a-z 0-9 _ . -, "
+            f"got {_shown(name)}"
+        )
+    return name
+
+
+def check_zone_options(name: object, options: dict[str, Any]) -> None:
+    """A ``SharedMemoryStorage(name, **options)``'s arguments checked with
+    nothing made: what check-config and a rules file's ``[storage]`` check
+    must refuse, so a file they pass never stops the gateway's start."""
+    check_zone_name(name)
+    max_keys = options.get("max_keys")
+    if isinstance(max_keys, bool) or not isinstance(max_keys, int) or not 1 <= max_keys <= ZONE_MAX_KEYS:
+        raise ValidationError(
+            f"max_keys of a shared-memory zone must be an int in [1, {ZONE_MAX_KEYS:,}], "
+            f"got {_shown(max_keys)}"
+        )
+    stripes, _, _, _, _ = check_storage_options(
+        options.get("stripes", 64),
+        options.get("max_key_bytes", MAX_KEY_BYTES),
+        max_keys,
+        options.get("on_full", "evict"),
+        options.get("evict_idle_after"),
+    )
+    per_stripe = -(-max_keys // stripes)
+    if per_stripe > MAX_STRIPE_ENTRIES:
+        raise ValidationError(
+            f"max_keys={max_keys:,} over stripes={stripes} puts {per_stripe:,} keys in a stripe, "
+            f"past the {MAX_STRIPE_ENTRIES:,} one can index: give more stripes"
+        )
+    arena = options.get("arena_bytes")
+    if arena is not None and (
+        isinstance(arena, bool) or not isinstance(arena, int) or not 0 <= arena <= 1 << 40
+    ):
+        raise ValidationError(f"arena_bytes must be an int in [0, 2**40], got {_shown(arena)}")
+    if options.get("if_stale", "reuse") not in ("reuse", "reset"):
+        raise ValidationError(f"if_stale must be 'reuse' or 'reset', got {_shown(options.get('if_stale'))}")
+
+
 def check_batch(keys: Sequence[Any], costs: Sequence[Any], capacity: int, max_key_bytes: int) -> list[int]:
     """Every key and cost of a batch, checked before any is spent; returns
     the costs as converted (see ``check_cost``): use those, not ``costs``."""

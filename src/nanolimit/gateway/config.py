@@ -340,13 +340,9 @@ def _check_section(section: StorageSection) -> Problem | None:
                 options.get("evict_idle_after"),
             )
         else:
-            check_storage_options(
-                options.get("stripes", 64),
-                1024,
-                options["max_keys"],
-                options.get("on_full", "evict"),
-                options.get("evict_idle_after"),
-            )
+            from .._validation import check_zone_options
+
+            check_zone_options(options.pop("name"), options)
     except ValidationError as exc:
         return Problem("storage", section.type, str(exc))
     return None

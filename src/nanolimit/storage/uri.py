@@ -600,6 +600,12 @@ def _zone(parts: _Parts, keywords: Mapping[str, Any], dry: bool = False) -> Any:
     if dry:
         if opts and "max_keys" not in opts:
             raise ValidationError(f"shm://: {', '.join(sorted(opts))} need max_keys")
+        from .._validation import check_zone_name, check_zone_options
+
+        try:  # the zone's own checks (name, stripes, ...): what making it would refuse
+            check_zone_options(name, opts) if opts else check_zone_name(name)
+        except ValidationError as exc:
+            raise ValidationError(f"shm://: {exc}") from None
         return None
     from .shared_memory import SharedMemoryStorage
 
