@@ -377,7 +377,7 @@ def test_zone_options_without_max_keys_are_refused() -> None:
         ("redis://h?keep_connections=1.5", {}, "option 'keep_connections' must be an int"),
         ("redis://h?on_error=ignore", {}, "option 'on_error' must be one of allow, deny, raise"),
         ("redis://h?batch=lua", {}, "option 'batch' must be one of script, pipeline"),
-        ("redis://h?prefix={x}", {}, "prefix must be a str without"),
+        ("redis://h?prefix={x}", {}, "'prefix' must be a str without"),
         ("redis://h", {"near_cache": "sometimes"}, "option 'near_cache' must be a bool"),
         ("redis://h?timeout=1&timeout=2", {}, "given twice"),
         ("redis://h?timeout", {}, "has no '='"),
@@ -661,3 +661,36 @@ def test_check_storage_uri_refuses_what_making_the_zone_refuses(name: str, query
     else:
         with pytest.raises(ValidationError):
             check_storage_uri(uri)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "prefix=a{b}",
+        "prefix=tag}",
+        "local_share=1.5",
+        "local_share=1",
+        "local_share=none",
+        "prefix=api:&local_share=0.25",
+        "max_identity_bytes=2000&max_key_bytes=100",
+        "near_cache=true&clock=client",
+    ],
+)
+@pytest.mark.parametrize("scheme", ["redis", "async+redis"])
+def test_check_storage_uri_refuses_what_making_the_redis_storage_refuses(scheme: str, query: str) -> None:
+    """check_storage_uri stopped at the client: a prefix with a brace and
+    local_share = 1.5 passed it (check-config OK) and were refused by
+    RedisStorage when the gateway started; storage_uris.md promises the
+    same checks."""
+    from nanolimit.storage.uri import check_storage_uri
+
+    uri = f"{scheme}://{HOST}:1/0?{query}"  # nothing is connected: no server needed
+    try:
+        made = storage_from_uri(uri)
+    except ValidationError:
+        with pytest.raises(ValidationError):
+            check_storage_uri(uri)
+    else:
+        if scheme == "redis":
+            made.close()
+        check_storage_uri(uri)

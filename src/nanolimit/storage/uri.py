@@ -144,6 +144,22 @@ def _text(value: Any) -> str:
     return value
 
 
+def _prefix(value: Any) -> str:
+    """A Redis key prefix: braces would make a hash tag of it (as the storage refuses)."""
+    if not isinstance(value, str) or "{" in value or "}" in value:
+        raise _Bad("must be a str without '{' or '}' (they would become a hash tag)")
+    return value
+
+
+def _share(value: Any) -> float:
+    """A local fallback's share of the limit: (0, 1], as the storage refuses otherwise."""
+    try:
+        share = _float(True, 1)(value)
+    except _Bad:
+        raise _Bad("must be a number in (0, 1], or none") from None
+    return share
+
+
 def _optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def optional(value: Any) -> Any:
         if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
@@ -182,14 +198,14 @@ def _redis_options() -> dict[str, _Option]:
         "timeout": _Option(_float(True, 60)),
         "connect_timeout": _Option(_float(True, 60)),
         "on_error": _Option(_choice(*_policies())),
-        "prefix": _Option(_text),
+        "prefix": _Option(_prefix),
         "breaker_threshold": _Option(_int(1, MAX_COUNT)),
         "breaker_cooldown": _Option(_float(False, 86_400)),
         "near_cache": _Option(_as_bool),
         "near_cache_size": _Option(_int(1, MAX_COUNT)),
         "near_cache_ttl": _Option(_float(True, 86_400)),
         "keep_connections": _Option(_int(0, 1 << 16)),
-        "local_share": _Option(_optional(_float(True))),  # > 0 here; the storage checks <= 1
+        "local_share": _Option(_optional(_share)),
         "local_instances": _Option(_int(1, _MAX_INT32)),
         "local_max_keys": _Option(_int(1, MAX_KEYS)),
         "batch": _Option(_choice("script", "pipeline")),
