@@ -694,3 +694,18 @@ def test_check_storage_uri_refuses_what_making_the_redis_storage_refuses(scheme:
         if scheme == "redis":
             made.close()
         check_storage_uri(uri)
+
+
+@pytest.mark.parametrize("option", ["ssl_ca_path=/etc/ssl/certs", "ssl_password=x"])
+def test_check_storage_uri_refuses_what_the_asyncio_cluster_class_refuses(option: str) -> None:
+    """storage_uris.md: the asyncio cluster has no ssl_ca_path or
+    ssl_password, "refused by name"; the dry check used a stand-in class
+    that took any keyword, so check-config passed them and the start failed."""
+    from nanolimit.storage.uri import check_storage_uri
+
+    uri = f"async+rediss+cluster://{HOST}:1?{option}"
+    with pytest.raises(ValidationError, match="is not taken by"):
+        storage_from_uri(uri)
+    with pytest.raises(ValidationError, match="is not taken by"):
+        check_storage_uri(uri)
+    check_storage_uri(f"rediss+cluster://{HOST}:1?{option}")  # the synchronous one takes them

@@ -754,6 +754,14 @@ def _redis(parts: _Parts, keywords: Mapping[str, Any], dry: bool = False) -> Any
         client_opts["ssl"] = True
     if dry:
         _make_client(parts, _DRY, client_opts)
+        try:
+            real = _library(parts.base, parts.asyncio)
+        except ValidationError:
+            return None  # no client library here: the start says so
+        # the options the client class itself refuses by name (the asyncio
+        # cluster has no ssl_ca_path): imported, nothing made
+        cls = real.cluster if parts.topology == "cluster" else real.client
+        _check_taken(parts, cls, {n: v for n, v in client_opts.items() if not n.startswith("sentinel_")})
         return None
     lib = _library(parts.base, parts.asyncio)
     client = _make_client(parts, lib, client_opts)
