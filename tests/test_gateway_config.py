@@ -559,3 +559,18 @@ def test_check_config_refuses_a_zone_the_gateway_cannot_make(
     _write(f, f'[[rules]]\nname = "a"\nrate = "5/minute"\n[storage]\ntype = "shared_memory"\n{fields}\n')
     assert check_config(str(f)) == 1
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("interval", [float("inf"), 1e12, float("nan"), 0, -1.0, True, "1"])
+def test_a_watcher_interval_that_cannot_be_waited_is_refused_at_construction(
+    tmp_path: Path, interval: object
+) -> None:
+    """interval=inf or 1e12 passed the "> 0" check; start() then returned
+    and the polling thread died at its first wait (OverflowError: timestamp
+    out of range), so no change was ever picked up again. "1" raised a bare
+    TypeError. Each is a ValidationError when the watcher is made."""
+    f = tmp_path / "rules.toml"
+    _write(f, '[[rules]]\nname = "a"\nrate = "5/minute"\n')
+    with pytest.raises(ValidationError, match="interval must be a finite number of seconds"):
+        ConfigWatcher(f, RuleRegistry([]), interval=interval)  # type: ignore[arg-type]
+    assert ConfigWatcher(f, RuleRegistry([]), interval=86_400).interval == 86_400.0

@@ -479,6 +479,8 @@ def load_rules(path: str | os.PathLike[str]) -> LoadedRules:
 
 
 _UNSET = object()  # no file installed yet: any storage section is the first
+#: The longest poll interval a watcher takes: a day.
+MAX_INTERVAL: Final = 86_400.0
 
 
 class ConfigWatcher:
@@ -503,8 +505,11 @@ class ConfigWatcher:
         on_reload: Callable[[LoadedRules], None] | None = None,
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
-        if not interval > 0:
-            raise ValueError(f"interval must be > 0, got {interval!r}")
+        from .._validation import check_seconds_option
+
+        # inf or 1e12 passed a "> 0" check and killed the polling thread at its
+        # first wait (OverflowError): hot reload gone while start() said nothing
+        interval = check_seconds_option("interval", interval, 0, MAX_INTERVAL)
         self.path = Path(path)
         self.registry = registry
         self.factory = factory
