@@ -340,7 +340,7 @@ def test_no_log_record_of_a_failing_connection_holds_the_password(
     watcher = ConfigWatcher(path, RuleRegistry([]))
     watcher.load()
     path.write_text(path.read_text().replace('rate = "5/minute"', 'rate = "oops"'))
-    assert not watcher.check()
+    assert not watcher.check() and not watcher.check()  # new bytes are tried by the second poll
     for record in caplog.records:
         texts.append(record.getMessage())
         if record.exc_info and record.exc_info[1] is not None:
@@ -348,6 +348,25 @@ def test_no_log_record_of_a_failing_connection_holds_the_password(
     assert caplog.records  # something was logged, and none of it shows the password
     for text in texts:
         assert_hidden(text)
+
+
+@pytest.mark.parametrize("scheme", ["redis", "rediss", "async+redis", "redis+cluster"])
+def test_a_password_written_without_its_colon_is_refused_not_shown(scheme: str) -> None:
+    """``redis://PASSWORD@host`` reads PASSWORD as a user name: it passed
+    check-config (which printed it), every decision then failed to log in
+    (degraded, allowed under on_error="allow") and the outage WARNING named
+    the store as redis://PASSWORD@host. A user without a password is refused
+    before anything connects, and redact_uri shows it as ***@."""
+    uri = f"{scheme}://{SECRET}@127.0.0.1:{PORT}"
+    for check in (storage_from_uri, check_storage_uri):
+        with pytest.raises(ValidationError, match="names a user but no password") as caught:
+            check(uri)
+        assert_hidden(str(caught.value))
+    assert redact_uri(uri) == f"{scheme}://***@127.0.0.1:{PORT}"
+    # a user with its password elsewhere, or an empty one, is a login
+    check_storage_uri(f"{scheme}://app@127.0.0.1:{PORT}?password={SECRET}")
+    check_storage_uri(f"{scheme}://app:@127.0.0.1:{PORT}")
+    check_storage_uri(f"{scheme}://127.0.0.1:{PORT}", username="app", password=SECRET)
 
 
 def test_a_raw_password_authenticates(own_server: Server) -> None:

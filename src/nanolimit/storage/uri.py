@@ -353,10 +353,9 @@ def redact_uri(uri: str) -> str:
     shown = ""
     if userinfo is not None:
         user, colon, _ = userinfo.partition(":")
-        if colon or SECRET_FIELD_NAME.search(unquote(user)):
-            shown = f"{user}:***@" if colon else "***@"
-        else:
-            shown = f"{user}@"
+        # USER@ without a colon is shown as ***@ too: a user alone cannot log
+        # in, so it is most often a password written without its colon
+        shown = f"{user}:***@" if colon else "***@"
     query = _query_start(rest)
     if query == -1:
         query = rest.find("?")
@@ -745,6 +744,15 @@ def _redis(parts: _Parts, keywords: Mapping[str, Any], dry: bool = False) -> Any
         client_opts.setdefault("username", parts.username)
     if parts.password is not None:
         client_opts.setdefault("password", parts.password)
+    elif parts.username is not None and "password" not in client_opts:
+        # redis://s3cret@host read s3cret as a user name: every decision
+        # failed to log in (degraded: allowed under on_error=allow) and the
+        # outage log named the store with the password in it
+        raise ValidationError(
+            f"{parts.scheme}://: the URI names a user but no password (USER@HOST): a password "
+            "alone is written :PASSWORD@HOST, a user with one USER:PASSWORD@HOST, a user "
+            "without one USER:@HOST"
+        )
     timeout = storage_opts.get("timeout", 0.05)
     connect = storage_opts.pop("connect_timeout", None)
     # the client we make is bounded too: a cluster and a Sentinel are asked on their own
