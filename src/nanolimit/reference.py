@@ -131,6 +131,19 @@ def _restore_state(updated_at: float, a: Any, b: int, c: int, log: Any) -> _KeyS
     return state
 
 
+def _exact_key(key: object, max_key_bytes: int) -> str:
+    """A checked key (``check_key``) as an exact ``str`` of its characters.
+
+    The native table names a key by its UTF-8 bytes; the dicts here would
+    use a ``str`` subclass's own ``__hash__``/``__eq__`` (and ``storage_key``
+    its ``__format__``), letting one key read another's state or a
+    duplicate slip past a compound's check. ``str.__str__`` copies the
+    characters and calls no override."""
+    check_key(key, max_key_bytes)
+    assert isinstance(key, str)
+    return key if type(key) is str else str.__str__(key)
+
+
 # (allowed, remaining before floor, retry_after, reset_after, delay[, degraded,
 # reason[, at]]): a kernel answers the first five; ``_decide`` adds the rest.
 Verdict = tuple[Any, ...]
@@ -659,7 +672,7 @@ class InMemoryStorage:
         A returned state of ``None`` forgets the key. ``updated_at`` (used by
         ``evict_idle``) never moves backwards.
         """
-        check_key(key, self.max_key_bytes)
+        key = _exact_key(key, self.max_key_bytes)
         now = check_now(now)
         full_key = (None, key)
         lock, table = self._slot(full_key)
@@ -708,7 +721,7 @@ class InMemoryStorage:
         for limiter, key, cost in items:
             if not isinstance(limiter, _Limiter) or limiter._storage is not self:
                 raise ValidationError("every limiter of a compound request must use this storage")
-            check_key(key, self.max_key_bytes)
+            key = _exact_key(key, self.max_key_bytes)
             cost = check_cost(cost, limiter._cfg.capacity)
             plan.append((limiter, (limiter._ns, key), cost))
         if len({full_key for _, full_key, _ in plan}) != len(plan):
@@ -940,6 +953,7 @@ class _Limiter:
         keys = list(keys)
         costs = [1] * len(keys) if costs is None else list(costs)
         costs = check_batch(keys, costs, self._cfg.capacity, self._max_key_bytes)
+        keys = [key if type(key) is str else str.__str__(key) for key in keys]
         stamps: list[float] | None = None
         if times is not None:
             stamps = [check_now(t) for t in times]
@@ -1001,7 +1015,7 @@ class _Limiter:
         than a fresh key's budget; a key the storage does not hold is left
         alone, not created.
         """
-        check_key(key, self._max_key_bytes)
+        key = _exact_key(key, self._max_key_bytes)
         cost = check_cost(cost, self._cfg.capacity)
         stamp = check_at(at)
         cfg = self._cfg
@@ -1026,7 +1040,7 @@ class _Limiter:
 
     def reset(self, key: str) -> None:
         """Forget ``key``: its next request sees a full budget."""
-        check_key(key, self._max_key_bytes)
+        key = _exact_key(key, self._max_key_bytes)
         storage = self._storage
         if self._memory_store is not None:
             self._memory_store._forget(self._ns, key)
@@ -1037,7 +1051,7 @@ class _Limiter:
 
     def state(self, key: str) -> LimiterState | None:
         """A snapshot of ``key``'s state, or ``None`` if the storage holds none."""
-        check_key(key, self._max_key_bytes)
+        key = _exact_key(key, self._max_key_bytes)
         storage = self._storage
         if self._memory_store is not None:
             raw = self._memory_store._state(self._ns, key)
@@ -1067,7 +1081,7 @@ class _Limiter:
 
     def _verdict(self, key: str, cost: int, commit: bool, now: float | None = None) -> Verdict:
         """One decision; ``now`` is a clock reading already taken (batches)."""
-        check_key(key, self._max_key_bytes)
+        key = _exact_key(key, self._max_key_bytes)
         cost = check_cost(cost, self._cfg.capacity)
         storage = self._storage
         cfg = self._cfg

@@ -1,0 +1,83 @@
+"""Hostile input against the core API, fourth round: ``str`` subclasses as
+keys (a key is its characters, whatever its type says about equality) and
+rule names that would break the rate-limit headers. Every test runs on both
+twins; the reference is the oracle, so the two must answer alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import pytest
+
+START = 1_800_000_000.0
+
+_fresh_hashes = itertools.count()
+
+
+class EqualsEverything(str):
+    """A key claiming to equal every other one, with one shared hash."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __format__(self, spec: str) -> str:
+        return "formatted"
+
+
+class EqualsNothing(str):
+    """A key that never equals anything, itself included, with a new hash each time."""
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    def __ne__(self, other: object) -> bool:
+        return True
+
+    def __hash__(self) -> int:
+        return next(_fresh_hashes)
+
+
+def test_str_subclass_keys_are_their_characters(backend: types.SimpleNamespace, limiter_cls: type) -> None:
+    """A key that claims to equal every other neither reads another key's
+    state nor is stored under its ``__format__`` text; one that equals
+    nothing is still found by ``state``, ``peek`` and ``reset``. Before the
+    fix the reference denied "b" on "a"'s spent budget and kept it as
+    "formatted", where the native table (keyed by UTF-8 bytes) did neither."""
+    clock = backend.FakeClock(START)
+    storage = backend.InMemoryStorage()
+    limiter = limiter_cls(2, 60.0, storage, clock, rule="r")
+    assert [limiter.allow(EqualsEverything("a")).allowed for _ in range(3)] == [True, True, False]
+    assert limiter.allow(EqualsEverything("b")).allowed  # a budget of its own
+    assert sorted(storage.keys()) == sorted(
+        backend.storage_key(limiter.config.algorithm, "r", k) for k in ("a", "b")
+    )
+    assert limiter.state(EqualsNothing("a")) == limiter.state("a") is not None
+    assert not limiter.peek(EqualsNothing("a")).allowed
+    limiter.reset(EqualsNothing("a"))
+    assert limiter.state("a") is None and limiter.allow("a").allowed
+
+
+def test_compound_sees_a_str_subclass_duplicate(backend: types.SimpleNamespace) -> None:
+    """The same key twice in one compound is refused however its type
+    compares; before the fix the reference charged "c" twice in one request."""
+    clock = backend.FakeClock(START)
+    storage = backend.InMemoryStorage()
+    limiter = backend.TokenBucket(5, 60.0, storage, clock, rule="r")
+    with pytest.raises(backend.ValidationError, match="twice"):
+        storage.allow_all([(limiter, "c"), (limiter, EqualsNothing("c"))])
+    assert len(storage) == 0
+
+
+def test_batch_of_str_subclass_keys_matches_single_calls(backend: types.SimpleNamespace) -> None:
+    clock = backend.FakeClock(START)
+    limiter = backend.FixedWindowCounter(2, 60.0, backend.InMemoryStorage(), clock, rule="r")
+    result = limiter.allow_many([EqualsEverything("x"), EqualsEverything("y"), EqualsNothing("x"), "x"])
+    assert list(result.allowed) == [1, 1, 1, 0]
