@@ -7,6 +7,7 @@ twins; the reference is the oracle, so the two must answer alike.
 from __future__ import annotations
 
 import itertools
+import re
 import types
 
 import pytest
@@ -81,3 +82,54 @@ def test_batch_of_str_subclass_keys_matches_single_calls(backend: types.SimpleNa
     limiter = backend.FixedWindowCounter(2, 60.0, backend.InMemoryStorage(), clock, rule="r")
     result = limiter.allow_many([EqualsEverything("x"), EqualsEverything("y"), EqualsNothing("x"), "x"])
     assert list(result.allowed) == [1, 1, 1, 0]
+
+
+# ------------------------------------------------------------ header rendering
+
+# RFC 8941 sf-string: printable ASCII, with only \" and \\ escaped
+_SF_STRING = re.compile(r'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"')
+HOSTILE_RULES = [
+    'a"\r\nSet-Cookie: session=attacker',
+    "tenant\nX-Injected: 1",
+    'quote"inside',
+    "back\\slash",
+    "nul\x00byte",
+    "naïve",
+    "中文",
+    "lone\udc80surrogate",
+    "100%",
+    "tab\there",
+]
+
+
+@pytest.mark.parametrize("rule", HOSTILE_RULES)
+def test_headers_are_valid_for_any_rule_name(backend: types.SimpleNamespace, rule: str) -> None:
+    """A bare limiter's rule is any str, and ``Decision.headers`` must still
+    be valid header values: printable ASCII only (no CR/LF to split the
+    response, nothing a Latin-1 server cannot encode), the name a
+    well-formed sf-string. Before the fix the CR LF went into the header
+    as is, so a tenant named in a rule could add a Set-Cookie."""
+    limiter = backend.TokenBucket(1, 60.0, clock=backend.FakeClock(START), rule=rule)
+    limiter.allow("k")
+    headers = limiter.allow("k").headers(START)
+    for value in headers.values():
+        assert value.isascii() and value.isprintable(), value
+    policy = _SF_STRING.match(headers["RateLimit-Policy"])
+    assert policy is not None and headers["RateLimit-Policy"] == f'"{policy.group(1)}";q=1;w=60'
+    ratelimit = _SF_STRING.match(headers["RateLimit"])
+    assert ratelimit is not None and ratelimit.group(1) == policy.group(1)
+
+
+def test_escaped_rule_names_stay_distinct(backend: types.SimpleNamespace) -> None:
+    names = [*HOSTILE_RULES, "a%0D", "a\r", "%25", "%", "plain"]
+    policies = [backend.Decision(False, 1, 0, 1.0, 1.0, n, 60.0).headers(START) for n in names]
+    seen = {headers["RateLimit-Policy"] for headers in policies}
+    assert len(seen) == len(names)
+
+
+def test_valid_rule_names_render_unchanged(backend: types.SimpleNamespace) -> None:
+    """Every name a RateLimitRule accepts needs no escaping: its header text is the name."""
+    for name in ("api", "api:3600s", "user@v1/items+x-y.z"):
+        headers = backend.Decision(True, 5, 4, 0.0, 12.0, name, 60.0).headers(START)
+        assert headers["RateLimit-Policy"] == f'"{name}";q=5;w=60'
+        assert headers["RateLimit"] == f'"{name}";r=4;t=12'

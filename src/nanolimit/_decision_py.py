@@ -222,11 +222,35 @@ class BatchResult(Sequence["Decision"]):
         return f"<BatchResult n={len(self)} allowed={self.allowed_count} rule={self.rule!r}>"
 
 
+def sf_string_body(text: str) -> str:
+    """``text`` as the inside of an RFC 8941 sf-string: printable ASCII as
+    is, ``"`` and ``\\`` escaped with a backslash, anything else (CR, LF,
+    NUL, non-ASCII, lone surrogates) and ``%`` as ``%XX`` of its UTF-8
+    bytes. A bare limiter's rule is any ``str``: written raw, a CR LF in it
+    split the response's headers, a quote ended the string early, and a
+    character past Latin-1 fails a server's Latin-1 header encoding (an
+    error for every request of the rule). Distinct names stay distinct."""
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text and "%" not in text:
+        return text  # every RateLimitRule name: unchanged, one scan
+    out: list[str] = []
+    for ch in text:
+        if ch == '"' or ch == "\\":
+            out.append("\\" + ch)
+        elif " " <= ch <= "~" and ch != "%":
+            out.append(ch)
+        else:
+            out.extend(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+    return "".join(out)
+
+
 def rule_texts(rule: str, limit: int, window: float) -> tuple[str, str, str]:
     """A rule's constant header text: ``X-RateLimit-Limit``,
     ``RateLimit-Policy`` (its window in whole seconds, rounded up, at least
-    1) and ``RateLimit`` up to its remaining count."""
-    return str(limit), f'"{rule}";q={limit};w={max(1, math.ceil(window))}', f'"{rule}";r='
+    1) and ``RateLimit`` up to its remaining count. The rule's name is
+    written as a valid sf-string (``sf_string_body``), so no rule can
+    inject or break a header."""
+    name = sf_string_body(rule)
+    return str(limit), f'"{name}";q={limit};w={max(1, math.ceil(window))}', f'"{name}";r='
 
 
 def five_headers(
