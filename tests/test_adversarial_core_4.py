@@ -133,3 +133,28 @@ def test_valid_rule_names_render_unchanged(backend: types.SimpleNamespace) -> No
         headers = backend.Decision(True, 5, 4, 0.0, 12.0, name, 60.0).headers(START)
         assert headers["RateLimit-Policy"] == f'"{name}";q=5;w=60'
         assert headers["RateLimit"] == f'"{name}";r=4;t=12'
+
+
+# ------------------------------------------------------------ batches
+
+
+@pytest.mark.parametrize("keys", ["user42", b"user42", bytearray(b"user42")])
+def test_one_key_is_not_a_batch_of_its_characters(backend: types.SimpleNamespace, keys: object) -> None:
+    """``allow_many("user42")`` used to decide "u", "s", "e", "r", "4", "2"
+    (six charges to six wrong keys, "user42" never limited); it is refused
+    and nothing is stored."""
+    storage = backend.InMemoryStorage()
+    limiter = backend.TokenBucket(5, 60.0, storage, backend.FakeClock(START), rule="r")
+    with pytest.raises(backend.ValidationError, match="sequence of keys"):
+        limiter.allow_many(keys)
+    with pytest.raises(backend.ValidationError, match="sequence of keys"):
+        limiter.allow_many(5)
+    assert len(storage) == 0
+
+
+def test_batches_still_take_any_iterable_of_keys(backend: types.SimpleNamespace) -> None:
+    limiter = backend.TokenBucket(2, 60.0, backend.InMemoryStorage(), backend.FakeClock(START), rule="r")
+    assert list(limiter.allow_many(("a", "a")).allowed) == [1, 1]
+    assert list(limiter.allow_many(k for k in ["a", "b"]).allowed) == [0, 1]
+    assert list(limiter.allow_many({"b": 1}).allowed) == [1]
+    assert len(limiter.allow_many([])) == 0

@@ -78,6 +78,7 @@ from nanolimit._protocols import KernelStorage, Storage, check_at, decide_async,
 from nanolimit._validation import (
     DUPLICATE_COMPOUND,
     MAX_KEY_BYTES,
+    batch_keys,
     check_cost,
     check_cutoff,
     check_key,

@@ -315,7 +315,7 @@ cdef class _Limiter:
         # no other thread, clock, cost's __index__ or finalizer that runs
         # meanwhile can free one by emptying the caller's list. The lists are
         # indexed with bounds checks, as such code may also shrink them.
-        cdef list key_list = keys if type(keys) is list else list(keys)
+        cdef list key_list = keys if type(keys) is list else batch_keys(keys)     # one str is refused
         cdef list cost_list = None
         cdef list time_list = None
         cdef double* stamps = NULL

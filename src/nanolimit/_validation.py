@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, SupportsIndex, cast
 
 from .errors import ValidationError
@@ -26,6 +26,7 @@ __all__ = [
     "MIN_WINDOW",
     "ON_FULL_POLICIES",
     "as_float",
+    "batch_keys",
     "check_batch",
     "check_bounds",
     "check_cost",
@@ -218,6 +219,21 @@ def check_zone_options(name: object, options: dict[str, Any]) -> None:
         raise ValidationError(f"arena_bytes must be an int in [0, 2**40], got {_shown(arena)}")
     if options.get("if_stale", "reuse") not in ("reuse", "reset"):
         raise ValidationError(f"if_stale must be 'reuse' or 'reset', got {_shown(options.get('if_stale'))}")
+
+
+def batch_keys(keys: object) -> list[Any]:
+    """A batch's keys as a list. One ``str`` is refused: iterating it
+    would decide each of its characters as a key (``allow_many("user42")``
+    charged "u", "s", "e", "r", "4", "2" and never "user42")."""
+    if isinstance(keys, (str, bytes, bytearray)):
+        raise ValidationError(
+            f"keys must be a sequence of keys, got one {type(keys).__name__}: pass [key] for a single key"
+        )
+    try:
+        items = iter(cast(Iterable[Any], keys))
+    except TypeError:
+        raise ValidationError(f"keys must be a sequence of keys, got {type(keys).__name__}") from None
+    return list(items)  # an iterator's own error passes through as raised
 
 
 def check_batch(keys: Sequence[Any], costs: Sequence[Any], capacity: int, max_key_bytes: int) -> list[int]:

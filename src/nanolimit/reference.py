@@ -33,6 +33,7 @@ from ._protocols import (
 from ._validation import (
     DUPLICATE_COMPOUND,
     MAX_KEY_BYTES,
+    batch_keys,
     check_batch,
     check_cost,
     check_cutoff,
@@ -950,7 +951,7 @@ class _Limiter:
         memory for a new key's state runs out part-way, ``MemoryError`` is
         raised and the requests before that one stay decided and charged.
         """
-        keys = list(keys)
+        keys = batch_keys(keys)
         costs = [1] * len(keys) if costs is None else list(costs)
         costs = check_batch(keys, costs, self._cfg.capacity, self._max_key_bytes)
         keys = [key if type(key) is str else str.__str__(key) for key in keys]
