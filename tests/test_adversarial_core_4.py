@@ -158,3 +158,21 @@ def test_batches_still_take_any_iterable_of_keys(backend: types.SimpleNamespace)
     assert list(limiter.allow_many(k for k in ["a", "b"]).allowed) == [0, 1]
     assert list(limiter.allow_many({"b": 1}).allowed) == [1]
     assert len(limiter.allow_many([])) == 0
+
+
+# ------------------------------------------------------------ rule names
+
+
+def test_str_subclass_rule_is_its_characters(backend: types.SimpleNamespace) -> None:
+    """A rule named by a str subclass that equals every other name keeps
+    its own state. Before the fix the reference let rule "b" spend rule
+    "a"'s budget (one namespace, picked by the subclass's __eq__/__hash__,
+    stored under its __format__ text) and the native core raised TypeError."""
+    storage = backend.InMemoryStorage()
+    clock = backend.FakeClock(START)
+    a = backend.TokenBucket(2, 60.0, storage, clock, rule="a")
+    b = backend.TokenBucket(2, 60.0, storage, clock, rule=EqualsEverything("b"))
+    assert a.allow("k").allowed and a.allow("k").allowed and not a.allow("k").allowed
+    assert b.allow("k").allowed
+    assert type(b.rule) is str and b.rule == "b" and b.allow("k").rule == "b"
+    assert sorted(storage.keys()) == ["token_bucket:1:a:k", "token_bucket:1:b:k"]

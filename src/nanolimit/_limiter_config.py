@@ -154,6 +154,10 @@ class LimiterConfig:
                 raise ValidationError(f"burst applies to token_bucket and gcra only, not {algo.value}")
         if not isinstance(rule, str):
             raise ValidationError(f"rule must be a str, got {type(rule).__name__}")
+        if type(rule) is not str:
+            # its characters: a subclass's __eq__/__hash__/__format__ would pick the state
+            # namespace (the reference shared another rule's), and the native core refused it
+            rule = str.__str__(rule)
         capacity = burst if (burst is not None and algo in BURST_ALGORITHMS) else lim
         assert isinstance(capacity, int)
         rate = lim / window
