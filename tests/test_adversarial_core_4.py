@@ -176,3 +176,22 @@ def test_str_subclass_rule_is_its_characters(backend: types.SimpleNamespace) -> 
     assert b.allow("k").allowed
     assert type(b.rule) is str and b.rule == "b" and b.allow("k").rule == "b"
     assert sorted(storage.keys()) == ["token_bucket:1:a:k", "token_bucket:1:b:k"]
+
+
+# ------------------------------------------------------------ refunds
+
+
+def test_refunds_are_trusted_below_a_fresh_budget(backend: types.SimpleNamespace, limiter_cls: type) -> None:
+    """docs/algorithms.md, Refunds: a refund of a denied decision, repeated,
+    hands back what it names (it once said it "cannot buy budget"), never
+    more than a fresh key's budget."""
+    limiter = limiter_cls(5, 60.0, backend.InMemoryStorage(), backend.FakeClock(START + 0.5), rule="r")
+    assert sum(limiter.allow("k").allowed for _ in range(5)) == 5
+    denied = limiter.allow("k")
+    assert not denied.allowed
+    for _ in range(3):
+        limiter.refund("k", 1, at=denied.at)
+    assert sum(limiter.allow("k").allowed for _ in range(6)) == 3
+    for _ in range(20):
+        limiter.refund("k", 5, at=denied.at)
+    assert sum(limiter.allow("k").allowed for _ in range(10)) <= 5
