@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import re
 import types
+from typing import Any
 
 import pytest
 
@@ -214,3 +215,60 @@ def test_idle_sweep_forgets_a_key_in_debt(backend: types.SimpleNamespace, limite
         limiter.allow(f"other{i}")
     assert storage.stats()["evicted_idle"] == 1 and limiter.state("victim") is None
     assert sum(limiter.allow("victim").allowed for _ in range(10)) == 5
+
+
+class KeyTypeKernelStore:
+    """A KernelStorage that records the type of every key it is handed and
+    keeps its state in a dict by that key, as a Python store would."""
+
+    def __init__(self) -> None:
+        self.seen: list[type] = []
+        self.spent: dict[str, int] = {}
+
+    def run_kernel(
+        self, config: Any, key: str, cost: int, now: float | None, commit: bool
+    ) -> tuple[Any, ...]:
+        self.seen.append(type(key))
+        left = config.capacity - self.spent.get(key, 0)
+        allowed = cost <= left
+        if allowed and commit:
+            self.spent[key] = self.spent.get(key, 0) + cost
+        return (allowed, float(left - cost if allowed else left), 0.0 if allowed else 1.0, 1.0, 0.0)
+
+    def run_kernel_many(self, config: Any, keys: Any, costs: Any, now: float | None) -> list[Any]:
+        return [self.run_kernel(config, k, c, now, True) for k, c in zip(keys, costs)]
+
+    def run_kernel_all(self, items: Any, now: float | None) -> list[Any]:
+        return [self.run_kernel(cfg, k, c, now, True) for cfg, k, c in items]
+
+    def forget(self, config: Any, key: str) -> None:
+        self.seen.append(type(key))
+        self.spent.pop(key, None)
+
+    def snapshot(self, config: Any, key: str, now: float | None) -> Any:
+        return None
+
+    def apply(self, key: str, now: float, mutate: Any) -> Any:
+        raise NotImplementedError("a kernel store")
+
+    def evict_idle(self, cutoff: float) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return len(self.spent)
+
+
+def test_kernel_storage_is_handed_exact_str_keys(backend: types.SimpleNamespace) -> None:
+    """A KernelStorage (Redis) names and stores a key in Python: the
+    limiter hands it the key's characters, never the caller's subclass.
+    Before the fix the native twin passed the subclass through, so a key
+    equal to everything spent another key's budget in the store's dict
+    (the reference already handed over a plain str)."""
+    store = KeyTypeKernelStore()
+    limiter = backend.TokenBucket(2, 60.0, store, backend.FakeClock(START), rule="r")
+    assert limiter.allow("a", 2).allowed
+    assert limiter.allow(EqualsEverything("b")).allowed and limiter.peek(EqualsEverything("b")).allowed
+    limiter.allow_many([EqualsEverything("c")])
+    limiter.reset(EqualsEverything("c"))
+    assert store.seen and set(store.seen) == {str}
+    assert store.spent == {"a": 2, "b": 1}

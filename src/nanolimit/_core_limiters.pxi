@@ -165,8 +165,8 @@ cdef class _Limiter:
         self.book.prefetch(h)
         units = cost_value(cost, self.p.capacity)
         if type(key) is not str:    # a str subclass may compare in Python: not under the gate's lock
-            return self.from_verdict(self.kernel_run(
-                self._config, key, units, None if self.system_clock else self.read_clock(), commit))
+            return self.from_verdict(self.kernel_run(    # its characters, as the reference hands over
+                self._config, str.__str__(key), units, None if self.system_clock else self.read_clock(), commit))
         if not self.system_clock:
             now = clock_value(self._clock.now())
         if lease_decide(self.book, key, data, klen, h, units, now, commit, &v):
@@ -186,6 +186,8 @@ cdef class _Limiter:
             return self.foreign(key, cost, commit)
         key_bytes(key, self.max_key_bytes, &klen)
         units = cost_value(cost, self.p.capacity)
+        if type(key) is not str:    # its characters: the storage's dicts and key names must not see the subclass
+            key = str.__str__(key)
         return self.from_verdict(self.kernel_run(
             self._config, key, units, None if self.system_clock else self.read_clock(), commit))
 
