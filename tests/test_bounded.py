@@ -90,7 +90,8 @@ def test_peek_on_a_full_deny_new_store_answers_as_allow_would(backend) -> None:
     assert (peeked.allowed, peeked.degraded, peeked.remaining) == (True, False, 4)
     assert storage.stats()["evicted_at_rest"] == 0 and len(storage) == 2
     assert limiter.allow("d") == peeked
-    # idle past evict_idle_after, though not at rest: the sweep would take it
+    # idle past evict_idle_after but still in debt: the sweep keeps it (forgotten,
+    # x would get a fresh budget back), and peek refuses the newcomer as allow does
     slow = backend.TokenBucket(
         5,
         600.0,
@@ -99,9 +100,10 @@ def test_peek_on_a_full_deny_new_store_answers_as_allow_would(backend) -> None:
         rule="s",
     )
     assert slow.allow("x", 5).allowed  # refills one unit per 120 s
-    clock.advance(50.0)
+    clock.advance(110.0)  # x untouched for 110 s, 0.9 units back
     assert not slow.peek("y").allowed and not slow.allow("y").allowed
-    clock.advance(60.0)  # x untouched for 110 s, 0.9 units back
+    assert slow.state("x") is not None
+    clock.advance(500.0)  # 610 s: x back to the brim, at rest
     assert slow.peek("y").allowed and slow.state("x") is not None
     assert slow.allow("y").allowed and slow.state("x") is None
 

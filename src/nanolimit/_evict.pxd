@@ -278,11 +278,26 @@ cdef inline int room_remove(const RoomLayout* R, uint32_t position) noexcept nog
 
 # ---------------------------------------------------------------- the scans
 
-cdef inline int evict_sweep_idle(const RoomLayout* R, double cutoff) noexcept nogil:
+cdef inline int idle_and_at_rest(const RoomLayout* R, const Entry* e, double cutoff, double now) noexcept nogil:
+    """Whether the idle sweep may forget ``e``: untouched since ``cutoff``
+    and at rest at ``now``. A key idle but still in debt (a spent 5-a-day
+    key, idle for ``evict_idle_after``) stays: forgotten, it would be
+    handed a fresh budget. 1 or 0, or NL_CORRUPT."""
+    cdef Entry view
+    if not (e.updated_at < cutoff and room_evictable(R, e)):
+        return 0
+    e = room_view(R, e, &view)
+    if e == NULL:
+        return NL_CORRUPT
+    return 1 if entry_at_rest(e, room_params(R, e.ns), now) else 0
+
+
+cdef inline int evict_sweep_idle(const RoomLayout* R, double cutoff, double now) noexcept nogil:
     """A few steps of the incremental idle sweep: O(1) per insert, and over
     many inserts it visits every entry, with no timer thread. A key never
-    to pick (``room_kept``) is stepped over. NL_OK, or NL_CORRUPT."""
-    cdef int step, status
+    to pick (``room_kept``), or still in debt, is stepped over. NL_OK, or
+    NL_CORRUPT."""
+    cdef int step, status, forgettable
     cdef const Entry* e
     if not room_count_ok(R):
         return NL_CORRUPT
@@ -292,7 +307,10 @@ cdef inline int evict_sweep_idle(const RoomLayout* R, double cutoff) noexcept no
         if R.s.sweep >= R.s.count:
             R.s.sweep = 0
         e = &room_entries(R)[R.s.sweep]
-        if e.updated_at < cutoff and room_evictable(R, e) and not room_kept(R, R.s.sweep, e):
+        forgettable = idle_and_at_rest(R, e, cutoff, now)
+        if forgettable == NL_CORRUPT:
+            return NL_CORRUPT
+        if forgettable and not room_kept(R, R.s.sweep, e):
             status = room_remove(R, R.s.sweep)     # the last entry moved here: look again
             if status != NL_OK:
                 return status
@@ -312,6 +330,7 @@ cdef inline int evict_could_make_room(const RoomLayout* R, double now, bint swee
     cdef uint32_t i, position, cursor = R.s.sweep, x = R.s.random
     cdef const Entry* e
     cdef Entry view
+    cdef int forgettable
     if not room_count_ok(R):
         return NL_CORRUPT
     if R.s.count == 0:
@@ -320,9 +339,9 @@ cdef inline int evict_could_make_room(const RoomLayout* R, double now, bint swee
         for i in range(<uint32_t>SWEEP_STEP):
             if cursor >= R.s.count:
                 cursor = 0
-            e = &room_entries(R)[cursor]
-            if e.updated_at < idle_cutoff and room_evictable(R, e):
-                return 1
+            forgettable = idle_and_at_rest(R, &room_entries(R)[cursor], idle_cutoff, now)
+            if forgettable != 0:
+                return forgettable      # 1, or NL_CORRUPT
             cursor += 1
     for i in range(<uint32_t>(EVICTION_SCAN + EVICTION_SAMPLE)):
         position = eviction_candidate(i, &cursor, &x, R.s.count)     # copies: nothing advances
@@ -409,7 +428,7 @@ cdef inline int evict_room_for_new_key(const RoomLayout* R, double now, double i
     if not room_count_ok(R) or not room_cap_ok(R):
         return NL_CORRUPT
     if idle_after > 0.0:
-        status = evict_sweep_idle(R, now - idle_after)
+        status = evict_sweep_idle(R, now - idle_after, now)
         if status != NL_OK:
             return status
     if not room_bounded(R):

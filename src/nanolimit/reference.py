@@ -579,7 +579,7 @@ class InMemoryStorage:
         table = self._maps[stripe]
         if self.evict_idle_after is not None:
             cutoff = now - self.evict_idle_after
-            idle = [k for k, e in table.items() if k[0] is not None and e[0] < cutoff and k not in keep]
+            idle = [k for k, e in table.items() if k not in keep and self._idle_at_rest(k, e, cutoff, now)]
             for k in idle:
                 del table[k]
             counters["evicted_idle"] += len(idle)
@@ -601,9 +601,18 @@ class InMemoryStorage:
             return True
         if self.evict_idle_after is not None:
             cutoff = now - self.evict_idle_after
-            if any(k[0] is not None and entry[0] < cutoff for k, entry in table.items()):
+            if any(self._idle_at_rest(k, entry, cutoff, now) for k, entry in table.items()):
                 return True
         return self._first_at_rest(table, now) is not None
+
+    def _idle_at_rest(self, k: tuple[Any, ...], entry: list[Any], cutoff: float, now: float) -> bool:
+        """Whether the idle sweep may forget a limiter's key: untouched since
+        ``cutoff`` and at rest at ``now``. Idle but in debt, it stays
+        (forgotten, it would get a fresh budget)."""
+        if k[0] is None or not entry[0] < cutoff:
+            return False
+        cfg = self._params.get(k[0])
+        return cfg is not None and _at_rest(entry[1], cfg, now)
 
     def _first_at_rest(
         self, table: dict[tuple[Any, ...], list[Any]], now: float, keep: Container[tuple[Any, ...]] = ()
