@@ -549,3 +549,41 @@ def test_async_batch_checks_everything_and_sends_nothing(
         await storage.close()
 
     _run(main)
+
+
+class _EqualsEverything(str):
+    """A key claiming to equal every other one, with one shared hash."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    def __hash__(self) -> int:
+        return 1
+
+
+def test_async_str_subclass_keys_are_their_characters(
+    backend: types.SimpleNamespace, redis_server: Any
+) -> None:
+    """``allow_async``/``peek_async``/``refund_async`` hand the storage the
+    key's characters, as ``allow`` does (a str subclass's ``__eq__`` and
+    ``__hash__`` must not pick the near-cache entry: "b" was denied on
+    "a"'s cached denial, without a round trip)."""
+
+    async def main() -> None:
+        storage = _storage(redis_server, near_cache=True)
+        limiter = backend.FixedWindowCounter(2, 60.0, storage, rule="subclass")
+        a, b = _EqualsEverything("a"), _EqualsEverything("b")
+        assert [(await limiter.allow_async(a)).allowed for _ in range(3)] == [True, True, False]
+        assert (await limiter.peek_async(b)).allowed  # a budget of its own
+        assert (await limiter.allow_async(b)).allowed
+        await limiter.refund_async(b)
+        mine = sorted(k for k in await storage.keys() if ":subclass:" in k)  # the server is shared
+        assert mine == sorted(storage.redis_key(limiter.config, k) for k in "ab")
+        for k in mine:
+            await storage.client.delete(k)
+        await storage.close()
+
+    _run(main)

@@ -102,6 +102,13 @@ def refund_kernel_of(storage: Any) -> Callable[..., None]:
     return run  # type: ignore[no-any-return]
 
 
+def _characters(key: str) -> str:
+    """A checked key as an exact ``str`` of its characters, as the
+    synchronous paths hand a storage (a subclass's ``__hash__``/``__eq__``
+    would pick another key's near-cache entry)."""
+    return key if type(key) is str else str.__str__(key)
+
+
 async def refund_async(limiter: Any, key: str, cost: int, at: float | None) -> None:
     """``refund_async`` of either twin: a storage with ``refund_kernel_async``
     (``AsyncRedisStorage``) is awaited, checked first exactly as ``refund``
@@ -112,6 +119,7 @@ async def refund_async(limiter: Any, key: str, cost: int, at: float | None) -> N
         limiter.refund(key, cost, at=at)
         return
     check_key(key, getattr(storage, "max_key_bytes", MAX_KEY_BYTES))
+    key = _characters(key)
     cost = check_cost(cost, limiter.capacity)
     stamp = check_at(at)
     clock = limiter.clock
@@ -132,6 +140,7 @@ async def decide_async(limiter: Any, key: str, cost: int, commit: bool) -> Any:
     if run is None:
         return limiter.allow(key, cost) if commit else limiter.peek(key, cost)
     check_key(key, getattr(storage, "max_key_bytes", MAX_KEY_BYTES))
+    key = _characters(key)
     cost = check_cost(cost, limiter.capacity)
     clock = limiter.clock
     now = None if type(clock) is SystemClock else check_now(clock.now())
