@@ -1002,3 +1002,34 @@ def test_keys_len_and_clear_touch_only_the_limiters_keys(
 
         asyncio.run(main())
     assert sorted(admin.keys("*")) == sorted(foreign)  # every foreign key kept, ours gone
+
+
+@pytest.mark.parametrize(
+    ("field", "text"),
+    [("n", "1_0"), ("n", "\uff11"), ("n", "0x2"), ("u", " 1.8e9 "), ("n", "1e"), ("n", "0x"), ("n", "2.")],
+    ids=["underscore", "fullwidth-digit", "hex", "spaces", "bare-exponent", "bare-hex", "trailing-dot"],
+)
+def test_state_reads_a_stored_number_as_the_scripts_do(
+    backend: types.SimpleNamespace, make_storage: Any, admin: Any, field: str, text: str
+) -> None:
+    """``state()`` and the decisions agree on every stored number: the
+    scripts read it with Lua's ``tonumber`` (C's ``strtod``: hex, no
+    ``_`` separators, ASCII digits only), where Python's ``float`` took
+    "1_0" as 10 and a full-width digit as a digit (shown as a state the
+    decisions refuse with ``BADSTATE``) and refused "0x2" (which the
+    decisions read as 2)."""
+    storage = _storage(make_storage, on_error="raise")
+    limiter = _limiter(backend, "fixed_window", storage, backend.FakeClock(T0), "numbers")
+    assert limiter.allow("k").allowed
+    rkey = storage.redis_key(limiter.config, "k")
+    admin.hset(rkey, field, text)
+    try:
+        shown: Any = limiter.state("k")
+    except RedisKeyError as exc:
+        shown = exc.code
+    try:
+        decided: Any = limiter.peek("k").allowed
+    except RedisKeyError as exc:
+        decided = exc.code
+    assert (shown == "BADSTATE") == (decided == "BADSTATE"), (shown, decided)
+    admin.delete(rkey)

@@ -93,12 +93,25 @@ def _text(raw: Any) -> str:
     return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
 
+# What the scripts' ``tonumber`` (Lua 5.1: C's ``strtod``) reads as a number:
+# ASCII digits, a decimal or hex (``0x``) form, inf/nan, C whitespace around.
+# Python's ``float`` differs both ways ("1_0" and full-width digits taken,
+# "0x2" refused), and state() must refuse exactly what the decisions refuse.
+_LUA_NUMBER = re.compile(
+    r"[ \t\n\v\f\r]*([-+]?(?:(0[xX])(?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][-+]?[0-9]+)?"
+    r"|(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|(?i:inf(?:inity)?|nan)))[ \t\n\v\f\r]*",
+    re.ASCII,
+)
+
+
 def _number(algo: Algorithm, raw: Any) -> float:
-    """A stored field as a number; one that is none is a foreign state."""
-    try:
-        return float(_text(raw))
-    except ValueError:
-        raise _bad_state(algo) from None
+    """A stored field as a number, read as the scripts' ``tonumber`` reads
+    it; one that is none is a foreign state."""
+    found = _LUA_NUMBER.fullmatch(_text(raw))
+    if found is None:
+        raise _bad_state(algo)
+    number = found.group(1)
+    return float.fromhex(number) if found.group(2) else float(number)
 
 
 def _whole(x: float, bound: float) -> bool:
