@@ -165,6 +165,7 @@ STORAGE_GAUGES: dict[str, str] = {
     "arena_unused_bytes": "Bytes of the key arena never handed out.",
     "namespaces": "Limiter namespaces in the zone.",
     "processes": "Live processes attached to the zone.",
+    "processes_unrecorded": "Processes attached past the zone registry's 128 slots (the zone is live).",
 }
 STORAGE_LABELS = ("storage", "storage_type")
 # a Redis storage's breaker_state, exported one gauge per state (1 for the current)
