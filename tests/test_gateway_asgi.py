@@ -21,8 +21,8 @@ from starlette.middleware import Middleware
 from starlette.requests import Request as StarletteRequest
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route, WebSocketRoute
-from starlette.testclient import TestClient
-from starlette.websockets import WebSocket
+from starlette.testclient import TestClient, WebSocketDenialResponse
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from nanolimit.asgi import RateLimitMiddleware
 from nanolimit.gateway.factory import LimiterFactory
@@ -408,3 +408,48 @@ def test_a_status_the_server_cannot_read_settles_the_charge_as_500(backend, deci
     factory = LimiterFactory(backend.InMemoryStorage(), backend.FakeClock(0.0))
     mw = RateLimitMiddleware(app, RuleRegistry([failed]), factory, decide=decide)
     assert asyncio.run(post_statuses(mw, 5)) == [500] * 5
+
+
+def _handshakes(client: TestClient, path: str, n: int) -> list[int]:
+    """How ``n`` websocket handshakes to ``path`` were answered: 101 when
+    accepted, else the denial's status or the close code."""
+    answers = []
+    for _ in range(n):
+        try:
+            with client.websocket_connect(path):
+                answers.append(101)
+        except WebSocketDenialResponse as exc:
+            answers.append(exc.status_code)
+        except WebSocketDisconnect as exc:
+            answers.append(exc.code)
+    return answers
+
+
+@pytest.mark.parametrize("decide", ["inline", "thread"])
+def test_a_refused_websocket_handshake_counts_by_the_status_the_client_saw(backend, decide: str) -> None:
+    """A handshake closed before accept is answered 403 by the server, and a
+    denial response carries its own status: under ``count_when={401, 403}``
+    both count, so failed websocket logins spend the budget (they were
+    settled as 500 and given back: every guess went through a budget of 3)."""
+
+    async def guard(websocket: WebSocket) -> None:
+        if websocket.query_params.get("token") != "secret":
+            await websocket.close(code=1008)
+            return
+        await websocket.accept()
+        await websocket.close()
+
+    async def deny(websocket: WebSocket) -> None:
+        await websocket.send_denial_response(PlainTextResponse("no", status_code=401))
+
+    app = Starlette(routes=[WebSocketRoute("/ws", guard), WebSocketRoute("/ws2", deny)])
+    failed = RateLimitRule("ws-auth", "*", "/", "ip", "fixed_window", 3, 60.0, count_when={401, 403})
+
+    def client() -> TestClient:
+        factory = LimiterFactory(backend.InMemoryStorage(), backend.FakeClock(0.0))
+        return TestClient(RateLimitMiddleware(app, RuleRegistry([failed]), factory, decide=decide))
+
+    assert _handshakes(client(), "/ws?token=guess", 5) == [1008, 1008, 1008, 429, 429]
+    assert _handshakes(client(), "/ws2", 5) == [401, 401, 401, 429, 429]
+    # an accepted handshake (101) does not count: given back every time
+    assert _handshakes(client(), "/ws?token=secret", 5) == [101] * 5

@@ -402,8 +402,9 @@ class RateLimitMiddleware:
 
     async def _counted(self, scope: Scope, receive: Receive, send: Send, outcome: Outcome) -> None:
         """An admitted request under ``count_when`` rules: settled by the
-        status the app sends (500 if it raises before sending one; a
-        websocket counts as accepted)."""
+        status the app sends (500 if it raises before sending one). A
+        websocket handshake settles by its answer: 101 accepted, a denial
+        response's own status, 403 closed before accept."""
         extra = _pairs(outcome.headers) if scope["type"] == "http" else []
         settled = False
 
@@ -418,9 +419,21 @@ class RateLimitMiddleware:
                 await self._settle(outcome, status)
                 if extra:
                     message["headers"] = [*message.get("headers", ()), *extra]
-            elif kind == "websocket.accept" and not settled:
-                settled = True
-                await self._settle(outcome, 101)
+            elif not settled and kind[:10] == "websocket.":
+                # a handshake's answer is what the client saw: 101 when
+                # accepted, the denial response's own status, and 403 for a
+                # close before accept (the ASGI spec's answer to it); settling
+                # those as 500 gave every failed handshake back
+                if kind == "websocket.accept":
+                    settled = True
+                    await self._settle(outcome, 101)
+                elif kind == "websocket.http.response.start":
+                    status = int(message.get("status", 200))
+                    settled = True
+                    await self._settle(outcome, status)
+                elif kind == "websocket.close":
+                    settled = True
+                    await self._settle(outcome, 403)
             await send(message)
 
         try:
