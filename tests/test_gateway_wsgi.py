@@ -15,6 +15,8 @@ from nanolimit.gateway.keys import DefaultKeyExtractor
 from nanolimit.gateway.metrics import Metrics
 from nanolimit.gateway.middleware import RateLimitPipeline as Core
 from nanolimit.gateway.registry import RuleRegistry
+from nanolimit.gateway.request import Request
+from nanolimit.gateway.rules import RateLimitRule
 from nanolimit.wsgi import RateLimitMiddleware, request_from_environ
 
 
@@ -308,3 +310,44 @@ def test_a_lazy_app_that_fails_before_starting_settles_its_charge_as_500(backend
     assert [_serve(wrapped, "/silent") for _ in range(5)] == ["500"] * 5  # never started a response
     assert closed == ["/raises"] * 5 + ["/silent"] * 5
     assert [_serve(wrapped, "/unauthorized") for _ in range(4)] == ["401", "401", "401", "429"]
+
+
+def test_rules_naming_routes_are_refused_where_no_route_is_known(backend) -> None:
+    """A bare WSGI app has no route table: a rule naming a route and an
+    ``exempt`` entry never applied (a ``routes = [...]`` limit admitted
+    every request, an exempt health check was refused like any other).
+    The middleware now refuses them unless a ``route_resolver`` names the
+    route, and then both apply."""
+
+    def app(environ: dict, start_response: Any) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"ok"]
+
+    avatar = RateLimitRule.from_rate(
+        "avatar", "2/hour", algorithm="fixed_window", routes=["/users/{id}/avatar"]
+    )
+    every = rule("all", 2, algorithm="fixed_window")
+    for registry in (RuleRegistry([avatar]), RuleRegistry([every], exempt=["/health"])):
+        with pytest.raises(TypeError, match=r"routes \['/(users/\{id\}/avatar|health)'\] would never apply"):
+            RateLimitMiddleware(app, registry)
+
+    def resolve(request: Request) -> str | None:
+        if request.path.endswith("/avatar"):
+            return "/users/{id}/avatar"
+        return "/health" if request.path == "/health" else None
+
+    def statuses(mw: RateLimitMiddleware, path: str, n: int) -> list[str]:
+        out: list[str] = []
+        environ = {"REQUEST_METHOD": "GET", "PATH_INFO": path, "REMOTE_ADDR": "192.0.2.1"}
+        for _ in range(n):
+            mw(dict(environ), lambda status, headers, exc_info=None: out.append(status[:3]))
+        return out
+
+    factory = LimiterFactory(backend.InMemoryStorage(), backend.FakeClock(0.0))
+    limited = RateLimitMiddleware(app, RuleRegistry([avatar]), factory, route_resolver=resolve)
+    assert statuses(limited, "/users/7/avatar", 3) == ["200", "200", "429"]
+    exempt = RateLimitMiddleware(
+        app, RuleRegistry([every], exempt=["/health"]), factory, route_resolver=resolve
+    )
+    assert statuses(exempt, "/health", 4) == ["200"] * 4
+    assert statuses(exempt, "/healthz-admin", 3) == ["200", "200", "429"]

@@ -140,6 +140,7 @@ class RateLimitMiddleware:
             raise TypeError(f"pipeline options {sorted(pipeline)} go to the core you passed, not here")
         if deny is not None and not callable(deny):
             raise TypeError(f"deny must be callable, got {deny!r}")
+        _check_routes(core)
         self.deny = deny
         self.app = app
         self.core = core
@@ -248,6 +249,23 @@ class RateLimitMiddleware:
         if started:
             return body
         return _Settling(body, settle_unstarted)  # a lazy app: it starts its response as it is iterated
+
+
+def _check_routes(core: Core) -> None:
+    """Refuse a ruleset that names routes when nothing tells the pipeline a
+    request's route: a bare WSGI app has no route table, so a rules file's
+    ``routes = [...]`` limits and ``exempt`` entries would silently never
+    apply (every request unlimited by them; a health check refused)."""
+    ruleset = core.registry.ruleset
+    if not ruleset.routed or core.route_resolver is not None:
+        return
+    exempt = {entry if isinstance(entry, str) else entry[0] for entry in ruleset.exempt}
+    named = sorted(ruleset.routes() | exempt)
+    raise TypeError(
+        f"nanolimit.wsgi.RateLimitMiddleware cannot see the app's routes, so the rules and exemptions "
+        f"naming routes {named} would never apply: use nanolimit.flask or nanolimit.django (they read "
+        "the route table), or pass route_resolver=(request) -> the route template"
+    )
 
 
 class _Settling:
