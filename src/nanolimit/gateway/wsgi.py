@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from .._select import native_core
+from ..errors import ValidationError
 from .factory import LimiterFactory
 from .keys import KeyExtractor
 from .metrics import Metrics
@@ -261,7 +262,7 @@ def _check_routes(core: Core) -> None:
         return
     exempt = {entry if isinstance(entry, str) else entry[0] for entry in ruleset.exempt}
     named = sorted(ruleset.routes() | exempt)
-    raise TypeError(
+    raise ValidationError(
         f"nanolimit.wsgi.RateLimitMiddleware cannot see the app's routes, so the rules and exemptions "
         f"naming routes {named} would never apply: use nanolimit.flask or nanolimit.django (they read "
         "the route table), or pass route_resolver=(request) -> the route template"
