@@ -135,6 +135,7 @@ def test_a_segment_that_is_not_ours_is_refused_and_left_alone(core, name):
     if not path.parent.is_dir():
         pytest.skip("no /dev/shm on this system to plant a foreign segment in")
     path.write_bytes(b"\x7fELF" + b"\x01" * 8188)
+    path.chmod(0o600)  # its user's, so refused for its magic, not its mode
     try:
         with pytest.raises(ValidationError, match="not a nanolimit shared-memory zone"):
             core.SharedMemoryStorage(name, max_keys=10)
@@ -155,6 +156,7 @@ def test_a_half_made_segment_whose_creator_died_is_made_again(core, name):
     header = bytearray(8192)
     header[16:24] = ((dead_pid() << 32) | 0x80000000).to_bytes(8, "little")  # creator_token
     path.write_bytes(bytes(header))
+    path.chmod(0o600)  # as its creator made it
     zone = core.SharedMemoryStorage(name, max_keys=10)
     assert zone.created and len(zone) == 0
 
@@ -427,6 +429,30 @@ def test_the_segment_is_readable_by_its_user_only(core, name):
     if not path.exists():
         pytest.skip("this system keeps POSIX segments elsewhere than /dev/shm")
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_segment_another_user_could_write_is_never_attached(core, name):
+    """/dev/shm is writable by every user, so anyone can make a zone's name
+    first (open to all, or owned by them) and wait: an attacher that took
+    it would decide on budgets its maker reads and sets. Before the fix, a
+    root worker attached to a zone that uid 65534 made and opened 0666."""
+    made = core.SharedMemoryStorage(name, max_keys=10)
+    path = Path("/dev/shm") / core._zone_segment_name(name).lstrip("/")
+    if not path.exists():
+        pytest.skip("this system keeps POSIX segments elsewhere than /dev/shm")
+    path.chmod(0o666)
+    with pytest.raises(ValidationError, match="mode 0666"):
+        core.SharedMemoryStorage(name, max_keys=10)
+    with pytest.raises(ValidationError, match="mode 0666"):
+        core.SharedMemoryStorage.attach(name)
+    path.chmod(0o600)
+    core.SharedMemoryStorage(name, max_keys=10).close()  # its user's again: attached
+    made.close()
+    if os.geteuid() != 0:
+        return
+    os.chown(path, 65534, 65534)  # another user's (their 0600 stops no root attacher)
+    with pytest.raises(ValidationError, match="owned by uid 65534 with mode 0600"):
+        core.SharedMemoryStorage(name, max_keys=10)
 
 
 def test_a_compound_that_cannot_get_a_ring_charges_nothing(core, name):

@@ -51,6 +51,16 @@ def _check_zone_name(name):
 
 def _zone_error(err, segment, size):
     """An OS error of a segment, said in terms an operator can act on."""
+    if err == NLZ_EFOREIGN:
+        try:
+            st = os.stat(f"/dev/shm{segment}")
+            found = f"owned by uid {st.st_uid} with mode {st.st_mode & 0o777:04o}"
+        except OSError:
+            found = "owned by another user or open to others"
+        return ValidationError(
+            f"shared-memory zone {segment} is {found}; this process (uid {os.geteuid()}) attaches only "
+            "to a segment of its own user with mode 0600, since any other could read or set its budgets: "
+            "remove the name (as its owner or root) and run again, or choose another name")
     if err == errno_module.ENOSPC or err == errno_module.ENOMEM:
         try:
             st = os.statvfs("/dev/shm")

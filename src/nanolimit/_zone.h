@@ -31,7 +31,12 @@
  * space is reserved (posix_fallocate on Linux), so a /dev/shm too small for
  * it fails here with ENOSPC instead of a SIGBUS on a later first touch.
  * ident gets the identity of the segment opened (its inode; also for
- * EAGAIN), which nlz_unlink_if compares with what the name names now. */
+ * EAGAIN), which nlz_unlink_if compares with what the name names now.
+ * Attaching refuses (NLZ_EFOREIGN) a segment another user owns, or that
+ * its group or others may open: /dev/shm is writable by every user, so a
+ * name can be made first by anyone, who could then read and set budgets. */
+
+#define NLZ_EFOREIGN (-1000)
 
 #ifdef _WIN32
 static inline int nlz_supported(void) { return 0; }
@@ -86,6 +91,10 @@ static inline int nlz_open(const char *name, int create, uint64_t size, uint64_t
         return err;
     }
     *ident = nlz_ident_of(&st);
+    if (!create && (st.st_uid != geteuid() || (st.st_mode & 077) != 0)) {
+        close(fd);
+        return NLZ_EFOREIGN;
+    }
     if (create) {
         if (ftruncate(fd, (off_t)size) != 0) {
             err = errno;

@@ -47,6 +47,7 @@ from nanolimit._types cimport (
 
 cdef extern from "_zone.h" nogil:
     bint nlz_supported()
+    int NLZ_EFOREIGN
     int nlz_open(const char* name, int create, uint64_t size, uint64_t token, void** base, uint64_t* mapped,
                  uint64_t* ident)
     uint64_t nlz_pid_namespace()
