@@ -38,6 +38,7 @@ import select
 import signal
 import struct
 import sys
+import threading
 import time
 import uuid
 from typing import Any
@@ -790,6 +791,49 @@ def test_fork_after_create_shares_one_budget(zone_cls, zone_name, children):
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         children.pids.remove(pid)
+    zone.close()
+
+
+def test_fork_while_a_thread_registers_a_rule_leaves_the_child_free(zone_cls, zone_name, children):
+    """gunicorn --preload with a thread in the master: a fork while a thread
+    is registering a rule (holding the zone's per-process namespace lock,
+    here while it waits on the registry lock) must not leave that lock held
+    in the child, where no thread will ever release it. Before the fix the
+    child's first new rule hung until its alarm killed it."""
+    from nanolimit import FixedWindowCounter
+
+    zone = zone_cls(zone_name, **OPTS)
+    with open("/dev/shm" + zone.segment_name, "r+b") as f:
+        seg = mmap.mmap(f.fileno(), 0)
+    try:
+        me = struct.unpack_from("<Q", seg, 392)[0]  # processes[0]: this process's token
+        assert me >> 32 == os.getpid()
+        struct.pack_into("<Q", seg, 168, me)  # the registry lock, held as if by another thread
+        registering = threading.Thread(target=FixedWindowCounter, args=(5, 60, zone), kwargs={"rule": "t"})
+        registering.start()
+        time.sleep(0.3)  # it waits on the registry lock, holding the namespace lock
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest
+            code = 1
+            try:
+                zw.bound_self(20)
+                os.close(r)
+                lim = FixedWindowCounter(5, 60, zone, rule="child")
+                os.write(w, str(sum(lim.allow("k").allowed for _ in range(10))).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        children.pids.append(pid)
+        os.close(w)
+        struct.pack_into("<Q", seg, 168, 0)  # the registry lock let go
+        registering.join(10)
+        ready, _, _ = select.select([r], [], [], 15)
+        answer = os.read(r, 64) if ready else b""
+        os.close(r)
+        assert answer == b"5", f"the forked child answered {answer!r} (hung on the namespace lock)"
+    finally:
+        seg.close()
     zone.close()
 
 

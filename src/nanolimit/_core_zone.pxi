@@ -23,9 +23,12 @@ _UNRECORDED = set()             # (pid, segment ident): counted in a full regist
 
 def _zone_after_fork():
     """In a forked child (gunicorn --preload, multiprocessing's fork): a new
-    identity for the locks, and the inherited zones registered under it."""
+    identity for the locks, and the inherited zones registered under it.
+    Each zone's namespace lock is made anew: a parent thread that held it at
+    the fork does not exist here, so the inherited one would never be let go."""
     nlz_refresh_identity()
     for zone in list(_ZONES):
+        (<SharedMemoryStorage>zone)._namespace_lock = threading.Lock()
         (<SharedMemoryStorage>zone).register_process()
 
 
