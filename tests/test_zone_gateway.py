@@ -197,9 +197,11 @@ def test_the_zone_command_reports_and_unlinks(native, name):
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["keys"] == 1 and report["max_keys"] == 500 and report["keys_sample"] == zone.keys()
-    assert os.getpid() in report["attached_pids"]
+    # the command's own process is no gateway process (it counted itself: 2 and [pid, its pid])
+    assert report["attached_pids"] == [os.getpid()] and report["processes"] == 1
     out = run_cli("zone", name, "--unlink")
     assert out.returncode == 0 and "unlinked" in out.stderr
+    assert f"pids {os.getpid()} are attached" in out.stderr and "two budgets" in out.stderr
     assert not native.SharedMemoryStorage.unlink_segment(name)
     missing = run_cli("zone", name)
     assert missing.returncode == 1 and "no shared-memory zone" in missing.stderr
