@@ -457,3 +457,43 @@ def test_a_garbage_stripe_lock_word_is_taken_over_not_waited_on(core, name):
     finally:
         seg.close()
     assert_survived(run_worker(name)[0], name)
+
+
+def test_a_holder_killed_as_a_log_s_ring_grows_leaves_the_log_exact(core, name):
+    """Growing a full, wrapped sliding log's ring must switch the entry to
+    the new ring in one store: a holder killed after it names the new ring,
+    before the decision (so no undo copy yet), leaves the log as it was.
+    Before the fix the growth reset the head in a second store, and a kill
+    between the two left the new ring read from the old head: here that
+    state (new ring, old head and length) read 5 zeros for its 4 oldest
+    stamps, which never expired: 85 admitted of the 89 left."""
+    zone = core.SharedMemoryStorage(name, **OPTS)
+    clock = FakeClock(T0)
+    limit = 100
+    lim = core.SlidingWindowLog(limit, 60.0, zone, clock, rule="g")
+    assert lim.allow("victim").allowed
+    seg = Segment(zone)
+    try:
+        at = seg.entry_of(b"victim", ALG_SLIDING_LOG) + 32  # its ZoneLog
+        ring = struct.unpack_from("<Q", seg.map, at)[0]
+        size = struct.unpack_from("<I", seg.map, ring)[0]  # the first ring's slots
+        for i in range(1, size - 5):  # never full before it wraps: a full one grows first
+            clock.set(T0 + i)
+            assert lim.allow("victim").allowed
+        clock.set(T0 + 65.5)  # 6 expire (head 6), and 11 more fill it, wrapped
+        assert sum(lim.allow("victim").allowed for _ in range(11)) == 11
+        assert struct.unpack_from("<QII", seg.map, at) == (ring, 6, size)
+        assert lim.allow("victim").allowed  # one more stamp: the ring grows
+        grown, head_after, length_after = struct.unpack_from("<QII", seg.map, at)
+        assert grown != ring and length_after == size + 1
+        # what a holder killed just after naming the new ring leaves: the
+        # new ring, with the head and length from before that decision
+        struct.pack_into("<II", seg.map, at + 8, 6, size)
+    finally:
+        seg.close()
+    # the 4 stamps from before T0 + 10 have gone out of the window; the 11 of
+    # T0 + 65.5 are in it: exactly the rest of the limit
+    clock.set(T0 + 70.0)
+    assert sum(lim.allow("victim").allowed for _ in range(limit)) == limit - 11
+    assert head_after == 6  # the growth moved no stamp from its place
+    zone.close()

@@ -41,7 +41,7 @@ cdef inline Entry* zone_ring_for(Zone* z, uint32_t si, Entry* e, uint32_t* keep,
     with ``status`` set to NL_CORRUPT, when the log or the stripe cannot be
     read."""
     cdef ZoneLog* lg = zone_log(e)
-    cdef uint32_t size = 0, i, j
+    cdef uint32_t size = 0, new_size, i, j, k
     cdef int64_t want
     cdef int freed = 0
     cdef uint64_t block, old
@@ -80,16 +80,27 @@ cdef inline Entry* zone_ring_for(Zone* z, uint32_t si, Entry* e, uint32_t* keep,
     old = lg.ring
     old_ring = zone_ring(z, old)
     new_ring = zone_ring(z, block)
+    new_size = (<uint32_t*>(z.base + block))[0]
+    if old == 0:
+        lg.head = 0             # no ring, no stamps: the head means nothing yet
+    # Each stamp keeps its place from the head (head < size <= new_size), so
+    # the one store of the ring offset switches the log whole: a holder killed
+    # on either side of it leaves a log that reads right (resetting the head
+    # too was a second store, and between the two the log read the new ring
+    # from the old head: stamps that were not there).
     j = lg.head
+    k = lg.head
     for i in range(lg.length):
-        new_ring[i] = old_ring[j]
+        new_ring[k] = old_ring[j]
         j += 1
         if j == size:
             j = 0
+        k += 1
+        if k == new_size:
+            k = 0
     nlz_compiler_barrier()
     lg.ring = block             # the entry names the new ring before the old one is freed:
-    lg.head = 0                 # a holder killed between leaks a block, never shares one
-    nlz_compiler_barrier()
+    nlz_compiler_barrier()      # a holder killed between leaks a block, never shares one
     arena_free(z, old)
     return e
 
