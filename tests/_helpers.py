@@ -23,6 +23,22 @@ def rounds(full: int, memcheck: int) -> int:
     return memcheck if UNDER_MEMCHECK else full
 
 
+class EqualsEverything(str):
+    """A key claiming to equal every other one, with one shared hash."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __format__(self, spec: str) -> str:
+        return "formatted"
+
+
 FIELDS = (
     "allowed",
     "limit",

@@ -12,26 +12,11 @@ import types
 from typing import Any
 
 import pytest
+from _helpers import EqualsEverything
 
 START = 1_800_000_000.0
 
 _fresh_hashes = itertools.count()
-
-
-class EqualsEverything(str):
-    """A key claiming to equal every other one, with one shared hash."""
-
-    def __eq__(self, other: object) -> bool:
-        return True
-
-    def __ne__(self, other: object) -> bool:
-        return False
-
-    def __hash__(self) -> int:
-        return 1
-
-    def __format__(self, spec: str) -> str:
-        return "formatted"
 
 
 class EqualsNothing(str):
