@@ -106,3 +106,21 @@ async def post_statuses(mw: Any, times: int) -> list[object]:
         except ValueError:
             out.append(500)
     return out
+
+
+def aiohttp_startup(app: Any, timeout: float = 30.0) -> None:
+    """Start ``app`` on a real aiohttp TestServer (127.0.0.1) and close it:
+    what its startup raises (a route limit that binds to nothing) is
+    raised here."""
+    import asyncio
+
+    from aiohttp.test_utils import TestServer
+
+    async def main() -> None:
+        server = TestServer(app, host="127.0.0.1")
+        try:
+            await server.start_server()
+        finally:
+            await server.close()
+
+    asyncio.run(asyncio.wait_for(main(), timeout))

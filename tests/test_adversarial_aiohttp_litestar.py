@@ -34,6 +34,7 @@ import pytest
 from adversarial_servers import free_port, raw_request, uvicorn_server
 from aiohttp import WSMsgType, web
 from aiohttp.test_utils import TestClient, TestServer
+from gateway_helpers import aiohttp_startup
 from litestar import Litestar, MediaType, WebSocket, asgi, get, post, websocket
 from litestar.middleware import DefineMiddleware
 from litestar.testing import TestClient as LitestarClient
@@ -478,14 +479,7 @@ def test_aiohttp_an_exempt_sub_app_route_does_not_exempt_the_apps_own_route(
 
 
 def aio_startup(app: web.Application) -> None:
-    async def main() -> None:
-        server = TestServer(app, host="127.0.0.1")
-        try:
-            await server.start_server()
-        finally:
-            await server.close()
-
-    asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    aiohttp_startup(app, TIMEOUT)
 
 
 @pytest.mark.parametrize(

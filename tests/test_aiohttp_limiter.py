@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from gateway_helpers import aiohttp_startup
 
 import nanolimit.aiohttp as nl_aiohttp
 from nanolimit import LimiterFactory, RuleRegistry, ValidationError
@@ -267,15 +268,8 @@ def test_a_template_matching_no_route_fails_the_startup_naming_the_rule() -> Non
     registry = RuleRegistry([rule("login", 5, routes=("/signin",))])
     nl_aiohttp.setup(app, registry)
 
-    async def main() -> None:
-        server = TestServer(app, host="127.0.0.1")
-        try:
-            await server.start_server()
-        finally:
-            await server.close()
-
     with pytest.raises(RuleValidationError, match=r"rule 'login'.*'/signin' matches no route of the app"):
-        asyncio.run(asyncio.wait_for(main(), 30.0))
+        aiohttp_startup(app)
 
 
 def test_a_limit_on_a_method_of_a_web_view_fails_the_startup() -> None:
@@ -292,15 +286,8 @@ def test_a_limit_on_a_method_of_a_web_view_fails_the_startup() -> None:
     app.router.add_view("/things", Things)
     nl_aiohttp.setup(app, limits=limits)
 
-    async def main() -> None:
-        server = TestServer(app, host="127.0.0.1")
-        try:
-            await server.start_server()
-        finally:
-            await server.close()
-
     with pytest.raises(ValidationError, match=r"Things\.post declares a limit.*methods=\['POST'\]"):
-        asyncio.run(asyncio.wait_for(main(), 30.0))
+        aiohttp_startup(app)
 
 
 def test_a_middleware_listed_before_setups_answers_unlimited() -> None:
